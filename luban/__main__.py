@@ -1,0 +1,4 @@
+from luban.cli import main
+import sys
+
+sys.exit(main())

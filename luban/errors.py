@@ -1,0 +1,28 @@
+"""User-facing errors and the process exit codes luban documents.
+
+A ``LubanError`` is printed by the CLI as one line (``luban: error: ...``) with no traceback
+and exit code ``EXIT_USAGE``. Messages name the offending key, the value and what is allowed.
+
+Exit codes (also in docs/CLI.md):
+  0   success
+  1   unexpected crash (a bug: traceback printed)
+  2   bad input: config, flags, data (``EXIT_USAGE``)
+  75  suspended on request (SIGUSR1/SIGTERM): a checkpoint was saved, resume me
+      (``EXIT_SUSPENDED``; 75 is EX_TEMPFAIL from sysexits.h)
+  130 interrupted twice with SIGINT: exited at once without saving
+"""
+
+EXIT_USAGE = 2
+EXIT_SUSPENDED = 75
+EXIT_INTERRUPTED = 130
+
+
+class LubanError(Exception):
+    """An error caused by the user's input; shown as one line, exit code 2."""
+
+    exit_code = EXIT_USAGE
+
+
+def bad_value(key: str, value, allowed: str) -> LubanError:
+    """The standard message: ``<key> = <value>: <what is allowed>``."""
+    return LubanError(f"{key} = {value!r}: {allowed}")
