@@ -1,0 +1,59 @@
+"""Crash-safe file writes: write a hidden temp file next to the target, fsync, then rename.
+
+A reader therefore sees either the old file or the complete new one, never half a file; a
+crash leaves at most a hidden ``.NAME.tmp-PID`` file, which no manifest names.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+TEMP_GLOB = ".*.tmp-*"
+
+
+class AtomicFile:
+    """A binary file that appears under ``path`` only when ``commit()`` is called."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.temp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
+        self.file = open(self.temp, "wb")
+
+    def commit(self) -> None:
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+        os.replace(self.temp, self.path)
+        _fsync_dir(self.path.parent)
+
+    def abort(self) -> None:
+        self.file.close()
+        self.temp.unlink(missing_ok=True)
+
+    def __enter__(self) -> AtomicFile:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.commit()
+        else:
+            self.abort()
+
+
+def write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Atomically replace ``path`` with ``data``."""
+    with AtomicFile(path) as out:
+        out.file.write(data)
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make the rename itself durable (POSIX); a no-op where directories cannot be opened."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

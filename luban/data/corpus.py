@@ -1,0 +1,77 @@
+"""Input documents: the files a build reads, and the embedded default corpus.
+
+Every input file is one document. The default corpus is real text present on every machine
+with Python: the standard library's own ``.py`` sources (found via ``sysconfig``, minus
+``site-packages`` and the ``test`` packages), taken in sorted relative-path order until
+``max_bytes`` (default ``DEFAULT_MAX_BYTES`` = 4 MiB) would be exceeded. Nothing is
+downloaded; the selection is deterministic for a given Python installation.
+"""
+
+from __future__ import annotations
+
+import sysconfig
+from collections.abc import Iterable
+from pathlib import Path
+
+from luban.errors import LubanError, bad_value
+
+DEFAULT_MAX_BYTES = 4 << 20
+_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
+
+
+def stdlib_dir() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def default_corpus_files(max_bytes: int = DEFAULT_MAX_BYTES) -> list[Path]:
+    """The standard library's ``.py`` files, sorted, capped at ``max_bytes`` in total."""
+    root = stdlib_dir()
+    files = sorted(
+        (p for p in root.rglob("*.py") if not _SKIP_DIRS.intersection(p.relative_to(root).parts)),
+        key=lambda p: p.relative_to(root).as_posix(),
+    )
+    if not files:
+        raise LubanError(f"{root}: no standard-library sources found for the default corpus")
+    return cap_files(files, max_bytes)
+
+
+def collect_files(inputs: Iterable[str | Path]) -> list[Path]:
+    """Expand files and folders (recursively, sorted, hidden entries skipped) into files."""
+    inputs = [Path(i) for i in inputs]
+    files: list[Path] = []
+    for item in inputs:
+        if item.is_file():
+            files.append(item)
+        elif item.is_dir():
+            files.extend(sorted(
+                (p for p in item.rglob("*") if p.is_file()
+                 and not any(part.startswith(".") for part in p.relative_to(item).parts)),
+                key=lambda p: p.relative_to(item).as_posix(),
+            ))
+        else:
+            raise bad_value("INPUTS", str(item), "an existing text file or folder")
+    if not files:
+        raise LubanError(f"INPUTS = {[str(i) for i in inputs]}: no files found to tokenise")
+    return files
+
+
+def cap_files(files: list[Path], max_bytes: int | None) -> list[Path]:
+    """The longest prefix of ``files`` whose sizes sum to at most ``max_bytes`` (None: all)."""
+    if max_bytes is None:
+        return files
+    kept, total = [], 0
+    for path in files:
+        total += path.stat().st_size
+        if total > max_bytes:
+            break
+        kept.append(path)
+    if not kept:
+        raise bad_value("--max-bytes", max_bytes,
+                        f"at least the size of the first file ({files[0]}: "
+                        f"{files[0].stat().st_size} bytes)")
+    return kept
+
+
+def read_text(path: Path) -> str:
+    """A document's text; bytes that are not UTF-8 become U+FFFD."""
+    return path.read_text(encoding="utf-8", errors="replace")

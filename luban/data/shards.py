@@ -1,0 +1,224 @@
+"""The packed shard file: many documents' tokens in one large, checksummed, mmap-able file.
+
+Packing many small documents into a few large files follows the HAI platform's data layer
+(3FS / ffrecord: few big files, an offset index, per-block checksums) so that storage sees
+large sequential files and readers get O(1) random access through a memory map.
+
+Layout (little-endian; docs/data.md has the table)::
+
+    [0, 64)                 header: magic, version, dtype code, chunk size, token count,
+                            document count, section offsets, index CRC32, header CRC32
+    [64, 64 + n*itemsize)   tokens (uint16 if the vocabulary fits, else uint32)
+    [index_offset, ...)     document start offsets, uint64, one per document (8-aligned)
+    [crc_offset, end)       CRC32 of every chunk of ``chunk_tokens`` tokens, uint32
+
+CRC policy: opening a shard checks the size, the header CRC and the index CRC (which covers
+the document index and the chunk-CRC table); a token chunk is verified the first time any of
+its tokens is read; ``verify()`` checks every chunk. Any failure raises ``LubanError`` naming
+the file and the byte offset.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from luban.data.atomic import AtomicFile
+from luban.errors import LubanError
+
+MAGIC = b"LUBANTOK"
+FORMAT_VERSION = 1
+HEADER = struct.Struct("<8sHHIQQQQQII")
+HEADER_SIZE = HEADER.size  # 64
+HEADER_CRC_OFFSET = HEADER_SIZE - 4
+DTYPES = {1: np.dtype("<u2"), 2: np.dtype("<u4")}
+DEFAULT_CHUNK_TOKENS = 1 << 16
+
+_INDEX_DTYPE = np.dtype("<u8")
+_CRC_DTYPE = np.dtype("<u4")
+
+
+def dtype_for_vocab(vocab_size: int) -> np.dtype:
+    """uint16 when every id fits in 16 bits (vocab_size <= 65536), else uint32."""
+    return DTYPES[1] if vocab_size <= 1 << 16 else DTYPES[2]
+
+
+def _dtype_code(dtype: np.dtype) -> int:
+    return next(code for code, dt in DTYPES.items() if dt == np.dtype(dtype))
+
+
+def _align8(offset: int) -> int:
+    return (offset + 7) // 8 * 8
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """What the manifest records about one committed shard."""
+
+    file: str
+    tokens: int
+    documents: int
+    bytes: int
+
+
+class ShardWriter:
+    """Streams documents into one shard; the file appears (atomically) only on ``close()``.
+
+    Use as a context manager: an exception inside the block deletes the temp file.
+    """
+
+    def __init__(self, path: str | os.PathLike, dtype, chunk_tokens: int = DEFAULT_CHUNK_TOKENS):
+        self.dtype = np.dtype(dtype).newbyteorder("<")
+        self.chunk_tokens = int(chunk_tokens)
+        self._out = AtomicFile(path)
+        self._out.file.write(bytes(HEADER_SIZE))
+        self._doc_starts: list[int] = []
+        self._chunk_crcs: list[int] = []
+        self._crc = 0
+        self._in_chunk = 0
+        self.tokens = 0
+
+    def add_document(self, tokens) -> None:
+        """Append one document's token ids (the caller includes its end-of-document id)."""
+        arr = np.asarray(tokens)
+        if arr.size and (arr.min() < 0 or arr.max() > np.iinfo(self.dtype).max):
+            raise ValueError(f"token ids outside {self.dtype} in {self._out.path}")
+        data = memoryview(np.ascontiguousarray(arr, dtype=self.dtype)).cast("B")
+        self._doc_starts.append(self.tokens)
+        self._out.file.write(data)
+        self.tokens += arr.size
+        itemsize = self.dtype.itemsize
+        while data:
+            take = min(self.chunk_tokens - self._in_chunk, len(data) // itemsize)
+            self._crc = zlib.crc32(data[: take * itemsize], self._crc)
+            self._in_chunk += take
+            data = data[take * itemsize :]
+            if self._in_chunk == self.chunk_tokens:
+                self._end_chunk()
+
+    def _end_chunk(self) -> None:
+        self._chunk_crcs.append(self._crc)
+        self._crc = 0
+        self._in_chunk = 0
+
+    def close(self) -> ShardInfo:
+        """Write the index, CRC table and header, then rename the file into place."""
+        if self._in_chunk:
+            self._end_chunk()
+        f = self._out.file
+        tokens_end = HEADER_SIZE + self.tokens * self.dtype.itemsize
+        index_offset = _align8(tokens_end)
+        f.write(bytes(index_offset - tokens_end))
+        tail = (
+            np.asarray(self._doc_starts, dtype=_INDEX_DTYPE).tobytes()
+            + np.asarray(self._chunk_crcs, dtype=_CRC_DTYPE).tobytes()
+        )
+        f.write(tail)
+        crc_offset = index_offset + len(self._doc_starts) * _INDEX_DTYPE.itemsize
+        head = HEADER.pack(
+            MAGIC, FORMAT_VERSION, _dtype_code(self.dtype), self.chunk_tokens, self.tokens,
+            len(self._doc_starts), HEADER_SIZE, index_offset, crc_offset, zlib.crc32(tail), 0,
+        )[:HEADER_CRC_OFFSET]
+        f.seek(0)
+        f.write(head + struct.pack("<I", zlib.crc32(head)))
+        self._out.commit()
+        size = index_offset + len(tail)
+        return ShardInfo(self._out.path.name, self.tokens, len(self._doc_starts), size)
+
+    def abort(self) -> None:
+        self._out.abort()
+
+    def __enter__(self) -> ShardWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.abort()
+
+
+class ShardReader:
+    """Memory-mapped, checksummed random access to one shard (see the module's CRC policy)."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        try:
+            size = self.path.stat().st_size
+            with open(self.path, "rb") as f:
+                head = f.read(HEADER_SIZE)
+                self._parse_header(head, size)
+                f.seek(self.index_offset)
+                tail = f.read(self.size - self.index_offset)
+        except FileNotFoundError:
+            raise LubanError(f"{self.path}: shard file is missing") from None
+        if zlib.crc32(tail) != self._index_crc:
+            raise self._error(
+                f"index CRC mismatch (document index and chunk CRCs, bytes "
+                f"{self.index_offset}-{self.size - 1})", self.index_offset)
+        n_index = self.documents * _INDEX_DTYPE.itemsize
+        self.doc_starts = np.frombuffer(tail, _INDEX_DTYPE, self.documents).astype(np.int64)
+        self._chunk_crcs = np.frombuffer(tail, _CRC_DTYPE, offset=n_index)
+        self._verified = np.zeros(len(self._chunk_crcs), dtype=bool)
+        self._tokens = (
+            np.memmap(self.path, self.dtype, "r", offset=HEADER_SIZE, shape=(self.tokens,))
+            if self.tokens else np.zeros(0, self.dtype)
+        )
+
+    def _parse_header(self, head: bytes, size: int) -> None:
+        if len(head) < HEADER_SIZE:
+            raise self._error(f"truncated: {size} bytes, the header alone needs {HEADER_SIZE}",
+                              size)
+        (magic, version, code, self.chunk_tokens, self.tokens, self.documents, tokens_offset,
+         self.index_offset, crc_offset, self._index_crc, header_crc) = HEADER.unpack(head)
+        if magic != MAGIC:
+            raise self._error(f"not a luban shard (magic {magic!r}, expected {MAGIC!r})", 0)
+        if version != FORMAT_VERSION:
+            raise self._error(f"format version {version}, this luban reads {FORMAT_VERSION}", 8)
+        if zlib.crc32(head[:HEADER_CRC_OFFSET]) != header_crc:
+            raise self._error(f"header CRC mismatch (header bytes 0-{HEADER_SIZE - 1})", 0)
+        if code not in DTYPES or tokens_offset != HEADER_SIZE or self.chunk_tokens < 1:
+            raise self._error(f"unsupported dtype code {code} or layout", 10)
+        self.dtype = DTYPES[code]
+        n_chunks = -(-self.tokens // self.chunk_tokens)
+        self.size = crc_offset + n_chunks * _CRC_DTYPE.itemsize
+        if size < self.size:
+            raise self._error(f"truncated: {size} bytes, the header says {self.size}", size)
+        if size > self.size:
+            raise self._error(f"{size - self.size} trailing bytes after the end", self.size)
+
+    def _error(self, what: str, offset: int) -> LubanError:
+        return LubanError(f"{self.path}: {what} at byte offset {offset}")
+
+    def _check_chunks(self, first: int, last: int) -> None:
+        """Verify chunks ``first..last`` (inclusive) that have not been verified yet."""
+        if self._verified[first : last + 1].all():
+            return
+        step = self.chunk_tokens
+        for i in range(first, last + 1):
+            if not self._verified[i]:
+                if zlib.crc32(self._tokens[i * step : (i + 1) * step]) != self._chunk_crcs[i]:
+                    offset = HEADER_SIZE + i * step * self.dtype.itemsize
+                    raise self._error(f"CRC mismatch in chunk {i}", offset)
+                self._verified[i] = True
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        """Tokens ``[start, stop)`` as a fresh array, verifying the chunks they lie in."""
+        if not 0 <= start <= stop <= self.tokens:
+            raise IndexError(f"{self.path}: tokens [{start}, {stop}) outside [0, {self.tokens})")
+        if stop > start:
+            self._check_chunks(start // self.chunk_tokens, (stop - 1) // self.chunk_tokens)
+        return np.array(self._tokens[start:stop])
+
+    def document(self, i: int) -> np.ndarray:
+        """The tokens of document ``i`` (ending with its end-of-document id)."""
+        stop = self.doc_starts[i + 1] if i + 1 < self.documents else self.tokens
+        return self.read(int(self.doc_starts[i]), int(stop))
+
+    def verify(self) -> None:
+        """Check every chunk's CRC (``luban data verify``)."""
+        if len(self._verified):
+            self._check_chunks(0, len(self._verified) - 1)

@@ -1,0 +1,119 @@
+"""Tokenisers: a built-in byte-level one and a byte-level BPE trained locally.
+
+Both expose ``encode(str) -> list[int]``, ``decode(list[int]) -> str`` (the end-of-document id
+is dropped), ``vocab_size``, ``eos_id``, ``kind``, plus ``encode_batch`` (numpy arrays, used
+by the builder) and ``manifest_entry()``. ``load_tokenizer(dataset_dir)`` returns the one a
+dataset was built with. The BPE uses the Hugging Face ``tokenizers`` library with a GPT-2
+style byte-level alphabet, so every string round-trips and nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+
+from luban.errors import LubanError, bad_value
+
+EOS_TOKEN = "<|endoftext|>"
+BPE_FILE = "tokenizer.json"
+MIN_BPE_VOCAB = 258
+MAX_BPE_VOCAB = 1 << 20
+
+
+class ByteTokenizer:
+    """UTF-8 bytes are ids 0-255; id 256 ends a document."""
+
+    kind = "byte"
+    vocab_size = 257
+    eos_id = 256
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8) for t in texts]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return bytes(i for i in ids if i != self.eos_id).decode("utf-8", errors="replace")
+
+    def manifest_entry(self) -> dict:
+        return {"kind": self.kind, "vocab_size": self.vocab_size, "eos_id": self.eos_id,
+                "file": None}
+
+
+class BpeTokenizer:
+    """A byte-level BPE model (``tokenizers.Tokenizer``) with ``EOS_TOKEN`` as a special id."""
+
+    kind = "bpe"
+
+    def __init__(self, model):
+        self._model = model
+        self.vocab_size = model.get_vocab_size()
+        self.eos_id = model.token_to_id(EOS_TOKEN)
+
+    @classmethod
+    def train(cls, texts: Iterable[str], vocab_size: int) -> BpeTokenizer:
+        """Learn merges from ``texts`` locally (deterministic for the same texts)."""
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+        if not MIN_BPE_VOCAB <= vocab_size <= MAX_BPE_VOCAB:
+            raise bad_value("--vocab-size", vocab_size,
+                            f"an integer from {MIN_BPE_VOCAB} to {MAX_BPE_VOCAB}")
+        model = Tokenizer(models.BPE())
+        model.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        model.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size, special_tokens=[EOS_TOKEN], show_progress=False,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        )
+        model.train_from_iterator(texts, trainer=trainer)
+        return cls(model)
+
+    @classmethod
+    def load(cls, path: Path) -> BpeTokenizer:
+        from tokenizers import Tokenizer
+
+        try:
+            return cls(Tokenizer.from_file(str(path)))
+        except Exception as err:  # missing or unparsable file: name it
+            raise LubanError(f"{path}: cannot load the BPE tokenizer ({err})") from None
+
+    def save(self, path: Path) -> None:
+        from luban.data.atomic import write_bytes
+
+        write_bytes(path, self._model.to_str().encode("utf-8"))
+
+    def encode(self, text: str) -> list[int]:
+        return self._model.encode(text).ids
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        return [np.asarray(e.ids, dtype=np.uint32) for e in self._model.encode_batch(texts)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._model.decode([int(i) for i in ids])
+
+    def manifest_entry(self) -> dict:
+        return {"kind": self.kind, "vocab_size": self.vocab_size, "eos_id": self.eos_id,
+                "file": BPE_FILE}
+
+
+Tokenizer = ByteTokenizer | BpeTokenizer
+
+
+def tokenizer_from_entry(dataset_dir: Path, entry: dict) -> Tokenizer:
+    """The tokenizer a manifest's ``tokenizer`` entry describes."""
+    if entry.get("kind") == "byte":
+        return ByteTokenizer()
+    if entry.get("kind") == "bpe":
+        return BpeTokenizer.load(Path(dataset_dir) / entry["file"])
+    raise bad_value(f"{Path(dataset_dir) / 'manifest.json'}: tokenizer.kind", entry.get("kind"),
+                    "one of 'byte', 'bpe'")
+
+
+def load_tokenizer(dataset_dir: str | Path) -> Tokenizer:
+    """The tokenizer ``luban data build`` recorded in ``dataset_dir/manifest.json``."""
+    from luban.data.manifest import load_manifest
+
+    return tokenizer_from_entry(Path(dataset_dir), load_manifest(dataset_dir)["tokenizer"])
