@@ -1,0 +1,54 @@
+"""Database access: engines for SQLite or PostgreSQL URLs, and migrations to the latest schema."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from alembic import command
+from alembic.config import Config
+from sqlalchemy import create_engine, event
+from sqlalchemy.engine import Engine
+from sqlalchemy.orm import sessionmaker
+
+MIGRATIONS = Path(__file__).with_name("migrations")
+
+
+def url_for(path_or_url: str) -> str:
+    """A SQLAlchemy URL: URLs pass through, a file path becomes a SQLite URL."""
+    if "://" in path_or_url:
+        return path_or_url.replace("postgresql://", "postgresql+psycopg://", 1)
+    return "sqlite:///" + os.path.abspath(path_or_url)
+
+
+def make_engine(url: str) -> Engine:
+    """An engine; SQLite gets WAL mode and a busy timeout so the API and the scheduler share it."""
+    url = url_for(url)
+    if url.startswith("sqlite"):
+        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+
+        @event.listens_for(engine, "connect")
+        def _pragmas(conn, _):
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA foreign_keys=ON")
+            conn.isolation_level = None  # let SQLAlchemy's BEGIN below start transactions
+
+        @event.listens_for(engine, "begin")
+        def _begin(conn):
+            conn.exec_driver_sql("BEGIN IMMEDIATE")  # writers serialize: no lost updates
+
+        return engine
+    return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20)
+
+
+def upgrade(engine: Engine) -> None:
+    """Bring the schema to the newest migration shipped in the package."""
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS))
+    with engine.begin() as conn:
+        cfg.attributes["connection"] = conn
+        command.upgrade(cfg, "head")
+
+
+def sessions(engine: Engine) -> sessionmaker:
+    return sessionmaker(engine, expire_on_commit=False)

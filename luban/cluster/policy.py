@@ -1,0 +1,186 @@
+"""The scheduling policy: a pure function from a cluster snapshot to decisions.
+
+The service and the simulator both call ``plan(snapshot)`` once per tick; it reads nothing else
+and changes nothing, so the same code runs against the database and in virtual time.
+
+Rules, in the order they apply (docs/platform.md states them for users):
+
+1. **Order.** Candidates (queued, starting and running jobs) are sorted by priority, highest
+   first; within one priority running jobs keep their nodes first, then queued jobs follow in
+   the order of their chain's first submission (a suspended and requeued job keeps its place).
+2. **Time-sharing.** Within one (node group, priority), when a queued job has waited at least
+   ``quantum`` seconds, running jobs of *other* users at that priority that have run at least
+   ``quantum`` seconds since their last start yield, longest-running first, until enough nodes
+   would be free for that (oldest such) waiter. Yielding jobs sort after the queued jobs of
+   their priority, and queued jobs of a yielding job's own user sort after it, so a job is
+   never displaced by a job of the same user and priority.
+3. **Admission.** Walking that order, a job is admitted when its owner's quota in nodes at
+   (node group, priority) and the node group's capacity both still have room; a job that does
+   not fit is skipped (smaller jobs behind it may still fit), and the reason is recorded.
+4. **Preemption.** A running job that is not admitted is suspended (suspend protocol); its
+   nodes go to the admitted jobs once it has left them.
+5. **Placement.** An admitted queued job gets whole free nodes of its node group, all in one
+   network zone when possible (the zone with the fewest free nodes that still fits, to keep
+   large zones whole), otherwise spread over the largest zones; it waits when the nodes it was
+   admitted to are still being released.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+
+QUEUED, STARTING, RUNNING, SUSPENDING = "queued", "starting", "running", "suspending"
+INCUMBENT = (STARTING, RUNNING)
+
+
+@dataclasses.dataclass(slots=True)
+class NodeView:
+    name: str
+    node_group: str
+    zone: str
+    schedulable: bool = True
+
+
+@dataclasses.dataclass(slots=True)
+class JobView:
+    """One job as the policy sees it. ``owner`` is the quota holder (``user:x`` or ``group:g``);
+    ``since`` is when it was queued (queued jobs) or last started (running jobs)."""
+
+    id: int
+    user: str
+    owner: str
+    priority: int
+    node_group: str
+    nnodes: int
+    state: str
+    first_submit: float
+    since: float
+    nodes: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(slots=True)
+class Snapshot:
+    now: float
+    nodes: list[NodeView]
+    jobs: list[JobView]
+    quota: dict[tuple[str, str, int], int]
+    quantum: float = 3600.0
+
+
+@dataclasses.dataclass(slots=True)
+class Plan:
+    """``starts``: (job id, nodes, reason); ``suspends``: (job id, reason, time_share);
+    ``waits``: job id -> why it is still queued."""
+
+    starts: list[tuple[int, tuple[str, ...], str]] = dataclasses.field(default_factory=list)
+    suspends: list[tuple[int, str, bool]] = dataclasses.field(default_factory=list)
+    waits: dict[int, str] = dataclasses.field(default_factory=dict)
+
+
+def _yielders(snap: Snapshot, free_count: dict[str, int]) -> set[int]:
+    """Running jobs that yield to a long-waiting queued job of another user (rule 2)."""
+    blocks: dict[tuple[str, int], list[JobView]] = defaultdict(list)
+    for job in snap.jobs:
+        if job.state in (QUEUED, RUNNING):
+            blocks[(job.node_group, job.priority)].append(job)
+    yielding: set[int] = set()
+    for (group, _), jobs in blocks.items():
+        waiters = [j for j in jobs if j.state == QUEUED and snap.now - j.since >= snap.quantum]
+        if not waiters:
+            continue
+        waiter = min(waiters, key=lambda j: (j.first_submit, j.id))
+        need = waiter.nnodes - free_count.get(group, 0)
+        if need <= 0:
+            continue
+        running = sorted(
+            (j for j in jobs if j.state == RUNNING and j.user != waiter.user
+             and snap.now - j.since >= snap.quantum),
+            key=lambda j: (j.since, j.id),
+        )
+        chosen, freed = [], 0
+        for job in running:
+            if freed >= need:
+                break
+            chosen.append(job.id)
+            freed += job.nnodes
+        if freed >= need:
+            yielding.update(chosen)
+    return yielding
+
+
+def _place(free: dict[str, list[str]], nnodes: int) -> tuple[tuple[str, ...], str]:
+    """Take ``nnodes`` names from ``free`` (zone -> sorted names), one zone when possible."""
+    fitting = [z for z, names in free.items() if len(names) >= nnodes]
+    if fitting:
+        zone = min(fitting, key=lambda z: (len(free[z]), z))
+        taken, free[zone] = free[zone][:nnodes], free[zone][nnodes:]
+        return tuple(taken), f"zone {zone}"
+    taken: list[str] = []
+    for zone in sorted(free, key=lambda z: (-len(free[z]), z)):
+        take = free[zone][: nnodes - len(taken)]
+        free[zone] = free[zone][len(take):]
+        taken += take
+        if len(taken) == nnodes:
+            break
+    return tuple(taken), "spans zones (no single zone had enough free nodes)"
+
+
+def plan(snap: Snapshot) -> Plan:
+    """Decide which jobs start where and which running jobs are suspended (rules 1-5)."""
+    held = {name for job in snap.jobs if job.state in INCUMBENT or job.state == SUSPENDING
+            for name in job.nodes}
+    capacity: dict[str, int] = defaultdict(int)
+    free: dict[str, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
+    free_count: dict[str, int] = defaultdict(int)
+    for node in sorted(snap.nodes, key=lambda n: n.name):
+        if node.schedulable or node.name in held:
+            capacity[node.node_group] += 1
+        if node.schedulable and node.name not in held:
+            free[node.node_group][node.zone].append(node.name)
+            free_count[node.node_group] += 1
+
+    yielding = _yielders(snap, free_count)
+    yielding_users = {(j.node_group, j.priority, j.user) for j in snap.jobs if j.id in yielding}
+
+    def order(job: JobView):
+        if job.state in INCUMBENT:
+            cls = 2 if job.id in yielding else 0
+        else:
+            cls = 3 if (job.node_group, job.priority, job.user) in yielding_users else 1
+        return (-job.priority, cls, job.first_submit, job.id)
+
+    result = Plan()
+    used_capacity: dict[str, int] = defaultdict(int)
+    used_quota: dict[tuple[str, str, int], int] = defaultdict(int)
+    candidates = sorted((j for j in snap.jobs if j.state == QUEUED or j.state in INCUMBENT), key=order)
+    for job in candidates:
+        key = (job.owner, job.node_group, job.priority)
+        limit = snap.quota.get(key, 0)
+        group = job.node_group
+        if used_quota[key] + job.nnodes > limit:
+            why = (f"quota: {job.owner} holds {used_quota[key]} of {limit} nodes at priority "
+                   f"{job.priority} in node group {group}, needs {job.nnodes}")
+        elif used_capacity[group] + job.nnodes > capacity[group]:
+            why = (f"capacity: {used_capacity[group]} of {capacity[group]} nodes in node group "
+                   f"{group} go to jobs ahead in order, needs {job.nnodes}")
+        else:
+            used_quota[key] += job.nnodes
+            used_capacity[group] += job.nnodes
+            if job.state == QUEUED:
+                if free_count[group] >= job.nnodes:
+                    nodes, where = _place(free[group], job.nnodes)
+                    free_count[group] -= job.nnodes
+                    result.starts.append((job.id, nodes, f"admitted at priority {job.priority}; {where}"))
+                else:
+                    result.waits[job.id] = (f"admitted; waiting for {job.nnodes - free_count[group]} "
+                                            f"node(s) being released in node group {group}")
+            continue
+        if job.state == QUEUED:
+            result.waits[job.id] = why
+        elif job.id in yielding:
+            result.suspends.append((job.id, f"time-share: ran >= {snap.quantum:g}s while another "
+                                             f"user's job waited >= {snap.quantum:g}s ({why})", True))
+        else:
+            result.suspends.append((job.id, f"preempted: {why}", False))
+    return result

@@ -1,0 +1,95 @@
+"""The job spec users submit (YAML or JSON): validated into a ``JobSpec`` or one clear error."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import yaml
+
+from luban.cluster import priority as prio
+from luban.errors import LubanError, bad_value
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+@dataclasses.dataclass
+class JobSpec:
+    """What to run and where: ``command`` + ``args`` on ``nodes`` whole nodes of ``node_group``."""
+
+    name: str
+    command: str
+    args: list[str] = dataclasses.field(default_factory=list)
+    env: dict[str, str] = dataclasses.field(default_factory=dict)
+    workdir: str | None = None
+    nodes: int = 1
+    priority: str = "NORMAL"
+    group: str | None = None
+    node_group: str = "default"
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+FIELDS = [f.name for f in dataclasses.fields(JobSpec)]
+
+
+def _str(data: dict, key: str, required: bool = False, pattern: re.Pattern | None = None) -> str | None:
+    value = data.get(key)
+    if value is None:
+        if required:
+            raise LubanError(f"{key} is missing: a non-empty string is required")
+        return None
+    if not isinstance(value, str) or not value.strip():
+        raise bad_value(key, value, "a non-empty string")
+    if pattern is not None and not pattern.match(value):
+        raise bad_value(key, value, f"must match {pattern.pattern}")
+    return value
+
+
+def parse(data) -> JobSpec:
+    """Validate a mapping (already-parsed YAML/JSON) into a ``JobSpec``."""
+    if not isinstance(data, dict):
+        raise bad_value("spec", data, "a mapping with keys " + ", ".join(FIELDS))
+    unknown = sorted(set(data) - set(FIELDS))
+    if unknown:
+        raise bad_value(unknown[0], data[unknown[0]], "unknown key; allowed keys are " + ", ".join(FIELDS))
+    args = data.get("args", [])
+    if not isinstance(args, list) or not all(isinstance(a, (str, int, float)) for a in args):
+        raise bad_value("args", args, "a list of strings")
+    env = data.get("env", {}) or {}
+    if not isinstance(env, dict):
+        raise bad_value("env", env, "a mapping of NAME: value")
+    for k, v in env.items():
+        if not isinstance(k, str) or not ENV_RE.match(k):
+            raise bad_value(f"env.{k}", v, "variable names must match " + ENV_RE.pattern)
+        if not isinstance(v, (str, int, float)):
+            raise bad_value(f"env.{k}", v, "a string or number")
+    nodes = data.get("nodes", 1)
+    if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
+        raise bad_value("nodes", nodes, "an integer >= 1 (whole nodes)")
+    priority = prio.parse(data.get("priority", "NORMAL"))
+    workdir = _str(data, "workdir")
+    if workdir is not None and not workdir.startswith("/"):
+        raise bad_value("workdir", workdir, "an absolute path")
+    return JobSpec(
+        name=_str(data, "name", required=True, pattern=NAME_RE),
+        command=_str(data, "command", required=True),
+        args=[str(a) for a in args],
+        env={k: str(v) for k, v in env.items()},
+        workdir=workdir,
+        nodes=nodes,
+        priority=priority if isinstance(priority, str) else priority.name,
+        group=_str(data, "group", pattern=NAME_RE),
+        node_group=_str(data, "node_group", pattern=NAME_RE) or "default",
+    )
+
+
+def parse_yaml(text: str) -> JobSpec:
+    """Parse YAML text; a syntax error names the line."""
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise LubanError(f"job spec is not valid YAML: {err}".replace("\n", " ")) from None
+    return parse(data)

@@ -1,0 +1,196 @@
+"""One decoder-only transformer covering GPT-2 and Llama from a ``ModelConfig``.
+
+GPT-2 (Radford et al. 2019): learned positions, LayerNorm, GELU (tanh approximation), biases,
+tied embeddings. Llama (Touvron et al. 2023): RoPE (the ``rotate_half`` convention of Hugging
+Face ``transformers``), RMSNorm, SwiGLU, grouped-query attention, untied head. Attention uses
+``torch.nn.functional.scaled_dot_product_attention``.
+
+Designed to be sliced by the parallel runtime without changing parameter names:
+* blocks live in ``layers``, an ``nn.ModuleDict`` keyed by global layer index, so a pipeline
+  stage that deletes the others keeps the same fully qualified names (and so checkpoints
+  reshard across layouts);
+* ``tok_emb``/``pos_emb`` and ``norm``/``lm_head`` may be ``None`` on middle stages;
+* each ``Attention`` calls ``self.attention_fn(q, k, v)`` so context parallel can swap the
+  core for a ring/all-to-all version, and takes explicit ``positions``;
+* ``init_weights`` seeds every parameter from (seed, its name), so any layout that builds
+  any subset of the model initialises it bit-identically to the single-process model.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from luban.model.config import ModelConfig
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float = 0.0) -> torch.Tensor:
+    """SDPA with a causal mask; q is [b, heads, s, d], k/v [b, kv_heads, s, d]."""
+    if k.shape[1] != q.shape[1]:  # grouped-query attention: share each kv head among heads/kv_heads
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
+
+
+def rope_tables(cfg: ModelConfig, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of shape [s, head_dim] for the given positions (Su et al. 2021, RoFormer)."""
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
+    angles = positions.to(torch.float32)[:, None] * inv[None, :]
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate [b, s, heads, d] by the position angles (rotate-half layout)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x * cos[:, None, :] + rotated * sin[:, None, :]).to(x.dtype)
+
+
+def make_norm(cfg: ModelConfig) -> nn.Module:
+    if cfg.norm == "rmsnorm":
+        return nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
+    return nn.LayerNorm(cfg.hidden, eps=cfg.norm_eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.dropout = cfg.dropout
+        self.wq = nn.Linear(cfg.hidden, cfg.q_dim, bias=cfg.bias)
+        self.wk = nn.Linear(cfg.hidden, cfg.kv_dim, bias=cfg.bias)
+        self.wv = nn.Linear(cfg.hidden, cfg.kv_dim, bias=cfg.bias)
+        self.wo = nn.Linear(cfg.q_dim, cfg.hidden, bias=cfg.bias)
+        self.attention_fn = causal_attention
+        self.recompute_core = False  # selective recompute (Korthikanti et al. 2022, Sec. 4.2)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        b, s, _ = x.shape
+        # -1 heads: under tensor parallelism each rank holds a slice of the heads
+        q = self.wq(x).view(b, s, -1, self.head_dim)
+        k = self.wk(x).view(b, s, -1, self.head_dim)
+        v = self.wv(x).view(b, s, -1, self.head_dim)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        dropout = self.dropout if self.training else 0.0
+        if self.recompute_core:
+            out = checkpoint(self.attention_fn, q, k, v, dropout, use_reentrant=False)
+        else:
+            out = self.attention_fn(q, k, v, dropout)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.swiglu = cfg.activation == "swiglu"
+        if self.swiglu:
+            self.w_gate = nn.Linear(cfg.hidden, cfg.ffn_hidden, bias=cfg.bias)
+        self.w_up = nn.Linear(cfg.hidden, cfg.ffn_hidden, bias=cfg.bias)
+        self.w_down = nn.Linear(cfg.ffn_hidden, cfg.hidden, bias=cfg.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.swiglu:
+            return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+        return self.w_down(F.gelu(self.w_up(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.norm1 = make_norm(cfg)
+        self.attn = Attention(cfg)
+        self.norm2 = make_norm(cfg)
+        self.mlp = MLP(cfg)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.recompute = False  # full recompute of this block
+
+    def _forward(self, x, rope):
+        x = x + self.drop(self.attn(self.norm1(x), rope))
+        return x + self.drop(self.mlp(self.norm2(x)))
+
+    def forward(self, x: torch.Tensor, rope=None) -> torch.Tensor:
+        if self.recompute and torch.is_grad_enabled():
+            return checkpoint(self._forward, x, rope, use_reentrant=False)
+        return self._forward(x, rope)
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab, cfg.hidden)
+        self.pos_emb = nn.Embedding(cfg.seq_len, cfg.hidden) if cfg.position == "learned" else None
+        self.drop = nn.Dropout(cfg.dropout)
+        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.layers)})
+        self.norm = make_norm(cfg)
+        self.lm_head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Token ids [b, s] (or hidden states on a non-first pipeline stage) -> logits [b, s, V]
+        (or hidden states on a non-last stage). ``positions`` default to 0..s-1."""
+        if positions is None:
+            positions = torch.arange(x.shape[1], device=x.device)
+        if self.tok_emb is not None:
+            h = self.tok_emb(x)
+            if self.pos_emb is not None:
+                h = h + self.pos_emb(positions)
+            x = self.drop(h)
+        rope = None
+        if self.cfg.position == "rope":
+            rope = tuple(t.to(x.device) for t in rope_tables(self.cfg, positions))
+        for block in self.layers.values():
+            x = block(x, rope)
+        if self.norm is not None:
+            x = self.norm(x)
+        if self.lm_head is not None:
+            x = self.lm_head(x)
+        return x
+
+    def set_recompute(self, recompute: str) -> None:
+        """Apply ``none`` | ``selective`` | ``full`` | ``full:k`` (every k-th layer by global index)."""
+        from luban.parallel.layout import parse_recompute
+
+        mode, every = parse_recompute(recompute)
+        for name, block in self.layers.items():
+            block.recompute = mode == "full" and int(name) % every == 0
+            block.attn.recompute_core = mode == "selective"
+
+
+def init_weights(model: nn.Module, cfg: ModelConfig, seed: int) -> None:
+    """GPT-2 initialisation: N(0, σ) weights, residual output projections N(0, σ/√(2l)),
+    zero biases, unit norms. Each tensor draws from a generator seeded by (seed, name)."""
+    residual_std = cfg.init_std / math.sqrt(2 * cfg.layers)
+    norms = {f"{mod_name}.{leaf}" for mod_name, mod in model.named_modules()
+             if isinstance(mod, (nn.LayerNorm, nn.RMSNorm)) for leaf, _ in mod.named_parameters(recurse=False)}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name in norms:
+                p.fill_(1.0 if name.endswith("weight") else 0.0)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+                std = residual_std if name.endswith(("attn.wo.weight", "mlp.w_down.weight")) else cfg.init_std
+                p.copy_(torch.normal(0.0, std, p.shape, generator=gen).to(p.dtype))
+
+
+def build_model(cfg: ModelConfig, seed: int = 0, recompute: str = "none") -> Transformer:
+    model = Transformer(cfg)
+    init_weights(model, cfg, seed)
+    model.set_recompute(recompute)
+    return model
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy, computed in fp32."""
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
