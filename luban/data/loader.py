@@ -1,0 +1,234 @@
+"""Deterministic, resumable, dp-independent batches of token windows, prefetched in a thread.
+
+Sample ``i`` of an epoch is the window of ``seq_len + 1`` tokens starting at token
+``i * seq_len`` of the split's token stream (its shards concatenated in manifest order), so an
+epoch has ``(tokens - 1) // seq_len`` samples. The order is a pure function of
+``(seed, global sample index g)``: epoch ``e = g // N`` is shuffled by
+``numpy.random.default_rng([seed, e]).permutation(N)``. Global step ``k`` consumes global
+samples ``[k*B, (k+1)*B)`` and dp rank ``r`` takes the contiguous slice
+``[r*B/dp, (r+1)*B/dp)`` of it, so the global sequence does not depend on the number of ranks
+and a run resumed from ``consumed_samples`` with another dp degree continues it exactly
+(the Megatron-LM ``consumed_samples`` convention). Reading verifies each CRC chunk on first
+touch (see ``luban.data.shards``).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import weakref
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from luban.data.manifest import load_manifest, open_split
+from luban.data.shards import ShardReader
+from luban.errors import bad_value
+
+
+class TokenStream:
+    """The tokens of several shards read as one contiguous array."""
+
+    def __init__(self, readers: list[ShardReader]):
+        self.readers = readers
+        self.starts = np.cumsum([0] + [r.tokens for r in readers])
+        self.tokens = int(self.starts[-1])
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        parts = []
+        shard = int(np.searchsorted(self.starts, start, side="right")) - 1
+        while start < stop:
+            end = min(stop, int(self.starts[shard + 1]))
+            base = int(self.starts[shard])
+            parts.append(self.readers[shard].read(start - base, end - base))
+            start, shard = end, shard + 1
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+def epoch_order(seed: int, epoch: int, samples_per_epoch: int) -> np.ndarray:
+    """The permutation of sample indices used in ``epoch`` (the whole sample-order rule)."""
+    return np.random.default_rng([seed, epoch]).permutation(samples_per_epoch)
+
+
+class _BatchMaker:
+    """Builds one dp rank's batch for a global step; shared by the caller and the thread."""
+
+    def __init__(self, stream: TokenStream, seq_len: int, seed: int, rank_slice: slice):
+        self.stream, self.seq_len, self.seed, self.rank_slice = stream, seq_len, seed, rank_slice
+        self.samples_per_epoch = (stream.tokens - 1) // seq_len
+        self._order: tuple[int, np.ndarray] | None = None
+
+    def sample_ids(self, first: int, count: int) -> np.ndarray:
+        """Dataset sample indices of global samples ``[first, first + count)``."""
+        n = self.samples_per_epoch
+        out = []
+        for g in range(first, first + count):
+            epoch = g // n
+            if self._order is None or self._order[0] != epoch:
+                self._order = (epoch, epoch_order(self.seed, epoch, n))
+            out.append(self._order[1][g % n])
+        return np.asarray(out, dtype=np.int64)
+
+    def __call__(self, step_start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        r = self.rank_slice
+        ids = self.sample_ids(step_start + r.start, r.stop - r.start)
+        s = self.seq_len
+        windows = np.stack([self.stream.read(i * s, i * s + s + 1) for i in ids]).astype(np.int64)
+        return (torch.from_numpy(np.ascontiguousarray(windows[:, :-1])),
+                torch.from_numpy(np.ascontiguousarray(windows[:, 1:])))
+
+
+class _Failure:
+    """An exception raised in the prefetch thread, carried to the caller."""
+
+    def __init__(self, exc: BaseException):
+        self.exc = exc
+
+
+def _prefetch(make: _BatchMaker, start: int, step: int, out: queue.Queue,
+              stop: threading.Event) -> None:
+    """Thread body: put batches for steps ``start, start+step, ...`` until ``stop`` is set."""
+    while not stop.is_set():
+        try:
+            item = make(start)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            item = _Failure(exc)
+        start += step
+        while not stop.is_set():
+            try:
+                out.put(item, timeout=0.05)
+                break
+            except queue.Full:
+                continue
+        if isinstance(item, _Failure):
+            return
+
+
+class TokenLoader:
+    """Iterator of ``(tokens, labels)`` LongTensors of shape ``[global_batch // dp_size, seq_len]``.
+
+    ``prefetch`` batches are prepared ahead in a background thread (0: synchronous). Call
+    ``close()`` (or use ``with``) to stop the thread. An exception in the thread (e.g. a CRC
+    mismatch) is raised by the ``next()`` that would have returned that batch.
+    """
+
+    def __init__(self, dataset_dir, split: str = "train", seq_len: int = 1024,
+                 global_batch: int = 8, seed: int = 0, dp_rank: int = 0, dp_size: int = 1,
+                 prefetch: int = 2):
+        for key, value in (("seq_len", seq_len), ("global_batch", global_batch),
+                           ("dp_size", dp_size)):
+            if not isinstance(value, int) or value < 1:
+                raise bad_value(key, value, "an integer >= 1")
+        if not isinstance(seed, int) or seed < 0:
+            raise bad_value("seed", seed, "an integer >= 0")
+        if not isinstance(prefetch, int) or prefetch < 0:
+            raise bad_value("prefetch", prefetch, "an integer >= 0 (0: no background thread)")
+        if global_batch % dp_size:
+            raise bad_value("global_batch", global_batch,
+                            f"a multiple of dp_size = {dp_size} (each rank takes an equal slice)")
+        if not isinstance(dp_rank, int) or not 0 <= dp_rank < dp_size:
+            raise bad_value("dp_rank", dp_rank, f"an integer in [0, dp_size = {dp_size})")
+        self.dataset_dir = Path(dataset_dir)
+        self.split, self.seq_len, self.global_batch, self.seed = split, seq_len, global_batch, seed
+        self.prefetch = prefetch
+        stream = TokenStream(open_split(dataset_dir, load_manifest(dataset_dir), split))
+        if stream.tokens < seq_len + 1:
+            raise bad_value("seq_len", seq_len,
+                            f"at most {stream.tokens - 1}: split {split!r} of {self.dataset_dir} "
+                            f"has only {stream.tokens} tokens")
+        local = global_batch // dp_size
+        self._make = _BatchMaker(stream, seq_len, seed,
+                                 slice(dp_rank * local, (dp_rank + 1) * local))
+        self.samples_per_epoch = self._make.samples_per_epoch
+        self.consumed_samples = 0
+        self._thread: threading.Thread | None = None
+        self._queue: queue.Queue | None = None
+        self._stop = threading.Event()
+        self._closed = False
+
+    @property
+    def epoch(self) -> int:
+        return self.consumed_samples // self.samples_per_epoch
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._closed:
+            raise RuntimeError("TokenLoader is closed")
+        if self.prefetch == 0:
+            batch = self._make(self.consumed_samples)
+        else:
+            batch = self._next_prefetched()
+        self.consumed_samples += self.global_batch
+        return batch
+
+    def _next_prefetched(self):
+        if self._thread is None:
+            self._stop = threading.Event()
+            self._queue = queue.Queue(maxsize=self.prefetch)
+            self._thread = threading.Thread(
+                target=_prefetch, name=f"luban-prefetch-{self.split}", daemon=True,
+                args=(self._make, self.consumed_samples, self.global_batch, self._queue,
+                      self._stop))
+            self._thread.start()
+            weakref.finalize(self, self._stop.set)  # a forgotten loader still ends its thread
+        item = self._queue.get()
+        if isinstance(item, _Failure):
+            self._stop_thread()  # the next call retries the same batch from a fresh thread
+            raise item.exc
+        return item
+
+    def _stop_thread(self) -> None:
+        if self._thread is None:
+            return
+        self._stop.set()
+        self._thread.join()
+        self._thread = self._queue = None
+
+    def state_dict(self) -> dict:
+        """What a checkpoint must store to resume the exact sample sequence."""
+        return {"consumed_samples": self.consumed_samples, "seed": self.seed,
+                "seq_len": self.seq_len, "split": self.split,
+                "samples_per_epoch": self.samples_per_epoch}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue after ``state["consumed_samples"]`` (any dp degree or global batch)."""
+        for key in ("seed", "seq_len", "split", "samples_per_epoch"):
+            if key in state and state[key] != getattr(self, key):
+                raise bad_value(f"loader state_dict[{key!r}]", state[key],
+                                f"must equal this loader's {getattr(self, key)!r} to resume "
+                                "the same sample sequence")
+        consumed = state.get("consumed_samples")
+        if not isinstance(consumed, int) or consumed < 0:
+            raise bad_value("loader state_dict['consumed_samples']", consumed, "an integer >= 0")
+        self._stop_thread()
+        self.consumed_samples = consumed
+
+    def close(self) -> None:
+        """Stop and join the prefetch thread; idempotent."""
+        self._stop_thread()
+        self._closed = True
+
+    def __enter__(self) -> TokenLoader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def val_batches(dataset_dir, seq_len: int, global_batch: int, num_batches: int,
+                dp_rank: int = 0, dp_size: int = 1) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The same ``num_batches`` validation batches on every call (seed 0, from the start).
+
+    If the val split has fewer than ``num_batches * global_batch`` samples, the sequence
+    wraps into the next (differently shuffled) epoch.
+    """
+    if not isinstance(num_batches, int) or num_batches < 0:
+        raise bad_value("num_batches", num_batches, "an integer >= 0")
+    with TokenLoader(dataset_dir, split="val", seq_len=seq_len, global_batch=global_batch,
+                     seed=0, dp_rank=dp_rank, dp_size=dp_size, prefetch=0) as loader:
+        for _ in range(num_batches):
+            yield next(loader)
