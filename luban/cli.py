@@ -15,6 +15,7 @@ from luban.errors import LubanError
 
 SUBCOMMAND_MODULES = [
     "luban.train.cli",
+    "luban.data.cli",
 ]
 
 

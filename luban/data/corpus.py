@@ -9,6 +9,7 @@ downloaded; the selection is deterministic for a given Python installation.
 
 from __future__ import annotations
 
+import os
 import sysconfig
 from collections.abc import Iterable
 from pathlib import Path
@@ -26,13 +27,13 @@ def stdlib_dir() -> Path:
 def default_corpus_files(max_bytes: int = DEFAULT_MAX_BYTES) -> list[Path]:
     """The standard library's ``.py`` files, sorted, capped at ``max_bytes`` in total."""
     root = stdlib_dir()
-    files = sorted(
-        (p for p in root.rglob("*.py") if not _SKIP_DIRS.intersection(p.relative_to(root).parts)),
-        key=lambda p: p.relative_to(root).as_posix(),
-    )
-    if not files:
+    found = []
+    for folder, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in _SKIP_DIRS]  # prune site-packages before walking
+        found += [Path(folder, n) for n in names if n.endswith(".py")]
+    if not found:
         raise LubanError(f"{root}: no standard-library sources found for the default corpus")
-    return cap_files(files, max_bytes)
+    return cap_files(sorted(found, key=lambda p: p.relative_to(root).as_posix()), max_bytes)
 
 
 def collect_files(inputs: Iterable[str | Path]) -> list[Path]:

@@ -1,0 +1,131 @@
+"""``luban data build | verify | info``: make, check and describe packed token datasets."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from luban.errors import bad_value
+
+
+def register(subparsers) -> None:
+    from luban.data.build import DEFAULT_BPE_VOCAB, DEFAULT_SHARD_MB, DEFAULT_VAL_FRACTION
+    from luban.data.corpus import DEFAULT_MAX_BYTES
+    from luban.data.shards import DEFAULT_CHUNK_TOKENS
+
+    data = subparsers.add_parser("data", help="build, verify and inspect token datasets",
+                                 description=__doc__)
+    sub = data.add_subparsers(dest="data_command", required=True, metavar="ACTION")
+
+    build = sub.add_parser(
+        "build", help="tokenise text files into packed shards",
+        description="Tokenise INPUTS (files or folders, each file one document) into a few "
+        "large checksummed shards plus manifest.json. With no INPUTS, builds the default "
+        "corpus: the Python standard library's .py sources. See docs/data.md.")
+    build.add_argument("inputs", nargs="*", metavar="INPUTS", help="text files or folders")
+    build.add_argument("--out", required=True, metavar="DIR", help="dataset directory to write")
+    build.add_argument("--tokenizer", default="byte", metavar="byte|bpe",
+                       help="byte-level (257 ids) or a BPE trained here (default: byte)")
+    build.add_argument("--vocab-size", metavar="N",
+                       help=f"BPE vocabulary size (default {DEFAULT_BPE_VOCAB}; bpe only)")
+    build.add_argument("--shard-size-mb", default=str(DEFAULT_SHARD_MB), metavar="N",
+                       help=f"target tokens per shard in MiB (default {DEFAULT_SHARD_MB:g})")
+    build.add_argument("--val-fraction", default=str(DEFAULT_VAL_FRACTION), metavar="F",
+                       help=f"fraction of documents held out (default {DEFAULT_VAL_FRACTION})")
+    build.add_argument("--seed", default="0", metavar="N", help="split seed (default 0)")
+    build.add_argument("--max-bytes", metavar="N",
+                       help=f"cap on input bytes (default {DEFAULT_MAX_BYTES} for the default "
+                       "corpus, none for INPUTS)")
+    build.add_argument("--chunk-tokens", default=str(DEFAULT_CHUNK_TOKENS), metavar="N",
+                       help=f"tokens per CRC chunk (default {DEFAULT_CHUNK_TOKENS})")
+    build.set_defaults(func=_build)
+
+    verify = sub.add_parser("verify", help="check every checksum of a dataset",
+                            description="Check sizes, header, index and every token-chunk CRC "
+                            "of every shard; exit 2 naming the file and byte offset on error.")
+    verify.add_argument("dir", metavar="DIR")
+    verify.set_defaults(func=_verify)
+
+    info = sub.add_parser("info", help="describe a dataset",
+                          description="Print a dataset's tokenizer, splits, shards and sizes.")
+    info.add_argument("dir", metavar="DIR")
+    info.add_argument("--json", action="store_true", help="print the manifest as JSON")
+    info.set_defaults(func=_info)
+
+
+def _parse(key: str, text: str | None, kind, allowed: str):
+    """Parse a flag's value here (not in argparse) so a bad one is a one-line LubanError."""
+    if text is None:
+        return None
+    try:
+        return kind(text)
+    except ValueError:
+        raise bad_value(key, text, allowed) from None
+
+
+def _build(args: argparse.Namespace) -> int:
+    from luban.data.build import build_dataset
+
+    started = time.perf_counter()
+    manifest = build_dataset(
+        args.inputs, args.out, tokenizer=args.tokenizer,
+        vocab_size=_parse("--vocab-size", args.vocab_size, int, "an integer"),
+        shard_size_mb=_parse("--shard-size-mb", args.shard_size_mb, float, "a number > 0"),
+        val_fraction=_parse("--val-fraction", args.val_fraction, float, "a fraction in [0, 1)"),
+        seed=_parse("--seed", args.seed, int, "an integer >= 0"),
+        max_bytes=_parse("--max-bytes", args.max_bytes, int, "an integer number of bytes"),
+        chunk_tokens=_positive("--chunk-tokens", args.chunk_tokens),
+    )
+    seconds = time.perf_counter() - started
+    src = manifest["source"]
+    print(f"built {args.out}: {src['files']} files, {src['bytes']} bytes in {seconds:.2f} s "
+          f"({src['bytes'] / seconds / 1e6:.1f} MB/s)")
+    _print_splits(manifest)
+    return 0
+
+
+def _positive(key: str, text: str) -> int:
+    value = _parse(key, text, int, "an integer >= 1")
+    if value < 1:
+        raise bad_value(key, text, "an integer >= 1")
+    return value
+
+
+def _print_splits(manifest: dict) -> None:
+    tok = manifest["tokenizer"]
+    print(f"tokenizer {tok['kind']} (vocab {tok['vocab_size']}, eos {tok['eos_id']}), "
+          f"dtype {manifest['dtype']}, format v{manifest['format_version']}")
+    for name, split in manifest["splits"].items():
+        size = sum(s["bytes"] for s in split["shards"])
+        print(f"  {name:5s} {split['tokens']:>12,d} tokens {split['documents']:>8,d} documents "
+              f"{len(split['shards']):>4d} shards {size / 2**20:>9.1f} MiB")
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from luban.data.manifest import open_dataset
+
+    started = time.perf_counter()
+    manifest, splits = open_dataset(args.dir)
+    total = 0
+    for readers in splits.values():
+        for reader in readers:
+            reader.verify()
+            total += reader.size
+            print(f"ok {reader.path} ({reader.tokens} tokens, {reader.size} bytes)")
+    print(f"verified {args.dir}: {total} bytes in {time.perf_counter() - started:.2f} s")
+    return 0
+
+
+def _info(args: argparse.Namespace) -> int:
+    from luban.data.manifest import load_manifest
+
+    manifest = load_manifest(args.dir)
+    if args.json:
+        print(json.dumps(manifest, indent=2))
+        return 0
+    src = manifest["source"]
+    print(f"{args.dir}: {src['kind']} ({src['files']} files, {src['bytes']} bytes), "
+          f"val fraction {manifest['val_fraction']}, seed {manifest['seed']}")
+    _print_splits(manifest)
+    return 0
