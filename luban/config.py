@@ -1,0 +1,151 @@
+"""The run configuration: one TOML file with sections ``[model] [data] [train] [parallel] [run]``.
+
+``load_config(path, overrides)`` reads the file, applies ``--set section.key=value`` overrides
+(values parsed as TOML literals, else taken as strings), checks every key and type, and
+returns a ``RunConfig``. Mistakes raise ``LubanError`` naming the key, the value and what is
+allowed. The resolved config is saved in every checkpoint. Schema: docs/CONFIG.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from luban.errors import LubanError, bad_value
+from luban.model.config import ModelConfig, _coerce
+from luban.model.presets import get_preset
+from luban.parallel.layout import ParallelLayout
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    path: str = ""  # dataset dir built by `luban data build`; "" = the embedded default corpus
+    seq_len: int = 0  # 0: model.seq_len
+    prefetch: int = 2
+    eval_batches: int = 4
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 200
+    global_batch: int = 16  # sequences per optimizer step
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 20
+    optimizer: str = "adamw"  # adamw | sgd
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    momentum: float = 0.0
+    grad_clip: float = 1.0  # 0 disables clipping
+    seed: int = 0
+    checkpoint_every: int = 100  # 0: only at the end
+    keep_checkpoints: int = 3
+    eval_every: int = 50  # 0: never
+    log_every: int = 1
+
+
+@dataclass(frozen=True)
+class RunSection:
+    dir: str = "runs/demo"
+    tensorboard: bool = True
+    progress: str = "auto"  # auto | bar | plain | none
+    device: str = "auto"  # auto | cpu | cuda
+    system: str = ""  # planner system profile for --parallel auto ("" = probe this machine)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    model: ModelConfig = field(default_factory=lambda: get_preset("tiny"))
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelLayout = field(default_factory=ParallelLayout)
+    run: RunSection = field(default_factory=RunSection)
+
+    @property
+    def seq_len(self) -> int:
+        return self.data.seq_len or self.model.seq_len
+
+    def to_dict(self) -> dict:
+        return {"model": self.model.to_dict(), "data": dataclasses.asdict(self.data),
+                "train": dataclasses.asdict(self.train), "parallel": self.parallel.to_dict(),
+                "run": dataclasses.asdict(self.run)}
+
+    def replace(self, **sections) -> "RunConfig":
+        return dataclasses.replace(self, **sections)
+
+
+SECTIONS = ("model", "data", "train", "parallel", "run")
+CHOICES = {("train", "optimizer"): ("adamw", "sgd"), ("run", "progress"): ("auto", "bar", "plain", "none"),
+           ("run", "device"): ("auto", "cpu", "cuda")}
+NON_NEGATIVE = {("train", k) for k in ("checkpoint_every", "eval_every", "warmup_steps", "momentum", "weight_decay",
+                                       "grad_clip", "seed", "min_lr")} | {("data", "seq_len"), ("data", "prefetch"),
+                                                                          ("data", "eval_batches")}
+
+
+def _section(cls, raw: dict, name: str):
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    values = {}
+    for key, value in raw.items():
+        if key not in known:
+            raise LubanError(f"{name}.{key}: unknown key; allowed: {', '.join(known)}")
+        value = _coerce(f"{name}.{key}", value, known[key].type)
+        if (name, key) in CHOICES and value not in CHOICES[(name, key)]:
+            raise bad_value(f"{name}.{key}", value, f"one of {', '.join(CHOICES[(name, key)])}")
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            floor = 0 if (name, key) in NON_NEGATIVE else 1e-300
+            if value < floor:
+                raise bad_value(f"{name}.{key}", value, "must be >= 0" if floor == 0 else "must be positive")
+        values[key] = value
+    return cls(**values)
+
+
+def parse_override(item: str) -> tuple[str, str, object]:
+    """``section.key=value`` -> (section, key, value); the value is a TOML literal or a bare string."""
+    target, sep, text = item.partition("=")
+    section, dot, key = target.strip().partition(".")
+    if not sep or not dot or not key:
+        raise bad_value("--set", item, "expected section.key=value, e.g. train.steps=100")
+    try:
+        value = tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text
+    return section, key.strip(), value
+
+
+def config_from_dict(raw: dict) -> RunConfig:
+    for name in raw:
+        if name not in SECTIONS:
+            raise LubanError(f"[{name}]: unknown section; allowed: {', '.join(SECTIONS)}")
+        if not isinstance(raw[name], dict):
+            raise bad_value(name, raw[name], "must be a table of keys")
+    default = RunConfig()
+    model = ModelConfig.from_dict(raw["model"]) if "model" in raw else default.model
+    cfg = RunConfig(model=model,
+                    data=_section(DataConfig, raw.get("data", {}), "data"),
+                    train=_section(TrainConfig, raw.get("train", {}), "train"),
+                    parallel=ParallelLayout.from_dict(raw.get("parallel", {})),
+                    run=_section(RunSection, raw.get("run", {}), "run"))
+    if cfg.seq_len > cfg.model.seq_len:
+        raise bad_value("data.seq_len", cfg.data.seq_len, f"must be <= model.seq_len = {cfg.model.seq_len}")
+    if cfg.train.min_lr > cfg.train.lr:
+        raise bad_value("train.min_lr", cfg.train.min_lr, f"must be <= train.lr = {cfg.train.lr}")
+    return cfg
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
+    raw: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise bad_value("CONFIG", str(path), "no such file")
+        try:
+            raw = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as err:
+            raise LubanError(f"{path}: not valid TOML: {err}") from None
+    for item in overrides:
+        section, key, value = parse_override(item)
+        raw.setdefault(section, {})[key] = value
+    return config_from_dict(raw)

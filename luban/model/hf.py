@@ -1,0 +1,146 @@
+"""Hugging Face ``transformers`` interop: export to / import from ``GPT2LMHeadModel`` and
+``LlamaForCausalLM`` folders (``config.json`` + ``model.safetensors``).
+
+The mapping is a table of (luban name, HF name, transpose?) per layer; GPT-2 stores its
+projections as ``Conv1D`` (weight [in, out]) with Q, K, V fused in ``c_attn``. Export then
+import gives back bit-identical tensors.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from luban.errors import LubanError
+from luban.model.config import ModelConfig
+
+GPT2_LAYER = [("norm1", "ln_1", False), ("norm2", "ln_2", False), ("attn.wo", "attn.c_proj", True),
+              ("mlp.w_up", "mlp.c_fc", True), ("mlp.w_down", "mlp.c_proj", True)]
+LLAMA_LAYER = [("norm1", "input_layernorm", False), ("norm2", "post_attention_layernorm", False),
+               ("attn.wq", "self_attn.q_proj", False), ("attn.wk", "self_attn.k_proj", False),
+               ("attn.wv", "self_attn.v_proj", False), ("attn.wo", "self_attn.o_proj", False),
+               ("mlp.w_gate", "mlp.gate_proj", False), ("mlp.w_up", "mlp.up_proj", False),
+               ("mlp.w_down", "mlp.down_proj", False)]
+
+
+def _family(cfg: ModelConfig) -> str:
+    gpt2 = dict(norm="layernorm", activation="gelu", position="learned", bias=True)
+    llama = dict(norm="rmsnorm", activation="swiglu", position="rope")
+    if all(getattr(cfg, k) == v for k, v in gpt2.items()) and cfg.kv_heads == cfg.heads \
+            and cfg.head_dim * cfg.heads == cfg.hidden:
+        return "gpt2"
+    if all(getattr(cfg, k) == v for k, v in llama.items()):
+        return "llama"
+    raise LubanError(f"model (arch={cfg.arch}, norm={cfg.norm}, activation={cfg.activation}, position={cfg.position}) "
+                     "has no Hugging Face equivalent: GPT-2 needs layernorm+gelu+learned+bias, Llama rmsnorm+swiglu+rope")
+
+
+def _pairs(cfg: ModelConfig, family: str):
+    """(luban key, HF key, transpose) for every tensor except GPT-2's fused QKV."""
+    if family == "gpt2":
+        yield "tok_emb.weight", "transformer.wte.weight", False
+        yield "pos_emb.weight", "transformer.wpe.weight", False
+        for i in range(cfg.layers):
+            for ours, theirs, t in GPT2_LAYER:
+                yield f"layers.{i}.{ours}.weight", f"transformer.h.{i}.{theirs}.weight", t
+                yield f"layers.{i}.{ours}.bias", f"transformer.h.{i}.{theirs}.bias", False
+        yield "norm.weight", "transformer.ln_f.weight", False
+        yield "norm.bias", "transformer.ln_f.bias", False
+    else:
+        yield "tok_emb.weight", "model.embed_tokens.weight", False
+        for i in range(cfg.layers):
+            for ours, theirs, _ in LLAMA_LAYER:
+                yield f"layers.{i}.{ours}.weight", f"model.layers.{i}.{theirs}.weight", False
+                if cfg.bias and "norm" not in ours:
+                    yield f"layers.{i}.{ours}.bias", f"model.layers.{i}.{theirs}.bias", False
+        yield "norm.weight", "model.norm.weight", False
+    if not cfg.tie_embeddings:
+        yield "lm_head.weight", "lm_head.weight", False
+
+
+def hf_config(cfg: ModelConfig, family: str) -> dict:
+    if family == "gpt2":
+        return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": cfg.vocab,
+                "n_positions": cfg.seq_len, "n_embd": cfg.hidden, "n_layer": cfg.layers, "n_head": cfg.heads,
+                "n_inner": cfg.ffn_hidden, "activation_function": "gelu_new", "layer_norm_epsilon": cfg.norm_eps,
+                "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout,
+                "initializer_range": cfg.init_std, "tie_word_embeddings": cfg.tie_embeddings,
+                "torch_dtype": "float32"}
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab,
+            "hidden_size": cfg.hidden, "intermediate_size": cfg.ffn_hidden, "num_hidden_layers": cfg.layers,
+            "num_attention_heads": cfg.heads, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
+            "max_position_embeddings": cfg.seq_len, "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
+            "hidden_act": "silu", "attention_bias": cfg.bias, "mlp_bias": cfg.bias, "attention_dropout": cfg.dropout,
+            "initializer_range": cfg.init_std, "tie_word_embeddings": cfg.tie_embeddings, "torch_dtype": "float32"}
+
+
+def to_hf(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> tuple[dict, dict[str, torch.Tensor]]:
+    """luban state dict -> (HF config.json dict, HF state dict)."""
+    family = _family(cfg)
+    out = {theirs: (state[ours].t() if t else state[ours]).contiguous() for ours, theirs, t in _pairs(cfg, family)}
+    if family == "gpt2":
+        for i in range(cfg.layers):
+            p = f"layers.{i}.attn."
+            out[f"transformer.h.{i}.attn.c_attn.weight"] = torch.cat(
+                [state[p + n + ".weight"] for n in ("wq", "wk", "wv")]).t().contiguous()
+            out[f"transformer.h.{i}.attn.c_attn.bias"] = torch.cat([state[p + n + ".bias"] for n in ("wq", "wk", "wv")])
+    return hf_config(cfg, family), out
+
+
+def from_hf(hf_cfg: dict, tensors: dict[str, torch.Tensor]) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """HF config.json dict + state dict -> (ModelConfig, luban state dict)."""
+    kind = hf_cfg.get("model_type")
+    if kind == "gpt2":
+        cfg = ModelConfig(name="hf-gpt2", arch="gpt2", hidden=hf_cfg["n_embd"], layers=hf_cfg["n_layer"],
+                          heads=hf_cfg["n_head"], ffn_hidden=hf_cfg.get("n_inner") or 4 * hf_cfg["n_embd"],
+                          vocab=hf_cfg["vocab_size"], seq_len=hf_cfg["n_positions"],
+                          norm_eps=hf_cfg.get("layer_norm_epsilon", 1e-5),
+                          tie_embeddings=hf_cfg.get("tie_word_embeddings", True))
+    elif kind == "llama":
+        cfg = ModelConfig(name="hf-llama", arch="llama", hidden=hf_cfg["hidden_size"],
+                          layers=hf_cfg["num_hidden_layers"], heads=hf_cfg["num_attention_heads"],
+                          kv_heads=hf_cfg.get("num_key_value_heads") or hf_cfg["num_attention_heads"],
+                          head_dim=hf_cfg.get("head_dim") or hf_cfg["hidden_size"] // hf_cfg["num_attention_heads"],
+                          ffn_hidden=hf_cfg["intermediate_size"], vocab=hf_cfg["vocab_size"],
+                          seq_len=hf_cfg.get("max_position_embeddings", 2048), norm="rmsnorm", activation="swiglu",
+                          position="rope", bias=bool(hf_cfg.get("attention_bias", False)),
+                          norm_eps=hf_cfg.get("rms_norm_eps", 1e-5), rope_theta=float(hf_cfg.get("rope_theta", 10000.0)),
+                          tie_embeddings=hf_cfg.get("tie_word_embeddings", False))
+    else:
+        raise LubanError(f"config.json model_type = {kind!r}: luban imports 'gpt2' or 'llama'")
+    family = _family(cfg)
+    try:
+        state = {ours: (tensors[theirs].t() if t else tensors[theirs]).contiguous()
+                 for ours, theirs, t in _pairs(cfg, family)}
+        if family == "gpt2":
+            for i in range(cfg.layers):
+                w = tensors[f"transformer.h.{i}.attn.c_attn.weight"].t()
+                b = tensors[f"transformer.h.{i}.attn.c_attn.bias"]
+                for j, n in enumerate(("wq", "wk", "wv")):
+                    rows = slice(j * cfg.hidden, (j + 1) * cfg.hidden)
+                    state[f"layers.{i}.attn.{n}.weight"] = w[rows].contiguous()
+                    state[f"layers.{i}.attn.{n}.bias"] = b[rows].contiguous()
+    except KeyError as err:
+        raise LubanError(f"model.safetensors: missing tensor {err.args[0]} for a {kind} model") from None
+    if cfg.tie_embeddings:
+        state["lm_head.weight"] = state["tok_emb.weight"]
+    return cfg, state
+
+
+def export_folder(cfg: ModelConfig, state: dict, out: Path) -> None:
+    from safetensors.torch import save_file
+
+    hf_cfg, tensors = to_hf(cfg, state)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(hf_cfg, indent=1))
+
+
+def import_folder(folder: Path) -> tuple[ModelConfig, dict]:
+    from safetensors.torch import load_file
+
+    if not (folder / "config.json").is_file() or not (folder / "model.safetensors").is_file():
+        raise LubanError(f"FOLDER = {str(folder)!r}: needs config.json and model.safetensors")
+    return from_hf(json.loads((folder / "config.json").read_text()), load_file(str(folder / "model.safetensors")))

@@ -1,0 +1,1 @@
+"""Training: the loop, its schedule, metrics, checkpoints, preemption, sampling and the CLI."""

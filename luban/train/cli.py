@@ -1,0 +1,141 @@
+"""``luban train | demo | sample | export | import``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from luban.errors import EXIT_SUSPENDED, LubanError, bad_value
+
+DEMO_CONFIG = Path(__file__).with_name("demo.toml")
+
+
+def register(sub) -> None:
+    p = sub.add_parser("train", help="train a model from a TOML config",
+                       description="Train a model. Exit code 75 means suspended: resume with --resume auto.")
+    _train_args(p)
+    p.add_argument("config", nargs="?", help="TOML config ([model] [data] [train] [parallel] [run])")
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("demo", help="train the demo model on the embedded corpus, then print samples")
+    _train_args(p)
+    p.set_defaults(func=cmd_demo, config=str(DEMO_CONFIG))
+
+    p = sub.add_parser("sample", help="generate text from a checkpoint or run directory")
+    p.add_argument("checkpoint", help="checkpoint directory, or a run directory (newest valid checkpoint)")
+    p.add_argument("--prompt", default="def ", help="text to continue (default: %(default)r)")
+    p.add_argument("--tokens", type=int, default=200, help="new tokens per sample")
+    p.add_argument("--samples", type=int, default=1)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=40)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--data", help="dataset whose tokenizer to use (default: the one the run trained on)")
+    p.set_defaults(func=cmd_sample)
+
+    p = sub.add_parser("export", help="write a checkpoint as a Hugging Face folder")
+    p.add_argument("checkpoint")
+    p.add_argument("--format", choices=["hf"], default="hf")
+    p.add_argument("out", help="output folder (config.json + model.safetensors)")
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("import", help="read a Hugging Face GPT-2/Llama folder into a luban checkpoint")
+    p.add_argument("folder", help="folder with config.json and model.safetensors")
+    p.add_argument("out", help="run directory to create (checkpoint at OUT/checkpoints/step_0000000)")
+    p.set_defaults(func=cmd_import)
+
+
+def _train_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a config value (TOML literal), repeatable")
+    p.add_argument("--resume", metavar="auto|DIR", help="resume from the newest valid checkpoint or a directory")
+    p.add_argument("--parallel", choices=["config", "auto"], default="config",
+                   help="auto: let the planner choose the [parallel] layout for the world size")
+    p.add_argument("--nproc", type=int, default=1, help="ranks to start on this node")
+    p.add_argument("--nnodes", type=int, default=1)
+    p.add_argument("--node-rank", type=int, default=0)
+    p.add_argument("--master-addr", default="127.0.0.1")
+    p.add_argument("--master-port", type=int, default=0)
+
+
+def _run_training(args) -> int:
+    from luban.config import load_config
+
+    cfg = load_config(args.config, args.set)
+    for key in ("nproc", "nnodes"):
+        if getattr(args, key) < 1:
+            raise bad_value(f"--{key}", getattr(args, key), "must be >= 1")
+    world = args.nproc * args.nnodes
+    if "WORLD_SIZE" not in os.environ and world > 1:
+        from luban.parallel.launch import launch
+        from luban.parallel.layout import check_layout
+
+        check_layout(cfg.parallel, cfg.model, cfg.train.global_batch, world, cfg.seq_len)
+        argv = ["train", args.config, *sum((["--set", s] for s in args.set), [])]
+        if args.resume:
+            argv += ["--resume", args.resume]
+        return launch([a for a in argv if a is not None], nproc=args.nproc, nnodes=args.nnodes,
+                      node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port)
+    from luban.train.trainer import Trainer
+
+    result = Trainer(cfg).train(args.resume)
+    return EXIT_SUSPENDED if result.suspended else 0
+
+
+def cmd_train(args) -> int:
+    if args.config is None:
+        raise LubanError("CONFIG: missing; give a TOML file (see docs/CONFIG.md) or run `luban demo`")
+    return _run_training(args)
+
+
+def cmd_demo(args) -> int:
+    rc = _run_training(args)
+    if rc or os.environ.get("RANK", "0") != "0":
+        return rc
+    from luban.config import load_config
+
+    run_dir = load_config(args.config, args.set).run.dir
+    print(f"\nSamples from {run_dir}:")
+    return cmd_sample(argparse.Namespace(checkpoint=run_dir, prompt="def ", tokens=160, samples=3,
+                                         temperature=0.8, top_k=40, seed=0, data=None))
+
+
+def cmd_sample(args) -> int:
+    from luban.data.tokenizer import load_tokenizer
+    from luban.train.sample import generate, load_model
+
+    if args.tokens < 1 or args.samples < 1:
+        raise bad_value("--tokens/--samples", (args.tokens, args.samples), "must be >= 1")
+    model, meta = load_model(args.checkpoint)
+    data = args.data or meta.get("dataset")
+    if not data or not Path(data, "manifest.json").is_file():
+        raise bad_value("--data", data, "the dataset the run trained on is gone; pass --data DIR for its tokenizer")
+    tok = load_tokenizer(data)
+    for i in range(args.samples):
+        ids = generate(model, tok.encode(args.prompt), args.tokens, args.temperature, args.top_k, args.seed + i)
+        print(f"--- sample {i + 1} (step {meta['step']}) ---")
+        print(tok.decode([t for t in ids if t < tok.vocab_size]))
+    return 0
+
+
+def cmd_export(args) -> int:
+    from luban.model.hf import export_folder
+    from luban.train.sample import load_model
+
+    model, _ = load_model(args.checkpoint)
+    export_folder(model.cfg, model.state_dict(), Path(args.out))
+    print(f"wrote {args.out}/config.json and model.safetensors")
+    return 0
+
+
+def cmd_import(args) -> int:
+    from luban.model.hf import import_folder
+    from luban.train import checkpoint
+
+    cfg, state = import_folder(Path(args.folder))
+    root = Path(args.out) / "checkpoints"
+    meta = {"step": 0, "config": {"model": cfg.to_dict()}, "world_size": 1, "source": str(args.folder)}
+    path = checkpoint.save(root, 0, {"model": state}, meta, keep=1)
+    print(f"wrote {path}")
+    return 0

@@ -1,0 +1,77 @@
+"""Per-step metrics: ``<run>/metrics.jsonl``, TensorBoard, and a terminal progress line.
+
+Each line of metrics.jsonl is one JSON object. Fields (docs/METRICS.md):
+  step, tokens (cumulative), loss, lr, grad_norm, tokens_per_s, tflops (achieved model
+  TFLOP/s over all ranks), mfu, hfu, time_data_s, time_fwd_bwd_s, time_optimizer_s,
+  time_step_s, peak_memory_bytes, param_bytes, grad_bytes, optimizer_bytes,
+  activation_bytes (this rank, from tensor storages), val_loss (on eval steps only).
+MFU = tokens/s · model FLOPs per token / (world size · peak FLOP/s); HFU uses hardware
+FLOPs (recompute included). FLOPs per token come from ``luban.model.flops``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+
+class MetricsLogger:
+    def __init__(self, run_dir: Path, total_steps: int, tensorboard: bool, progress: str, enabled: bool = True):
+        self.enabled = enabled
+        self.total = total_steps
+        self.start = time.perf_counter()
+        if not enabled:
+            return
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.file = open(run_dir / "metrics.jsonl", "a", buffering=1)
+        self.tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+        if progress == "auto":
+            progress = "bar" if sys.stderr.isatty() else "plain"
+        self.progress = progress
+
+    def log(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        self.file.write(json.dumps(record) + "\n")
+        if self.tb is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    self.tb.add_scalar(f"train/{key}", value, record["step"])
+        self._show(record)
+
+    def _show(self, r: dict) -> None:
+        if self.progress == "none":
+            return
+        parts = [f"step {r['step']}/{self.total}"]
+        if "loss" in r:
+            parts += [f"loss {r['loss']:.4f}", f"lr {r['lr']:.2e}", f"{r['tokens_per_s']:.0f} tok/s",
+                      f"mfu {100 * r['mfu']:.1f}%"]
+        if "val_loss" in r:
+            parts.append(f"val {r['val_loss']:.4f}")
+        line = "  ".join(parts)
+        if self.progress == "bar":
+            done = int(30 * r["step"] / max(1, self.total))
+            sys.stderr.write(f"\r[{'#' * done}{'.' * (30 - done)}] {line}\033[K")
+            if r["step"] >= self.total or "val_loss" in r:
+                sys.stderr.write("\n")
+            sys.stderr.flush()
+        else:
+            print(line, flush=True)
+
+    def message(self, text: str) -> None:
+        if self.enabled:
+            if self.progress == "bar":
+                sys.stderr.write("\n")
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if self.enabled:
+            self.file.close()
+            if self.tb is not None:
+                self.tb.close()

@@ -1,0 +1,45 @@
+"""Preemption: turn SIGUSR1/SIGTERM/SIGINT into "finish this step, checkpoint, exit 75".
+
+The HAI platform's contract (seed 000): the scheduler signals a job, the job saves a
+checkpoint and exits, and is resumed later. The first SIGUSR1, SIGTERM or SIGINT sets a flag
+that the trainer checks after each step; a second SIGINT exits at once with code 130.
+Ranks agree through an all-reduce (MAX), so every rank saves the same step.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+from luban.errors import EXIT_INTERRUPTED
+
+
+class SuspendFlag:
+    """Installs the handlers on creation; ``requested`` turns true on the first signal."""
+
+    def __init__(self):
+        self.requested = False
+        self.reason = ""
+        self._sigints = 0
+        for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        if signum == signal.SIGINT:
+            self._sigints += 1
+            if self._sigints > 1:
+                os._exit(EXIT_INTERRUPTED)
+        self.requested = True
+        self.reason = signal.Signals(signum).name
+
+    def agreed(self) -> bool:
+        """True on every rank as soon as any rank was signalled."""
+        import torch
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return self.requested
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+        flag = torch.tensor([int(self.requested)], dtype=torch.int32, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())

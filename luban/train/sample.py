@@ -1,0 +1,62 @@
+"""Load the weights of any luban checkpoint into one process, and generate text from them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from luban.errors import LubanError
+from luban.model.config import ModelConfig
+from luban.model.transformer import Transformer, build_model
+from luban.train import checkpoint
+
+
+def checkpoint_dir(path: str) -> Path:
+    """A checkpoint directory, or a run directory (its newest valid checkpoint)."""
+    p = Path(path)
+    if (p / "checkpoints").is_dir():
+        found = checkpoint.latest_valid(p / "checkpoints")
+        if found is None:
+            raise LubanError(f"CHECKPOINT = {path!r}: the run has no valid checkpoint")
+        return found
+    if not (p / "meta.json").is_file():
+        raise LubanError(f"CHECKPOINT = {path!r}: not a checkpoint directory (no meta.json) nor a run directory")
+    problem = checkpoint.verify(p)
+    if problem:
+        raise LubanError(f"CHECKPOINT = {path!r}: not valid: {problem}")
+    return p
+
+
+def load_model(path: str) -> tuple[Transformer, dict]:
+    """Rebuild the model of a checkpoint written under any layout; returns (model, meta)."""
+    ckpt = checkpoint_dir(path)
+    meta = json.loads((ckpt / "meta.json").read_text())
+    cfg = ModelConfig(**meta["config"]["model"])
+    model = build_model(cfg)
+    state = {"model": model.state_dict()}
+    dcp.load(state, checkpoint_id=str(ckpt))
+    model.load_state_dict(state["model"])
+    return model.eval(), meta
+
+
+@torch.no_grad()
+def generate(model: Transformer, prompt: list[int], max_new_tokens: int, temperature: float = 0.8,
+             top_k: int = 40, seed: int = 0) -> list[int]:
+    """Autoregressive sampling with temperature and top-k (greedy when temperature is 0)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = list(prompt)
+    for _ in range(max_new_tokens):
+        context = torch.tensor([ids[-model.cfg.seq_len:]])
+        logits = model(context)[0, -1].float()
+        if temperature <= 0:
+            ids.append(int(logits.argmax()))
+            continue
+        logits = logits / temperature
+        if top_k:
+            kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        ids.append(int(torch.multinomial(logits.softmax(-1), 1, generator=gen)))
+    return ids

@@ -1,0 +1,185 @@
+"""The training loop: data → engine.forward_backward → engine.step, with metrics,
+validation, checkpoints and preemption. Layout-agnostic: everything parallel hides behind
+``luban.parallel.engine.Engine``.
+
+Exactness: the sample order is a function of (seed, global sample index) (``luban.data``),
+the learning rate a function of the step, parameters are initialised from (seed, name),
+and checkpoints restore model, optimizer, scaler, loader position and RNG; so N straight
+steps and any sequence of suspend/resume that adds up to N give bitwise-equal weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from luban.config import RunConfig
+from luban.errors import EXIT_SUSPENDED, LubanError, bad_value
+from luban.model import flops
+from luban.parallel.engine import Engine, OptimizerConfig, build_engine
+from luban.parallel.layout import check_layout
+from luban.train import checkpoint
+from luban.train.metrics import MetricsLogger
+from luban.train.peak import peak_flops
+from luban.train.preempt import SuspendFlag
+from luban.train.schedule import lr_at
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("LUBAN_CACHE", Path.home() / ".cache" / "luban"))
+
+
+def dataset_path(cfg: RunConfig) -> Path:
+    """The configured dataset, or the embedded default corpus (built on first use)."""
+    if cfg.data.path:
+        path = Path(cfg.data.path)
+        if not (path / "manifest.json").is_file():
+            raise bad_value("data.path", cfg.data.path, "no dataset there; build one with `luban data build`")
+        return path
+    from luban.data.build import ensure_default_dataset
+
+    return ensure_default_dataset(cache_dir() / "datasets" / "default-byte")
+
+
+def pick_device(choice: str) -> torch.device:
+    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise bad_value("run.device", choice, "no CUDA device here; use cpu or auto")
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+@dataclass
+class TrainResult:
+    step: int
+    suspended: bool
+    checkpoint: Path | None
+    final_loss: float | None
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig):
+        self.cfg = cfg
+        self.run_dir = Path(cfg.run.dir)
+        self.ckpt_root = self.run_dir / "checkpoints"
+        self.device = pick_device(cfg.run.device)
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        check_layout(cfg.parallel, cfg.model, cfg.train.global_batch, world, cfg.seq_len)
+        data_dir = dataset_path(cfg)
+        self._check_vocab(data_dir)
+        t = cfg.train
+        optim = OptimizerConfig(name=t.optimizer, weight_decay=t.weight_decay, betas=(t.beta1, t.beta2),
+                                momentum=t.momentum)
+        torch.manual_seed(t.seed)
+        self.engine: Engine = build_engine(cfg.model, cfg.parallel, optim, t.global_batch, t.seed, self.device)
+        self.is_main = self.engine.rank == 0
+        self.data_dir = data_dir
+        from luban.data.loader import TokenLoader
+
+        self.loader = TokenLoader(data_dir, split="train", seq_len=cfg.seq_len, global_batch=t.global_batch,
+                                  seed=t.seed, dp_rank=self.engine.dp_rank, dp_size=self.engine.dp_size,
+                                  prefetch=cfg.data.prefetch)
+        self.step = 0
+        self.model_flops = flops.flops_per_token(cfg.model, cfg.seq_len)
+        self.hw_flops = flops.flops_per_token(cfg.model, cfg.seq_len, recompute=cfg.parallel.recompute)
+
+    def _check_vocab(self, data_dir: Path) -> None:
+        from luban.data.tokenizer import load_tokenizer
+
+        vocab = load_tokenizer(data_dir).vocab_size
+        if vocab > self.cfg.model.vocab:
+            raise bad_value("model.vocab", self.cfg.model.vocab,
+                            f"must be >= the dataset's tokenizer vocabulary {vocab} ({data_dir})")
+
+    # -- checkpoints ---------------------------------------------------------------------
+    def meta(self) -> dict:
+        return {"step": self.step, "loader": self.loader.state_dict(), "config": self.cfg.to_dict(),
+                "world_size": self.engine.world_size, "layout": self.cfg.parallel.to_dict(),
+                "dataset": str(self.data_dir)}
+
+    def save(self) -> Path:
+        return checkpoint.save(self.ckpt_root, self.step, self.engine.state_dict(), self.meta(),
+                               self.cfg.train.keep_checkpoints)
+
+    def resume(self, resume: str) -> Path | None:
+        ckpt = checkpoint.resolve(resume, self.ckpt_root)
+        if ckpt is None:
+            return None
+        state = self.engine.state_dict()
+        meta = checkpoint.load(ckpt, state)
+        self.engine.load_state_dict(state)
+        if meta["config"]["model"] != self.cfg.model.to_dict():
+            raise LubanError(f"--resume: checkpoint {ckpt} holds a different model ([model] differs from the config)")
+        self.step = meta["step"]
+        self.loader.load_state_dict(meta["loader"])
+        return ckpt
+
+    # -- the loop ------------------------------------------------------------------------
+    def validate(self) -> float:
+        from luban.data.loader import val_batches
+
+        losses = [self.engine.eval_loss(x, y) for x, y in
+                  val_batches(self.data_dir, self.cfg.seq_len, self.cfg.train.global_batch,
+                              self.cfg.data.eval_batches, self.engine.dp_rank, self.engine.dp_size)]
+        return sum(losses) / max(1, len(losses))
+
+    def train(self, resume: str | None = None) -> TrainResult:
+        cfg, t = self.cfg, self.cfg.train
+        suspend = SuspendFlag()
+        log = MetricsLogger(self.run_dir, t.steps, cfg.run.tensorboard, cfg.run.progress, enabled=self.is_main)
+        if resume:
+            ckpt = self.resume(resume)
+            log.message(f"resumed from {ckpt} at step {self.step}" if ckpt else "no checkpoint found: starting fresh")
+        if self.is_main:
+            (self.run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
+        tokens_per_step = t.global_batch * cfg.seq_len
+        peak = peak_flops(self.device.type, cfg.parallel.precision) * self.engine.world_size
+        loss, saved = None, None
+        try:
+            while self.step < t.steps:
+                t0 = time.perf_counter()
+                tokens, labels = next(self.loader)
+                t1 = time.perf_counter()
+                loss = self.engine.forward_backward(tokens, labels)
+                memory = self.engine.memory_report()
+                t2 = time.perf_counter()
+                lr = lr_at(self.step, t.lr, t.min_lr, t.warmup_steps, t.steps)
+                grad_norm = self.engine.step(lr, t.grad_clip)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                t3 = time.perf_counter()
+                self.step += 1
+                record = {"step": self.step, "tokens": self.step * tokens_per_step, "loss": loss, "lr": lr,
+                          "grad_norm": grad_norm, "tokens_per_s": tokens_per_step / (t3 - t0),
+                          "tflops": tokens_per_step * self.model_flops / (t3 - t0) / 1e12,
+                          "mfu": tokens_per_step * self.model_flops / (t3 - t0) / peak,
+                          "hfu": tokens_per_step * self.hw_flops / (t3 - t0) / peak,
+                          "time_data_s": t1 - t0, "time_fwd_bwd_s": t2 - t1, "time_optimizer_s": t3 - t2,
+                          "time_step_s": t3 - t0, "peak_memory_bytes": peak_memory_bytes(self.device), **memory}
+                if t.eval_every and self.step % t.eval_every == 0:
+                    record["val_loss"] = self.validate()
+                if self.step % t.log_every == 0 or self.step == t.steps or "val_loss" in record:
+                    log.log(record)
+                stop = suspend.agreed()
+                if stop or (t.checkpoint_every and self.step % t.checkpoint_every == 0) or self.step == t.steps:
+                    saved = self.save()
+                if stop and self.step < t.steps:
+                    log.message(f"suspended on {suspend.reason or 'a peer rank signal'} at step {self.step}; "
+                                f"checkpoint {saved}; exit {EXIT_SUSPENDED} (resume with --resume auto)")
+                    return TrainResult(self.step, True, saved, loss)
+        finally:
+            self.loader.close()
+            log.close()
+        return TrainResult(self.step, False, saved, loss)
