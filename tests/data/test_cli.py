@@ -1,0 +1,82 @@
+"""``luban data build | verify | info`` end to end, as a user runs them (subprocesses)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def luban(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "luban", "data", *map(str, args)],
+                          capture_output=True, text=True, timeout=120, cwd=cwd)
+
+
+def assert_one_line_error(proc, *fragments):
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("luban: error: "), proc.stderr
+    for fragment in fragments:
+        assert fragment in lines[0]
+
+
+def test_build_info_verify_then_corruption(tmp_path, write_docs):
+    text = write_docs(tmp_path / "text")
+    out = tmp_path / "ds"
+    built = luban("build", text, "--out", out, "--shard-size-mb", "0.01", "--chunk-tokens", "256",
+                  "--val-fraction", "0.2", "--seed", "4")
+    assert built.returncode == 0, built.stderr
+    assert "24 files" in built.stdout and "train" in built.stdout
+    info = luban("info", out, "--json")
+    manifest = json.loads(info.stdout)
+    assert manifest["seed"] == 4 and manifest["splits"]["val"]["documents"] == 5
+    assert "tokenizer byte (vocab 257, eos 256)" in luban("info", out).stdout
+    verified = luban("verify", out)
+    assert verified.returncode == 0 and "verified" in verified.stdout
+
+    shard = out / manifest["splits"]["train"]["shards"][1]["file"]
+    data = bytearray(shard.read_bytes())
+    data[64 + 2 * 256 * 2 + 7] ^= 1  # a token byte in chunk 2
+    shard.write_bytes(bytes(data))
+    assert_one_line_error(luban("verify", out), f"{shard}: CRC mismatch in chunk 2 at byte offset "
+                          f"{64 + 2 * 256 * 2}")
+    shard.write_bytes(bytes(data[:100]))
+    assert_one_line_error(luban("verify", out), f"{shard}: truncated: 100 bytes",
+                          "at byte offset 100")
+
+
+def test_default_corpus_with_bpe(tmp_path):
+    out = tmp_path / "ds"
+    built = luban("build", "--out", out, "--tokenizer", "bpe", "--vocab-size", "400",
+                  "--max-bytes", "150000")
+    assert built.returncode == 0, built.stderr
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["source"]["kind"] == "default-corpus"
+    assert manifest["tokenizer"]["kind"] == "bpe" and (out / "tokenizer.json").is_file()
+    assert luban("verify", out).returncode == 0
+
+
+@pytest.mark.parametrize("args,fragments", [
+    (["--vocab-size", "lots", "--tokenizer", "bpe"], ["--vocab-size = 'lots'"]),
+    (["--tokenizer", "sentencepiece"], ["--tokenizer = 'sentencepiece'", "'byte', 'bpe'"]),
+    (["--val-fraction", "1.5"], ["--val-fraction = 1.5", "[0, 1)"]),
+    (["--shard-size-mb", "-1"], ["--shard-size-mb = -1.0"]),
+    (["--chunk-tokens", "0"], ["--chunk-tokens = '0'"]),
+    (["no/such/file.txt"], ["INPUTS = 'no/such/file.txt'"]),
+])
+def test_bad_build_input_is_one_line_exit_2(tmp_path, args, fragments):
+    assert_one_line_error(luban("build", "--out", tmp_path / "ds", *args), *fragments)
+    assert not (tmp_path / "ds" / "manifest.json").exists()
+
+
+def test_verify_and_info_of_a_non_dataset(tmp_path):
+    assert_one_line_error(luban("verify", tmp_path / "nope"), "dataset_dir = ", "nope")
+    assert_one_line_error(luban("info", tmp_path), "manifest.json: missing")
+
+
+@pytest.mark.parametrize("action", ["build", "verify", "info"])
+def test_help(action):
+    proc = luban(action, "--help")
+    assert proc.returncode == 0 and "usage: luban data " + action in proc.stdout
