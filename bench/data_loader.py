@@ -1,0 +1,75 @@
+"""Data-layer benchmark: build throughput and TokenLoader throughput from packed shards.
+
+Builds the default corpus (Python stdlib sources) with the byte and the BPE tokenizer, then
+reads it with ``TokenLoader`` with and without the prefetch thread, both as fast as possible
+and with a simulated training step (``--compute-ms`` of sleep, which like an accelerator step
+releases the GIL) so the overlap prefetching buys is visible. Prints a markdown table.
+
+    .venv/bin/python bench/data_loader.py [--max-bytes N] [--steps N] [--seq-len N] ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from luban.data.build import build_dataset
+from luban.data.loader import TokenLoader
+
+
+def bench_build(out: Path, max_bytes: int, tokenizer: str, vocab_size: int | None) -> str:
+    started = time.perf_counter()
+    manifest = build_dataset(None, out, tokenizer=tokenizer, vocab_size=vocab_size,
+                             max_bytes=max_bytes)
+    seconds = time.perf_counter() - started
+    size = manifest["source"]["bytes"]
+    tokens = sum(s["tokens"] for s in manifest["splits"].values())
+    name = tokenizer if vocab_size is None else f"{tokenizer} (vocab {vocab_size})"
+    return (f"| build, {name} | {size / 2**20:.1f} MiB text, {tokens:,} tokens | {seconds:.2f} s "
+            f"| {size / seconds / 2**20:.1f} MiB/s, {tokens / seconds / 1e6:.2f} M tokens/s |")
+
+
+def bench_loader(data: Path, args, prefetch: int, compute_ms: float) -> str:
+    with TokenLoader(data, seq_len=args.seq_len, global_batch=args.batch, prefetch=prefetch) as ld:
+        next(ld)  # start the thread / touch the first chunks
+        started = time.perf_counter()
+        for _ in range(args.steps):
+            tokens, _ = next(ld)
+            if compute_ms:
+                time.sleep(compute_ms / 1e3)
+        seconds = time.perf_counter() - started
+    rate = args.steps * tokens.numel() / seconds
+    ideal = f", ideal {tokens.numel() / (compute_ms / 1e3) / 1e6:.2f}" if compute_ms else ""
+    return (f"| loader, prefetch={prefetch}, step compute {compute_ms:g} ms | {args.steps} steps "
+            f"x [{args.batch}, {args.seq_len}] | {seconds:.2f} s | "
+            f"{rate / 1e6:.2f} M tokens/s{ideal} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--max-bytes", type=int, default=8 << 20, help="corpus cap (byte build)")
+    parser.add_argument("--bpe-max-bytes", type=int, default=2 << 20)
+    parser.add_argument("--bpe-vocab", type=int, default=8192)
+    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--compute-ms", type=float, default=2.0)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    rows = ["| what | size | time | throughput |", "| --- | --- | --- | --- |"]
+    with tempfile.TemporaryDirectory() as tmp:
+        data = Path(tmp) / "byte"
+        rows.append(bench_build(data, args.max_bytes, "byte", None))
+        rows.append(bench_build(Path(tmp) / "bpe", args.bpe_max_bytes, "bpe", args.bpe_vocab))
+        for compute_ms in (0.0, args.compute_ms):
+            for prefetch in (0, 2):
+                rows.append(bench_loader(data, args, prefetch, compute_ms))
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()
