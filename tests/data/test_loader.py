@@ -175,3 +175,15 @@ def test_missing_or_incomplete_dataset_dir(tmp_path):
         TokenLoader(tmp_path / "nowhere", seq_len=S, global_batch=B)
     with pytest.raises(LubanError, match="manifest.json: missing"):
         TokenLoader(tmp_path, seq_len=S, global_batch=B)
+
+
+def test_token_stream_concatenates_shards(small_dataset):
+    readers = open_split(small_dataset, load_manifest(small_dataset), "train")
+    whole = np.concatenate([r.read(0, r.tokens) for r in readers])
+    stream = TokenStream(readers)
+    assert len(readers) > 2 and stream.tokens == len(whole)
+    np.testing.assert_array_equal(stream.read(0, stream.tokens), whole)
+    edge = readers[0].tokens + readers[1].tokens
+    np.testing.assert_array_equal(stream.read(edge - 5, edge + 7), whole[edge - 5 : edge + 7])
+    np.testing.assert_array_equal(stream.read(3, 3 + readers[0].tokens + readers[1].tokens + 9),
+                                  whole[3 : 3 + readers[0].tokens + readers[1].tokens + 9])
