@@ -1,15 +1,12 @@
-"""Shared fixtures: small datasets built from generated and from real (stdlib) text."""
+"""Shared fixtures: a small dataset built from generated text, and the text generator."""
 
 from __future__ import annotations
 
 import shutil
 
 import pytest
-import torch
 
 from luban.data.build import build_dataset
-
-torch.set_num_threads(1)
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu ünïcødé 🙂".split()
 

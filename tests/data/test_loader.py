@@ -13,6 +13,7 @@ from luban.data.loader import TokenLoader, TokenStream, epoch_order, val_batches
 from luban.data.manifest import load_manifest, open_split
 from luban.errors import LubanError
 
+torch.set_num_threads(1)
 S, B = 64, 32
 
 
