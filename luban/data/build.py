@@ -11,6 +11,7 @@ leaves a directory that looks like a valid dataset.
 from __future__ import annotations
 
 import fcntl
+import os
 from dataclasses import asdict
 from pathlib import Path
 
@@ -118,6 +119,8 @@ def build_dataset(inputs=None, out_dir=".", *, tokenizer: str = "byte",
     unlimited for explicit inputs). Returns the manifest that was written.
     """
     _check_options(tokenizer, vocab_size, shard_size_mb, val_fraction, seed)
+    if isinstance(inputs, (str, os.PathLike)):
+        inputs = [inputs]
     if inputs:
         files = cap_files(collect_files(inputs), max_bytes)
         source = {"kind": "files", "max_bytes": max_bytes}

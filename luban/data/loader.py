@@ -134,6 +134,9 @@ class TokenLoader:
         self.split, self.seq_len, self.global_batch, self.seed = split, seq_len, global_batch, seed
         self.prefetch = prefetch
         stream = TokenStream(open_split(dataset_dir, load_manifest(dataset_dir), split))
+        if stream.tokens < 2:
+            raise bad_value("split", split, f"has {stream.tokens} tokens in {self.dataset_dir}; "
+                            "rebuild with more documents or another --val-fraction")
         if stream.tokens < seq_len + 1:
             raise bad_value("seq_len", seq_len,
                             f"at most {stream.tokens - 1}: split {split!r} of {self.dataset_dir} "

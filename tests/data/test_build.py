@@ -94,7 +94,7 @@ def test_ensure_default_dataset_builds_once_and_repairs(tmp_path, monkeypatch):
 
 def test_rebuild_removes_stale_shards(tmp_path, write_docs):
     text = write_docs(tmp_path / "text")
-    build_dataset([text], tmp_path / "ds", shard_size_mb=0.005, val_fraction=0)
+    build_dataset(str(text), tmp_path / "ds", shard_size_mb=0.005, val_fraction=0)  # one path
     many = sorted(p.name for p in (tmp_path / "ds").glob("*.bin"))
     build_dataset([text], tmp_path / "ds", val_fraction=0)
     assert len(many) > 1

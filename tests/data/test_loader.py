@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from luban.data.build import build_dataset
 from luban.data.loader import TokenLoader, TokenStream, epoch_order, val_batches
 from luban.data.manifest import load_manifest, open_split
 from luban.errors import LubanError
@@ -169,6 +170,12 @@ def test_bad_loader_arguments(small_dataset, kwargs, message):
     args = {"seq_len": S, "global_batch": B, **kwargs}
     with pytest.raises(LubanError, match=message):
         TokenLoader(small_dataset, **args)
+
+
+def test_empty_split_is_named(tmp_path, write_docs):
+    build_dataset([write_docs(tmp_path / "text", n_docs=1)], tmp_path / "ds")
+    with pytest.raises(LubanError, match="split = 'val': has 0 tokens in .*ds; rebuild"):
+        TokenLoader(tmp_path / "ds", split="val", seq_len=S, global_batch=B)
 
 
 def test_missing_or_incomplete_dataset_dir(tmp_path):
