@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from luban.errors import EXIT_SUSPENDED, LubanError, bad_value
+from luban.errors import EXIT_SUSPENDED, bad_value
 
 DEMO_CONFIG = Path(__file__).with_name("demo.toml")
 
@@ -16,7 +16,8 @@ def register(sub) -> None:
     p = sub.add_parser("train", help="train a model from a TOML config",
                        description="Train a model. Exit code 75 means suspended: resume with --resume auto.")
     _train_args(p)
-    p.add_argument("config", nargs="?", help="TOML config ([model] [data] [train] [parallel] [run])")
+    p.add_argument("config", nargs="?",
+                   help="TOML config ([model] [data] [train] [parallel] [run]); omitted: the defaults (docs/CONFIG.md)")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("demo", help="train the demo model on the embedded corpus, then print samples")
@@ -84,8 +85,6 @@ def _run_training(args) -> int:
 
 
 def cmd_train(args) -> int:
-    if args.config is None:
-        raise LubanError("CONFIG: missing; give a TOML file (see docs/CONFIG.md) or run `luban demo`")
     return _run_training(args)
 
 

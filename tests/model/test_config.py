@@ -1,0 +1,36 @@
+import pytest
+
+from luban.errors import LubanError
+from luban.model import ModelConfig, get_preset, preset_names
+
+
+def test_presets_build_and_validate():
+    names = preset_names()
+    for required in ("gpt2-124m", "gpt2-355m", "gpt2-774m", "gpt2-1.5b", "llama-1b", "llama-8b", "llama-70b",
+                     "llama-405b", "megatron-1.7b", "megatron-1t", "megatron-22b", "gpt3-175b", "turing-530b"):
+        assert required in names
+    assert get_preset("llama-8b").kv_heads == 8 and get_preset("llama-8b").ffn_hidden == 14336
+
+
+def test_from_dict_preset_overrides_rederive():
+    cfg = ModelConfig.from_dict({"preset": "gpt2-124m", "hidden": 1024, "heads": 16})
+    assert (cfg.head_dim, cfg.ffn_hidden, cfg.kv_heads) == (64, 4096, 16)
+    assert cfg.name == "gpt2-124m-custom"
+    llama = ModelConfig.from_dict({"arch": "llama", "hidden": 256, "heads": 8, "kv_heads": 2, "layers": 2})
+    assert (llama.norm, llama.activation, llama.position, llama.tie_embeddings) == ("rmsnorm", "swiglu", "rope", False)
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({"hidden": 100, "heads": 3}, "model.heads = 3: must divide hidden = 100"),
+    ({"heads": 12, "kv_heads": 5}, "model.kv_heads = 5: must divide heads = 12"),
+    ({"layers": -2}, "model.layers = -2: must be a positive integer"),
+    ({"hiden": 5}, "model.hiden: unknown key"),
+    ({"norm": "batchnorm"}, "model.norm = 'batchnorm': one of layernorm, rmsnorm"),
+    ({"hidden": "big"}, "model.hidden = 'big': must be of type int"),
+    ({"preset": "gpt5"}, "model.preset = 'gpt5': one of"),
+])
+def test_bad_model_config_names_key_value_and_rule(raw, message):
+    with pytest.raises(LubanError) as err:
+        ModelConfig.from_dict(raw)
+    assert str(err.value).startswith(message)
+    assert "\n" not in str(err.value)

@@ -1,0 +1,58 @@
+import pytest
+import torch
+
+from luban.model import get_preset
+from luban.model.transformer import build_model, init_weights, lm_loss
+
+
+def _grads(model, x):
+    model.zero_grad()
+    lm_loss(model(x), x).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-llama"])
+def test_recompute_modes_give_identical_gradients(name):
+    cfg = get_preset(name)
+    x = torch.randint(0, cfg.vocab, (2, 32), generator=torch.Generator().manual_seed(0))
+    model = build_model(cfg, seed=3)
+    ref = _grads(model, x)
+    for mode in ("full", "selective", "full:2"):
+        model.set_recompute(mode)
+        got = _grads(model, x)
+        assert all(torch.equal(ref[n], got[n]) for n in ref), mode
+    assert [b.recompute for b in model.layers.values()] == [True, False, True, False]
+
+
+def test_init_depends_only_on_seed_and_name():
+    cfg = get_preset("tiny-llama")
+    full = build_model(cfg, seed=7)
+    stage = build_model(cfg, seed=0)
+    del stage.layers["0"], stage.layers["1"]
+    stage.tok_emb = None
+    init_weights(stage, cfg, seed=7)
+    ref = dict(full.named_parameters())
+    for name, p in stage.named_parameters():
+        assert torch.equal(p, ref[name]), name
+    assert not torch.equal(build_model(cfg, seed=8).layers["2"].attn.wq.weight, ref["layers.2.attn.wq.weight"])
+
+
+def test_tied_embeddings_share_storage_and_positions_matter():
+    cfg = get_preset("tiny")
+    model = build_model(cfg)
+    assert model.lm_head.weight is model.tok_emb.weight
+    x = torch.randint(0, cfg.vocab, (1, 8))
+    a = model(x)
+    b = model(x, positions=torch.arange(8) + 3)
+    assert a.shape == (1, 8, cfg.vocab) and not torch.allclose(a, b)
+
+
+def test_gqa_matches_explicitly_repeated_heads():
+    cfg = get_preset("tiny-llama")  # 4 heads, 2 kv heads
+    q = torch.randn(1, 4, 6, 32)
+    k, v = torch.randn(1, 2, 6, 32), torch.randn(1, 2, 6, 32)
+    from luban.model.transformer import causal_attention
+
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True)
+    assert torch.allclose(causal_attention(q, k, v), ref)

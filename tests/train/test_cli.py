@@ -1,0 +1,77 @@
+"""The CLI end to end on a tiny model: metrics, sampling, export/import, one-line errors."""
+
+import json
+
+import pytest
+import torch
+
+from .conftest import assert_bitwise_equal, final_weights, luban
+
+METRIC_FIELDS = {"step", "tokens", "loss", "lr", "grad_norm", "tokens_per_s", "tflops", "mfu", "hfu",
+                 "time_data_s", "time_fwd_bwd_s", "time_optimizer_s", "time_step_s", "peak_memory_bytes",
+                 "param_bytes", "grad_bytes", "optimizer_bytes"}
+
+
+def _sets(overrides):
+    return sum((["--set", s] for s in overrides), [])
+
+
+def test_train_logs_metrics_and_learns_then_samples_exports_imports(tiny, tmp_path):
+    config = tmp_path / "c.toml"
+    config.write_text('[model]\npreset = "tiny"\n[train]\noptimizer = "adamw"\n')
+    proc = luban("train", config, *_sets(tiny(**{"train.steps": 30, "train.eval_every": 10,
+                                                 "run.tensorboard": "true"})), check=0)
+    assert "step 30/30" in proc.stdout
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    assert [r["step"] for r in records] == list(range(1, 31))
+    assert all(METRIC_FIELDS <= r.keys() for r in records)
+    assert [r["step"] for r in records if "val_loss" in r] == [10, 20, 30]
+    assert records[-1]["loss"] < records[0]["loss"] - 1.0  # it learns
+    assert 0 < records[-1]["mfu"] < 1.5 and records[-1]["tokens"] == 30 * 4 * 32
+    assert records[-1]["param_bytes"] == sum(p.numel() for p in
+                                             __import__("luban.model.transformer", fromlist=["x"]).build_model(
+                                                 __import__("luban.config", fromlist=["x"]).load_config(
+                                                     None, tiny()).model).parameters()) * 4
+    assert any((tmp_path / "run" / "tensorboard").iterdir())
+
+    out = luban("sample", tmp_path / "run", "--tokens", 40, "--samples", 2, "--prompt", "import ", check=0).stdout
+    assert out.count("--- sample") == 2 and "import " in out
+
+    luban("export", tmp_path / "run", "--format", "hf", tmp_path / "hf", check=0)
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
+    luban("import", tmp_path / "hf", tmp_path / "imported", check=0)
+    original = final_weights(tmp_path / "run")
+    assert_bitwise_equal(original, final_weights(tmp_path / "imported"))
+    from luban.train.sample import load_model
+
+    model, _ = load_model(str(tmp_path / "run"))
+    x = torch.randint(0, 257, (1, 16))
+    with torch.no_grad():
+        assert torch.allclose(model(x), hf(x).logits, atol=1e-5)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--set", "train.stepz=3"], "train.stepz: unknown key"),
+    (["--set", "train.steps=-4"], "train.steps = -4: must be positive"),
+    (["--set", "train.lr=\"fast\""], "train.lr = 'fast': must be of type float"),
+    (["--set", "model.heads=5"], "model.heads = 5: must divide hidden"),
+    (["--set", "data.path=\"/nonexistent/data\""], "data.path = '/nonexistent/data': no dataset there"),
+    (["--set", "parallel.tp=3"], "parallel.tp = 3: must divide heads"),
+    (["--set", "parallel.pipeline=2"], "parallel.pipeline: unknown key"),
+    (["--set", "train.global_batch=6", "--set", "parallel.micro_batch=4"], "train.global_batch = 6"),
+    (["--set", "model.vocab=100"], "model.vocab = 100: must be >= the dataset's tokenizer vocabulary 257"),
+    (["--set", "noequals"], "--set = 'noequals': expected section.key=value"),
+    (["/nonexistent.toml"], "CONFIG = '/nonexistent.toml': no such file"),
+])
+def test_bad_input_is_one_line_exit_2(tiny, args, needle):
+    proc = luban("train", *args, *_sets(tiny()))
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0] and lines[0].startswith("luban: error:"), proc.stderr
+
+
+def test_every_command_has_help():
+    for cmd in ("train", "demo", "sample", "export", "import", "data"):
+        proc = luban(cmd, "--help", check=0)
+        assert "usage: luban" in proc.stdout

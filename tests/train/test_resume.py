@@ -1,0 +1,115 @@
+"""Exact resume: straight runs and interrupted runs end bitwise equal; saves are atomic."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from luban.config import load_config
+from luban.errors import EXIT_SUSPENDED
+from luban.train import checkpoint
+from luban.train.preempt import SuspendFlag
+from luban.train.trainer import Trainer
+
+from .conftest import assert_bitwise_equal, final_weights, luban
+
+
+def _train(overrides, stop_at=None, resume=None, monkeypatch=None):
+    trainer = Trainer(load_config(None, overrides))
+    if stop_at is not None:
+        monkeypatch.setattr(SuspendFlag, "agreed", lambda self: trainer.step == stop_at)
+    return trainer.train(resume)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_half_then_resume_equals_straight(tiny, tmp_path, monkeypatch, optimizer):
+    extra = {"train.optimizer": f'"{optimizer}"', "train.momentum": 0.9 if optimizer == "sgd" else 0.0}
+    _train(tiny("straight", **extra))
+    first = _train(tiny("split", **extra), stop_at=4, monkeypatch=monkeypatch)
+    assert first.suspended and first.step == 4
+    monkeypatch.undo()
+    second = _train(tiny("split", **extra), resume="auto")
+    assert second.step == 8 and not second.suspended
+    assert_bitwise_equal(final_weights(tmp_path / "straight"), final_weights(tmp_path / "split"))
+    steps = [json.loads(line)["step"] for line in (tmp_path / "split" / "metrics.jsonl").open()]
+    assert steps == list(range(1, 9))
+
+
+def test_suspend_by_signal_k_times_is_bitwise_exact(tiny, tmp_path):
+    """SIGUSR1 at arbitrary moments, resume each time: same weights as one uninterrupted run."""
+    luban("train", "--resume", "auto", *sum((["--set", s] for s in tiny("straight", **{"train.steps": 12})), []),
+          check=0)
+    args = ["train", "--resume", "auto", *sum((["--set", s] for s in tiny("suspended", **{"train.steps": 12})), [])]
+    suspensions = 0
+    for wait_for_step in (2, 5, 9, None):
+        proc = subprocess.Popen([sys.executable, "-m", "luban", *args], stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+        if wait_for_step is not None:
+            for line in proc.stdout:
+                if line.startswith("step ") and int(line.split()[1].split("/")[0]) >= wait_for_step:
+                    proc.send_signal(signal.SIGUSR1)
+                    break
+        out = proc.communicate(timeout=300)[0]
+        if proc.returncode == EXIT_SUSPENDED:
+            suspensions += 1
+            assert "suspended on SIGUSR1" in out
+        else:
+            assert proc.returncode == 0, out
+            break
+    assert suspensions >= 2
+    assert_bitwise_equal(final_weights(tmp_path / "straight"), final_weights(tmp_path / "suspended"))
+
+
+def test_second_sigint_exits_at_once(tiny):
+    args = ["train", *sum((["--set", s] for s in tiny(**{"train.steps": 500})), [])]
+    proc = subprocess.Popen([sys.executable, "-m", "luban", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    for line in proc.stdout:
+        if line.startswith("step "):
+            break
+    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signal.SIGINT)
+    proc.communicate(timeout=60)
+    assert proc.returncode == 130
+
+
+def test_crash_during_save_keeps_previous_checkpoint(tiny, tmp_path, monkeypatch):
+    overrides = tiny(**{"train.checkpoint_every": 4})
+    _train(overrides)
+    root = tmp_path / "run" / "checkpoints"
+    assert [p.name for p in checkpoint.step_dirs(root)] == ["step_0000008", "step_0000004"]
+
+    def killed(_):
+        raise KeyboardInterrupt("killed while writing the manifest")
+
+    trainer = Trainer(load_config(None, overrides + ["train.steps=9"]))
+    trainer.resume("auto")
+    trainer.step = 9
+    monkeypatch.setattr(checkpoint, "write_manifest", killed)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.save()
+    assert (root / ".tmp-step_0000009").is_dir()
+    assert checkpoint.latest_valid(root).name == "step_0000008"
+
+    # a damaged newest checkpoint is skipped by --resume auto
+    victim = next((root / "step_0000008").glob("*.distcp"))
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    assert "CRC32" in checkpoint.verify(root / "step_0000008")
+    assert checkpoint.latest_valid(root).name == "step_0000004"
+
+
+def test_keep_last_k(tiny, tmp_path):
+    _train(tiny(**{"train.checkpoint_every": 2, "train.keep_checkpoints": 2}))
+    names = [p.name for p in checkpoint.step_dirs(tmp_path / "run" / "checkpoints")]
+    assert names == ["step_0000008", "step_0000006"]
+    assert not any(p.name.startswith(".tmp") for p in (tmp_path / "run" / "checkpoints").iterdir())
+
+
+def test_resume_explicit_bad_directory_is_one_line_error(tiny, tmp_path):
+    proc = luban("train", "--resume", tmp_path / "nope", *sum((["--set", s] for s in tiny()), []))
+    assert proc.returncode == 2 and "--resume" in proc.stderr and "Traceback" not in proc.stderr
