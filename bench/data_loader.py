@@ -1,7 +1,7 @@
 """Data-layer benchmark: build throughput and TokenLoader throughput from packed shards.
 
-Builds the default corpus (Python stdlib sources) with the byte and the BPE tokenizer, then
-reads it with ``TokenLoader`` with and without the prefetch thread, both as fast as possible
+Builds the default corpus (Python stdlib sources) with the byte and the BPE tokenizer, checks
+every CRC of the byte build, then reads it with ``TokenLoader`` with and without the prefetch thread, both as fast as possible
 and with a simulated training step (``--compute-ms`` of sleep, which like an accelerator step
 releases the GIL) so the overlap prefetching buys is visible. Prints a markdown table.
 
@@ -19,6 +19,7 @@ import torch
 
 from luban.data.build import build_dataset
 from luban.data.loader import TokenLoader
+from luban.data.manifest import open_dataset
 
 
 def bench_build(out: Path, max_bytes: int, tokenizer: str, vocab_size: int | None) -> str:
@@ -31,6 +32,18 @@ def bench_build(out: Path, max_bytes: int, tokenizer: str, vocab_size: int | Non
     name = tokenizer if vocab_size is None else f"{tokenizer} (vocab {vocab_size})"
     return (f"| build, {name} | {size / 2**20:.1f} MiB text, {tokens:,} tokens | {seconds:.2f} s "
             f"| {size / seconds / 2**20:.1f} MiB/s, {tokens / seconds / 1e6:.2f} M tokens/s |")
+
+
+def bench_verify(data: Path) -> str:
+    started = time.perf_counter()
+    _, splits = open_dataset(data)
+    size = 0
+    for reader in (r for readers in splits.values() for r in readers):
+        reader.verify()
+        size += reader.size
+    seconds = time.perf_counter() - started
+    return (f"| verify (open + every chunk CRC) | {size / 2**20:.1f} MiB of shards | "
+            f"{seconds:.3f} s | {size / seconds / 2**20:.0f} MiB/s |")
 
 
 def bench_loader(data: Path, args, prefetch: int, compute_ms: float) -> str:
@@ -65,6 +78,7 @@ def main() -> None:
         data = Path(tmp) / "byte"
         rows.append(bench_build(data, args.max_bytes, "byte", None))
         rows.append(bench_build(Path(tmp) / "bpe", args.bpe_max_bytes, "bpe", args.bpe_vocab))
+        rows.append(bench_verify(data))
         for compute_ms in (0.0, args.compute_ms):
             for prefetch in (0, 2):
                 rows.append(bench_loader(data, args, prefetch, compute_ms))
