@@ -1,0 +1,1 @@
+"""The planner: estimate, search and validate parallel layouts analytically (docs/planner.md)."""

@@ -1,0 +1,152 @@
+"""``evaluate`` (arrays of layouts) and ``Estimate`` (one layout): memory, time, throughput, cost.
+
+Definitions (docs/planner.md):
+* MFU = model FLOPs per token × tokens/s ÷ (GPUs × peak FLOP/s of the precision). Model FLOPs
+  come from ``luban.model.flops.flops_per_token(cfg, seq)``: 6 FLOPs per weight per token plus
+  the full (non-causal) s×s attention products, as Megatron-LM and PaLM count them; no recompute.
+* HFU: the same with the layout's recompute FLOPs added (full: one more forward of the
+  recomputed layers; selective: the attention core again). ``tflops_per_gpu`` is HFU's
+  numerator per GPU, the quantity of Narayanan et al. 2021 Table 1 (their Eq. 3).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from luban.model.config import ModelConfig
+from luban.parallel.layout import ParallelLayout, check_layout
+from luban.plan.grid import FULL, SELECTIVE, Grid
+from luban.plan.memory import memory, recomputed_share
+from luban.plan.problem import Problem
+from luban.plan.system import System, load_system
+from luban.plan.time import peak_flops, step_time
+
+MEMORY_KEYS = ("weights", "gradients", "optimizer", "activations", "other", "total")
+
+
+def evaluate(problem: Problem, g: Grid) -> dict:
+    """Every figure of the estimate for every layout in ``g`` (broadcast arrays)."""
+    mem = memory(problem, g)
+    times = step_time(problem, g, mem)
+    d = problem.derived
+    hardware_extra = np.where(g.recompute == FULL, recomputed_share(problem, g) * d["full_extra"],
+                              np.where(g.recompute == SELECTIVE, d["selective_extra"], 0.0))
+    tokens_per_s = problem.global_batch * problem.seq / times["step"]
+    peak = problem.gpus * peak_flops(problem, g)
+    model_flops = d["model_flops_per_token"] * tokens_per_s
+    hardware_flops = (d["model_flops_per_token"] + hardware_extra) * tokens_per_s
+    return {"memory": mem, "time": times, "tokens_per_s": tokens_per_s, "mfu": model_flops / peak,
+            "hfu": hardware_flops / peak, "tflops_per_gpu": hardware_flops / problem.gpus / 1e12}
+
+
+@dataclass
+class Estimate:
+    """The plan for one layout. Bytes are per GPU on the fuller pipeline rank (``rank``)."""
+
+    layout: ParallelLayout
+    model: str
+    system: str
+    gpus: int
+    seq: int
+    global_batch: int
+    runtime: str
+    optimizer: str
+    fits: bool
+    memory_bytes: dict
+    host_bytes: float
+    param_bytes: float  # this rank's weights wherever they live (GPU, or host when offloaded)
+    grad_bytes: float
+    optimizer_bytes: float
+    activation_bytes_per_microbatch: float
+    rank: int
+    microbatches: int
+    in_flight: float
+    step_time_s: float
+    time_breakdown_s: dict
+    dp_hidden_s: float
+    tokens_per_s: float
+    mfu: float
+    hfu: float
+    tflops_per_gpu: float
+    hbm_bytes: float
+    train_tokens: float = 0.0
+    price_per_gpu_hour: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_results(cls, problem: Problem, g: Grid, results: dict, index=(), **cost) -> "Estimate":
+        shape = g.shape
+
+        def at(arr):
+            return np.broadcast_to(arr, shape)[index].item()
+
+        mem, times = results["memory"], results["time"]
+        return cls(
+            layout=g.layout(index), model=problem.model.name, system=problem.system.name, gpus=problem.gpus,
+            seq=problem.seq, global_batch=problem.global_batch, runtime=problem.runtime, optimizer=problem.optimizer,
+            fits=bool(at(mem["fits"])), memory_bytes={k: at(mem[k]) for k in MEMORY_KEYS}, host_bytes=at(mem["host"]),
+            param_bytes=at(mem["weights_total"]), grad_bytes=at(mem["gradients"]),
+            optimizer_bytes=at(mem["optimizer_total"]),
+            activation_bytes_per_microbatch=at(mem["activation_per_microbatch"]), rank=int(at(mem["rank"])),
+            microbatches=int(at(mem["microbatches"])), in_flight=at(mem["in_flight"]),
+            step_time_s=at(times["step"]), time_breakdown_s={k: at(v) for k, v in times["parts"].items()},
+            dp_hidden_s=at(times["dp_hidden"]), tokens_per_s=at(results["tokens_per_s"]), mfu=at(results["mfu"]),
+            hfu=at(results["hfu"]), tflops_per_gpu=at(results["tflops_per_gpu"]), hbm_bytes=problem.system.hbm_bytes,
+            extra={"buffers": at(mem["buffers"]), "fits_hbm": bool(at(mem["fits_hbm"])),
+                   "fits_host": bool(at(mem["fits_host"])), "first_params": at(mem["first_params"]),
+                   "last_params": at(mem["last_params"])},
+            **cost)
+
+    @property
+    def train_time_s(self) -> float:
+        return self.train_tokens / self.tokens_per_s if self.train_tokens else 0.0
+
+    @property
+    def gpu_hours(self) -> float:
+        return self.train_time_s * self.gpus / 3600
+
+    @property
+    def cost(self) -> float:
+        return self.gpu_hours * self.price_per_gpu_hour
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["layout"] = self.layout.to_dict()
+        d.update(train_time_s=self.train_time_s, gpu_hours=self.gpu_hours, cost=self.cost)
+        return d
+
+    def toml_block(self) -> str:
+        """A ready-to-paste ``[parallel]`` section."""
+        lines = ["[parallel]"]
+        for key, value in self.layout.to_dict().items():
+            if key in ("pp_split", "mesh_order", "loss_scale", "dp_replicate") and value == getattr(ParallelLayout(), key):
+                continue
+            if key == "pp_split":
+                value = list(value)
+            lines.append(f"{key} = {_toml(value)}")
+        return "\n".join(lines)
+
+
+def _toml(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return f'"{value}"'
+    return str(value)
+
+
+def estimate(model: ModelConfig, system: "System | str", layout: ParallelLayout, *, global_batch: int,
+             seq: int | None = None, gpus: int | None = None, runtime: str = "megatron", optimizer: str = "adamw",
+             train_tokens: float = 0.0, price_per_gpu_hour: float = 0.0, check: bool = True) -> Estimate:
+    """Estimate one layout; ``check_layout`` rejects an invalid one with a ``LubanError``."""
+    seq = model.seq_len if seq is None else seq
+    gpus = layout.world_size if gpus is None else gpus
+    if check:
+        check_layout(layout, model, global_batch, gpus, seq)
+    problem = Problem(model, load_system(system), gpus, seq, global_batch, runtime, optimizer)
+    g = Grid.from_layout(layout)
+    return Estimate.from_results(problem, g, evaluate(problem, g), train_tokens=train_tokens,
+                                 price_per_gpu_hour=price_per_gpu_hour)

@@ -1,0 +1,116 @@
+"""``search``: every layout for a model, system and GPU count, estimated at once with numpy.
+
+The candidates form a broadcast ``Grid``: axis 0 holds the (dp, tp, pp, cp, schedule,
+virtual_stages) combinations whose product is the GPU count (pp = 1 only with 1f1b); the
+other axes are zero stage, sequence parallel, micro-batch, recompute and offload. Quantities
+that depend on few knobs are computed once per combination of those knobs, so the cost per
+layout is a handful of array operations. Each layout is then checked with ``rules`` (the
+vectorised ``check_layout``) and the memory limits; the rejections are counted per reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from luban.parallel.layout import PRECISIONS, SCHEDULES, _divisors
+from luban.plan.estimate import Estimate, evaluate
+from luban.plan.grid import DUALPIPEV, GPIPE, INTERLEAVED, ONE_F_ONE_B, ZERO_BUBBLE, Grid
+from luban.plan.problem import Problem
+from luban.plan.rules import NO_GPU_MEMORY, NO_HOST_MEMORY, REASONS, first_violation
+
+VIRTUAL_STAGES = (2, 3, 4, 6, 8)
+
+
+@dataclass
+class SearchResult:
+    problem: Problem
+    evaluated: int
+    seconds: float
+    rejected: dict  # reason -> count
+    valid: int
+    best: list  # Estimates, fastest first
+
+    @property
+    def rate(self) -> float:
+        return self.evaluated / self.seconds if self.seconds > 0 else float("inf")
+
+
+def candidate_grid(problem: Problem, precision: str = "bf16", micro_batches=None, schedules=SCHEDULES,
+                   recomputes=(0, 1, 2), offloads=(0, 1, 2), zeros=(0, 1, 2, 3)) -> Grid:
+    """All knob combinations for ``problem.gpus`` GPUs as a broadcast grid (see module doc)."""
+    n = problem.gpus
+    divs = _divisors(n)
+    rows = []
+    for tp in divs:
+        for pp in divs:
+            for cp in divs:
+                if n % (tp * pp * cp):
+                    continue
+                dp = n // (tp * pp * cp)
+                for sched, v in _schedules(pp, schedules):
+                    rows.append((dp, tp, pp, cp, sched, v))
+    a = np.array(rows, dtype=np.int64).T
+    if micro_batches is None:
+        micro_batches = [b for b in _divisors(problem.global_batch) if b <= 64]
+
+    def axis(values, k):
+        shape = [1] * 6
+        shape[k] = len(values)
+        return np.asarray(values).reshape(shape)
+
+    col = [x.reshape(-1, 1, 1, 1, 1, 1) for x in a]
+    return Grid(dp=col[0], tp=col[1], pp=col[2], cp=col[3], schedule=col[4], virtual_stages=col[5],
+                zero=axis(zeros, 1), sp=axis([False, True], 2), micro_batch=axis(micro_batches, 3),
+                recompute=axis(recomputes, 4), offload=axis(offloads, 5),
+                precision=np.array(PRECISIONS.index(precision)))
+
+
+def _schedules(pp: int, allowed) -> list:
+    if pp == 1:
+        return [(ONE_F_ONE_B, 1)]
+    names = {GPIPE: [1], ONE_F_ONE_B: [1], INTERLEAVED: list(VIRTUAL_STAGES), ZERO_BUBBLE: [2], DUALPIPEV: [2]}
+    return [(code, v) for code, vs in names.items() if SCHEDULES[code] in allowed for v in vs]
+
+
+def search(problem: Problem, top: int = 5, chunk: int = 1 << 17, **grid_options) -> SearchResult:
+    """Estimate every candidate layout; keep the ``top`` fastest that are valid and fit.
+
+    Axis 0 of the grid is processed ``chunk`` layouts at a time to stay within the CPU caches."""
+    start = time.perf_counter()
+    g = candidate_grid(problem, **grid_options)
+    rows = g.shape[0]
+    step = max(1, chunk // max(1, int(np.prod(g.shape[1:]))))
+    counts = np.zeros(len(REASONS), dtype=np.int64)
+    best: list = []
+    for lo in range(0, rows, step):
+        part = _rows(g, slice(lo, lo + step))
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            results = evaluate(problem, part)
+            mem = results["memory"]
+            codes = first_violation(part, problem.model, problem.global_batch, problem.gpus, problem.seq,
+                                    extra=(~mem["fits_hbm"], ~mem["fits_host"]))
+        codes = np.broadcast_to(codes, part.shape).ravel()
+        counts += np.bincount(codes, minlength=len(REASONS))
+        speed = np.broadcast_to(results["tokens_per_s"], part.shape).ravel()
+        valid = np.flatnonzero(codes == 0)
+        keep = valid[np.argsort(-speed[valid], kind="stable")[:top]]
+        best += [Estimate.from_results(problem, part, results, np.unravel_index(i, part.shape)) for i in keep]
+    best = sorted(best, key=lambda e: -e.tokens_per_s)[:top]
+    seconds = time.perf_counter() - start
+    rejected = {REASONS[k]: int(c) for k, c in enumerate(counts) if k and c}
+    return SearchResult(problem, int(counts.sum()), seconds, rejected, int(counts[0]), best)
+
+
+def _rows(g: Grid, rows: slice) -> Grid:
+    """The grid restricted to some entries of axis 0."""
+    n = g.shape[0]
+    return Grid(**{f.name: (v[rows] if v is not None and np.ndim(v) and np.shape(v)[0] == n else v)
+                   for f in dataclasses.fields(g) for v in [getattr(g, f.name)]})
+
+
+def memory_rejections(result: SearchResult) -> int:
+    return result.rejected.get(REASONS[NO_GPU_MEMORY], 0) + result.rejected.get(REASONS[NO_HOST_MEMORY], 0)

@@ -1,0 +1,142 @@
+"""Step time: compute at size-dependent efficiency, collectives, pipeline bubble, DP, optimizer.
+
+All functions take a ``Problem``, a ``Grid`` and the ``memory`` dict and return broadcast numpy
+arrays of seconds. Ranks are laid out pp,dp,cp,tp (tensor parallel innermost): a group of n
+ranks at stride k stays inside an NVLink domain when n·k <= the domain size.
+Equations and sources: docs/planner.md.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from luban.plan.grid import DUALPIPEV, FULL, GPIPE, INTERLEAVED, ONE_F_ONE_B, SELECTIVE, ZERO_BUBBLE, Grid
+from luban.plan.memory import activation_bytes, param_bytes, rank_layers, recomputed_share
+from luban.plan.problem import Problem
+
+ALL_REDUCE, GATHER, P2P = "all-reduce", "all-gather", "p2p"
+
+
+def collective(problem: Problem, nbytes, n, intra, kind: str):
+    """Seconds for a ring collective over ``n`` ranks of a ``nbytes`` buffer.
+
+    Ring all-reduce moves 2(n−1)/n·M per rank in 2(n−1) steps; all-gather and reduce-scatter
+    (n−1)/n·M in n−1 steps; a point-to-point send M in 1 step (Thakur et al. 2005; NCCL docs).
+    """
+    s = problem.system
+    factor, steps = {ALL_REDUCE: (2 * (n - 1) / n, 2 * (n - 1)), GATHER: ((n - 1) / n, n - 1),
+                     P2P: (np.ones_like(n, dtype=float), np.ones_like(n))}[kind]
+    bandwidth = np.where(intra, s.nvlink_bandwidth, s.internode_bandwidth)
+    latency = np.where(intra, s.nvlink_latency, s.internode_latency)
+    seconds = steps * latency + factor * nbytes / (bandwidth * s.collective_efficiency(nbytes))
+    return np.where(n > 1, seconds, 0.0)
+
+
+def compute_seconds(problem: Problem, flops, size, precision_peak):
+    return flops / (precision_peak * problem.system.matmul_efficiency(size))
+
+
+def peak_flops(problem: Problem, g: Grid):
+    from luban.parallel.layout import PRECISIONS
+
+    peaks = np.array([problem.system.peak(p) for p in PRECISIONS])
+    return peaks[g.precision]
+
+
+def step_time(problem: Problem, g: Grid, mem: dict) -> dict:
+    s, d, cfg = problem.system, problem.derived, problem.model
+    t, c, p, v, dp = g.tp, g.cp, g.pp, g.virtual_stages, g.dp
+    m = mem["microbatches"]
+    tokens = g.micro_batch * problem.seq / c
+    peak = peak_flops(problem, g)
+    hbm = s.hbm_bandwidth * s.efficiency["hbm_efficiency"]
+    traffic = s.efficiency["elementwise_traffic"]
+    act = activation_bytes(problem, g)
+    n = rank_layers(problem, g)
+
+    # one layer, one micro-batch, forward (backward = 2x: input and weight gradients)
+    mm_flops = tokens * d["layer_matmul_flops"] / t
+    mm = compute_seconds(problem, mm_flops, mm_flops / 4, peak)
+    attn_flops = tokens * d["attention_flops"] / t
+    attn = compute_seconds(problem, attn_flops, attn_flops / 2, peak)
+    elementwise = traffic * act["none"] * tokens / hbm
+    layer_fwd = mm + attn + elementwise
+    head_flops = tokens * d["head_flops"] / t
+    head_fwd = compute_seconds(problem, head_flops, head_flops, peak) + traffic * 4.0 * cfg.vocab / t * tokens / hbm
+
+    # tensor (+ sequence) parallel: 2 all-reduces (or all-gather + reduce-scatter pairs) each way
+    msg = tokens * cfg.hidden * act["e"]
+    tp_one = 2 * collective(problem, msg, t, t <= s.nvlink_domain, ALL_REDUCE)
+    # context parallel: ring exchange of K and V chunks, hidden behind the attention core
+    kv_msg = 2 * tokens * cfg.kv_dim * act["e"] / t
+    cp_intra = t * c <= s.nvlink_domain
+    cp_fwd = np.maximum(0.0, (c - 1) * collective(problem, kv_msg, c, cp_intra, P2P) - attn)
+    cp_bwd = np.maximum(0.0, (c - 1) * collective(problem, 2 * kv_msg, c, cp_intra, P2P) - 2 * attn)
+
+    share = recomputed_share(problem, g)
+    selective_redo = attn + traffic * (act["none"] - act["selective"]) * tokens / hbm
+    recompute = np.where(g.recompute == FULL, share * layer_fwd, np.where(g.recompute == SELECTIVE, selective_redo, 0.0))
+    comm_redo = np.where(g.recompute == FULL, share * (tp_one + cp_fwd), 0.0)
+
+    fwd = n * layer_fwd + head_fwd
+    bwd = 2 * fwd
+    rc = n * recompute
+    tp_mb = n * (2 * tp_one + np.where(g.recompute == FULL, share * tp_one, 0.0))
+    cp_mb = n * (cp_fwd + cp_bwd + np.where(g.recompute == FULL, share * cp_fwd, 0.0))
+    F = fwd + n * (tp_one + cp_fwd)
+    B = bwd + rc + n * (tp_one + cp_bwd + comm_redo)
+    W = n * mm + head_fwd  # weight-gradient GEMMs, deferrable by zero-bubble schedules
+
+    bubble = pipeline_bubble(g, F, B, W)
+    pp_msg = msg / t
+    pp_intra = t * c * dp * p <= s.nvlink_domain
+    pp_comm = np.where(p > 1, 2 * (m * v + p - 1) * collective(problem, pp_msg, 2 * np.ones_like(p), pp_intra, P2P),
+                       0.0) * (1 - s.efficiency["pp_overlap"])
+
+    # data parallel (ZeRO Sec. 7: stages 0-2 move 2Ψ per step, stage 3 3Ψ per micro-batch pass)
+    wb, gb, ob = param_bytes(problem.runtime, problem.optimizer_states, g.precision)
+    params = mem["params"]
+    dp_intra = t * c * dp <= s.nvlink_domain
+    grads = params * gb
+    reduce = np.where(g.zero == 0, collective(problem, grads, dp, dp_intra, ALL_REDUCE),
+                      collective(problem, grads, dp, dp_intra, GATHER) + collective(problem, params * wb, dp, dp_intra, GATHER))
+    zero3 = m * (2 * collective(problem, params * wb, dp, dp_intra, GATHER) + collective(problem, grads, dp, dp_intra, GATHER))
+    busy = m * (F + B)
+    hidden = np.where(g.zero >= 3, np.minimum(zero3, s.efficiency["zero3_overlap"] * busy),
+                      np.minimum(reduce, s.efficiency["dp_overlap"] * B))
+    dp_total = np.where(g.zero >= 3, zero3, reduce)
+
+    # optimizer step: memory-bound over the local shard (on the host when offloaded)
+    shards = dp // g.dp_replicate
+    shard = params / np.where(g.zero >= 1, shards, 1)
+    offloaded = g.offload >= 1
+    host_bw = s.host_bandwidth / s.gpus_per_node
+    optimizer = np.where(offloaded, 2 * shard * (ob + gb) / host_bw, 2 * shard * (wb + gb + ob) / hbm)
+    link = s.host_link_bandwidth
+    fetch = np.where(g.offload == 2, m * 2 * params / shards * wb / link, 0.0)
+    offload = np.where(offloaded, shard * (gb + wb) / link, 0.0) + np.maximum(0.0, fetch - s.efficiency["zero3_overlap"] * busy)
+
+    parts = {"forward": m * fwd, "backward": m * bwd, "recompute": m * rc, "tp_comm": m * tp_mb, "cp_comm": m * cp_mb,
+             "pp_p2p": pp_comm, "pipeline_bubble": bubble, "dp_comm": dp_total - hidden, "optimizer": optimizer,
+             "offload": offload}
+    step = sum(parts.values())
+    return {"parts": parts, "step": step, "dp_hidden": hidden, "F": F, "B": B, "W": W}
+
+
+def pipeline_bubble(g: Grid, F, B, W):
+    """Idle time of the slowest rank per step; F, B, W are one micro-batch on one rank.
+
+    GPipe and 1F1B: (p−1)(F+B), the fraction (p−1)/m of Narayanan et al. 2021 Sec. 2.2;
+    interleaved: (p−1)(F+B)/v; zero-bubble (Qi et al. 2023, ZB-H2 per chunk of a V schedule):
+    (p−1)·max(0, F + B_in − 2W)/v with B_in = B − W; DualPipeV (DeepSeek-V3 report, Table 2):
+    (p/2−1)·(F&B + B_in − 3W) per chunk of half a rank's layers, F&B = F + B_in + W.
+    """
+    p, v = g.pp, g.virtual_stages
+    b_in = B - W
+    flush = (p - 1) * (F + B)
+    bubble = np.where((g.schedule == GPIPE) | (g.schedule == ONE_F_ONE_B), flush, 0.0)
+    bubble = np.where(g.schedule == INTERLEAVED, flush / v, bubble)
+    bubble = np.where(g.schedule == ZERO_BUBBLE, (p - 1) * np.maximum(0.0, F + b_in - 2 * W) / v, bubble)
+    dual = np.maximum(0.0, p / 2 - 1) * np.maximum(0.0, (F + b_in + W) / 2 + b_in / 2 - 3 * W / 2)
+    bubble = np.where(g.schedule == DUALPIPEV, dual, bubble)
+    return np.where(p > 1, bubble, 0.0)
