@@ -80,6 +80,13 @@ class _BatchMaker:
                 torch.from_numpy(np.ascontiguousarray(windows[:, 1:])))
 
 
+def _integer(key: str, value, minimum: int) -> int:
+    """``value`` as an int >= ``minimum`` (numpy integers accepted), else a ``LubanError``."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise bad_value(key, value, f"an integer >= {minimum}")
+    return int(value)
+
+
 class _Failure:
     """An exception raised in the prefetch thread, carried to the caller."""
 
@@ -117,18 +124,14 @@ class TokenLoader:
     def __init__(self, dataset_dir, split: str = "train", seq_len: int = 1024,
                  global_batch: int = 8, seed: int = 0, dp_rank: int = 0, dp_size: int = 1,
                  prefetch: int = 2):
-        for key, value in (("seq_len", seq_len), ("global_batch", global_batch),
-                           ("dp_size", dp_size)):
-            if not isinstance(value, int) or value < 1:
-                raise bad_value(key, value, "an integer >= 1")
-        if not isinstance(seed, int) or seed < 0:
-            raise bad_value("seed", seed, "an integer >= 0")
-        if not isinstance(prefetch, int) or prefetch < 0:
-            raise bad_value("prefetch", prefetch, "an integer >= 0 (0: no background thread)")
+        seq_len, global_batch, dp_size = (_integer(k, v, 1) for k, v in (
+            ("seq_len", seq_len), ("global_batch", global_batch), ("dp_size", dp_size)))
+        seed, prefetch = _integer("seed", seed, 0), _integer("prefetch", prefetch, 0)
         if global_batch % dp_size:
             raise bad_value("global_batch", global_batch,
                             f"a multiple of dp_size = {dp_size} (each rank takes an equal slice)")
-        if not isinstance(dp_rank, int) or not 0 <= dp_rank < dp_size:
+        dp_rank = _integer("dp_rank", dp_rank, 0)
+        if dp_rank >= dp_size:
             raise bad_value("dp_rank", dp_rank, f"an integer in [0, dp_size = {dp_size})")
         self.dataset_dir = Path(dataset_dir)
         self.split, self.seq_len, self.global_batch, self.seed = split, seq_len, global_batch, seed
@@ -204,9 +207,8 @@ class TokenLoader:
                 raise bad_value(f"loader state_dict[{key!r}]", state[key],
                                 f"must equal this loader's {getattr(self, key)!r} to resume "
                                 "the same sample sequence")
-        consumed = state.get("consumed_samples")
-        if not isinstance(consumed, int) or consumed < 0:
-            raise bad_value("loader state_dict['consumed_samples']", consumed, "an integer >= 0")
+        consumed = _integer("loader state_dict['consumed_samples']",
+                            state.get("consumed_samples"), 0)
         self._stop_thread()
         self.consumed_samples = consumed
 
@@ -229,8 +231,7 @@ def val_batches(dataset_dir, seq_len: int, global_batch: int, num_batches: int,
     If the val split has fewer than ``num_batches * global_batch`` samples, the sequence
     wraps into the next (differently shuffled) epoch.
     """
-    if not isinstance(num_batches, int) or num_batches < 0:
-        raise bad_value("num_batches", num_batches, "an integer >= 0")
+    num_batches = _integer("num_batches", num_batches, 0)
     with TokenLoader(dataset_dir, split="val", seq_len=seq_len, global_batch=global_batch,
                      seed=0, dp_rank=dp_rank, dp_size=dp_size, prefetch=0) as loader:
         for _ in range(num_batches):

@@ -60,7 +60,7 @@ def test_an_epoch_visits_every_sample_once(small_dataset):
 
 
 def test_deterministic_and_seed_dependent(small_dataset):
-    a, b = run(small_dataset, 3, seed=1), run(small_dataset, 3, seed=1, prefetch=0)
+    a, b = run(small_dataset, 3, seed=1), run(small_dataset, 3, seed=np.int64(1), prefetch=0)
     assert_same(a, b)
     c = run(small_dataset, 3, seed=2)
     assert not torch.equal(a[0][0], c[0][0])
@@ -164,7 +164,8 @@ def test_val_batches_are_fixed(small_dataset):
     ({"seq_len": 10**6}, "seq_len = 1000000: at most 26492: split 'train' of .* has only"),
     ({"seq_len": 0}, "seq_len = 0: an integer >= 1"),
     ({"split": "test"}, r"split = 'test': one of \['train', 'val'\]"),
-    ({"prefetch": -1}, "prefetch = -1"),
+    ({"prefetch": -1}, "prefetch = -1: an integer >= 0"),
+    ({"global_batch": 8.0}, "global_batch = 8.0: an integer >= 1"),
 ])
 def test_bad_loader_arguments(small_dataset, kwargs, message):
     args = {"seq_len": S, "global_batch": B, **kwargs}
