@@ -79,7 +79,8 @@ class _SplitWriter:
             self._writer.abort()
 
 
-def _check_options(tokenizer, vocab_size, shard_size_mb, val_fraction, seed) -> None:
+def _check_options(tokenizer, vocab_size, shard_size_mb, val_fraction, seed,
+                   chunk_tokens) -> None:
     if tokenizer not in ("byte", "bpe"):
         raise bad_value("--tokenizer", tokenizer, "one of 'byte', 'bpe'")
     if vocab_size is not None and tokenizer != "bpe":
@@ -90,6 +91,8 @@ def _check_options(tokenizer, vocab_size, shard_size_mb, val_fraction, seed) -> 
         raise bad_value("--val-fraction", val_fraction, "a fraction in [0, 1)")
     if seed < 0:
         raise bad_value("--seed", seed, "an integer >= 0")
+    if not 1 <= chunk_tokens < 1 << 32:
+        raise bad_value("--chunk-tokens", chunk_tokens, "an integer from 1 to 2**32 - 1")
 
 
 def _clear_previous(out_dir: Path) -> None:
@@ -118,7 +121,7 @@ def build_dataset(inputs=None, out_dir=".", *, tokenizer: str = "byte",
     ``max_bytes`` caps the input (default: ``DEFAULT_MAX_BYTES`` for the default corpus,
     unlimited for explicit inputs). Returns the manifest that was written.
     """
-    _check_options(tokenizer, vocab_size, shard_size_mb, val_fraction, seed)
+    _check_options(tokenizer, vocab_size, shard_size_mb, val_fraction, seed, chunk_tokens)
     if isinstance(inputs, (str, os.PathLike)):
         inputs = [inputs]
     if inputs:

@@ -75,7 +75,7 @@ def _build(args: argparse.Namespace) -> int:
         val_fraction=_parse("--val-fraction", args.val_fraction, float, "a fraction in [0, 1)"),
         seed=_parse("--seed", args.seed, int, "an integer >= 0"),
         max_bytes=_parse("--max-bytes", args.max_bytes, int, "an integer number of bytes"),
-        chunk_tokens=_positive("--chunk-tokens", args.chunk_tokens),
+        chunk_tokens=_parse("--chunk-tokens", args.chunk_tokens, int, "an integer >= 1"),
     )
     seconds = time.perf_counter() - started
     src = manifest["source"]
@@ -83,13 +83,6 @@ def _build(args: argparse.Namespace) -> int:
           f"({src['bytes'] / seconds / 1e6:.1f} MB/s)")
     _print_splits(manifest)
     return 0
-
-
-def _positive(key: str, text: str) -> int:
-    value = _parse(key, text, int, "an integer >= 1")
-    if value < 1:
-        raise bad_value(key, text, "an integer >= 1")
-    return value
 
 
 def _print_splits(manifest: dict) -> None:

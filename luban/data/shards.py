@@ -75,6 +75,8 @@ class ShardWriter:
     def __init__(self, path: str | os.PathLike, dtype, chunk_tokens: int = DEFAULT_CHUNK_TOKENS):
         self.dtype = np.dtype(dtype).newbyteorder("<")
         self.chunk_tokens = int(chunk_tokens)
+        if not 1 <= self.chunk_tokens < 1 << 32:
+            raise ValueError(f"chunk_tokens = {chunk_tokens}: must be in [1, 2**32)")
         self._out = AtomicFile(path)
         self._out.file.write(bytes(HEADER_SIZE))
         self._doc_starts: list[int] = []

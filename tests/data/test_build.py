@@ -127,6 +127,7 @@ def test_crashed_rebuild_leaves_no_valid_looking_dataset(tmp_path, write_docs, m
     ({"val_fraction": 1.0}, r"--val-fraction = 1.0: a fraction in \[0, 1\)"),
     ({"shard_size_mb": 0}, "--shard-size-mb = 0: a number > 0"),
     ({"seed": -1}, "--seed = -1: an integer >= 0"),
+    ({"chunk_tokens": 0}, r"--chunk-tokens = 0: an integer from 1 to 2\*\*32 - 1"),
 ])
 def test_bad_build_options(tmp_path, write_docs, kwargs, message):
     with pytest.raises(LubanError, match=message):
