@@ -15,7 +15,9 @@ from luban.errors import LubanError
 
 SUBCOMMAND_MODULES = [
     "luban.train.cli",
+    "luban.cluster.cli",
     "luban.data.cli",
+    "luban.plan.cli",
 ]
 
 

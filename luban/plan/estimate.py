@@ -119,14 +119,15 @@ class Estimate:
         return d
 
     def toml_block(self) -> str:
-        """A ready-to-paste ``[parallel]`` section."""
+        """A ready-to-paste ``[parallel]`` section (keys left at their defaults are omitted,
+        except the main knobs)."""
+        main = ("dp", "zero", "tp", "sp", "pp", "schedule", "virtual_stages", "cp", "micro_batch", "recompute",
+                "offload", "precision")
+        defaults = ParallelLayout().to_dict()
         lines = ["[parallel]"]
         for key, value in self.layout.to_dict().items():
-            if key in ("pp_split", "mesh_order", "loss_scale", "dp_replicate") and value == getattr(ParallelLayout(), key):
-                continue
-            if key == "pp_split":
-                value = list(value)
-            lines.append(f"{key} = {_toml(value)}")
+            if key in main or value != defaults[key]:
+                lines.append(f"{key} = {_toml(value)}")
         return "\n".join(lines)
 
 

@@ -76,8 +76,9 @@ def _schedules(pp: int, allowed) -> list:
     return [(code, v) for code, vs in names.items() if SCHEDULES[code] in allowed for v in vs]
 
 
-def search(problem: Problem, top: int = 5, chunk: int = 1 << 17, **grid_options) -> SearchResult:
-    """Estimate every candidate layout; keep the ``top`` fastest that are valid and fit.
+def search(problem: Problem, top: int = 5, chunk: int = 1 << 17, score=None, **grid_options) -> SearchResult:
+    """Estimate every candidate layout; keep the ``top`` valid ones that fit, fastest first
+    (or highest ``score(grid, results)`` first when given).
 
     Axis 0 of the grid is processed ``chunk`` layouts at a time to stay within the CPU caches."""
     start = time.perf_counter()
@@ -95,11 +96,13 @@ def search(problem: Problem, top: int = 5, chunk: int = 1 << 17, **grid_options)
                                     extra=(~mem["fits_hbm"], ~mem["fits_host"]))
         codes = np.broadcast_to(codes, part.shape).ravel()
         counts += np.bincount(codes, minlength=len(REASONS))
-        speed = np.broadcast_to(results["tokens_per_s"], part.shape).ravel()
+        value = results["tokens_per_s"] if score is None else score(part, results)
+        value = np.broadcast_to(value, part.shape).ravel()
         valid = np.flatnonzero(codes == 0)
-        keep = valid[np.argsort(-speed[valid], kind="stable")[:top]]
-        best += [Estimate.from_results(problem, part, results, np.unravel_index(i, part.shape)) for i in keep]
-    best = sorted(best, key=lambda e: -e.tokens_per_s)[:top]
+        keep = valid[np.argsort(-value[valid], kind="stable")[:top]]
+        best += [(value[i], Estimate.from_results(problem, part, results, np.unravel_index(i, part.shape)))
+                 for i in keep]
+    best = [e for _, e in sorted(best, key=lambda pair: -pair[0])[:top]]
     seconds = time.perf_counter() - start
     rejected = {REASONS[k]: int(c) for k, c in enumerate(counts) if k and c}
     return SearchResult(problem, int(counts.sum()), seconds, rejected, int(counts[0]), best)

@@ -1,0 +1,43 @@
+"""PNG chart of the best layouts: per-GPU memory stack and step-time breakdown (matplotlib, Agg)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from luban.plan.estimate import MEMORY_KEYS
+from luban.plan.explain import GIB, describe
+
+
+def write_chart(estimates: list, path: "str | Path", title: str = "") -> Path:
+    """Two stacked horizontal bar charts, one bar per estimate (best at the top)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [describe(e.layout) for e in estimates][::-1]
+    rows = list(reversed(estimates))
+    fig, (ax_mem, ax_time) = plt.subplots(1, 2, figsize=(15, 1.2 + 0.6 * len(rows)), sharey=True)
+    for ax, keys, values, unit in (
+            (ax_mem, MEMORY_KEYS[:-1], lambda e, k: e.memory_bytes[k] / GIB, "GiB per GPU"),
+            (ax_time, list(rows[0].time_breakdown_s) if rows else [], lambda e, k: e.time_breakdown_s[k], "seconds per step")):
+        left = [0.0] * len(rows)
+        for key in keys:
+            widths = [values(e, key) for e in rows]
+            if any(widths):
+                ax.barh(labels, widths, left=left, label=key)
+                left = [a + b for a, b in zip(left, widths)]
+        ax.set_xlabel(unit)
+        ax.legend(fontsize=7, loc="lower right")
+    if rows:
+        ax_mem.axvline(rows[0].hbm_bytes / GIB, color="k", linestyle="--", linewidth=1)
+    ax_mem.set_title("memory per GPU (dashed: HBM)")
+    ax_time.set_title("step time breakdown")
+    ax_mem.tick_params(axis="y", labelsize=7)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

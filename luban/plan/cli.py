@@ -1,0 +1,214 @@
+"""``luban plan estimate | search | validate | probe``: the planner's command line.
+
+Layout flags are the keys of ``ParallelLayout`` with dashes (``--virtual-stages`` ↔
+``virtual_stages``), so a plan pastes into a training config's ``[parallel]`` section.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tomllib
+from pathlib import Path
+
+from luban.errors import LubanError, bad_value
+
+LAYOUT_FLAGS = {"dp": int, "dp_replicate": int, "zero": int, "tp": int, "pp": int, "schedule": str,
+                "virtual_stages": int, "cp": int, "micro_batch": int, "recompute": str, "offload": str,
+                "precision": str}
+GIB = 2**30
+
+
+def register(sub) -> None:
+    plan = sub.add_parser("plan", help="estimate, search and validate parallel layouts analytically")
+    cmds = plan.add_subparsers(dest="plan_command", required=True, metavar="ACTION")
+
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--model", required=True, help="preset name or ModelConfig TOML/JSON file")
+    common.add_argument("--system", default="dgx-a100-80g", help="built-in profile name or profile file")
+    common.add_argument("--gpus", type=int, required=True)
+    common.add_argument("--seq", type=int, help="sequence length (default: the model's seq_len)")
+    common.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
+    common.add_argument("--runtime", default="megatron", help="memory accounting: megatron or luban")
+    common.add_argument("--optimizer", default="adamw", help="adamw, sgd or sgd-momentum")
+    common.add_argument("--json", action="store_true", help="one JSON object on stdout")
+
+    est = cmds.add_parser("estimate", parents=[common], help="memory, time, MFU and cost of one layout")
+    for key, typ in LAYOUT_FLAGS.items():
+        est.add_argument("--" + key.replace("_", "-"), type=typ, default=None, help=f"[parallel] {key}")
+    est.add_argument("--sp", action="store_true", default=None, help="[parallel] sp (sequence parallel)")
+    est.add_argument("--price-per-gpu-hour", type=float, default=0.0)
+    est.add_argument("--train-tokens", type=float, default=0.0, help="tokens to train (for time, GPU-hours, cost)")
+    est.add_argument("--explain", action="store_true", help="show where every byte and millisecond goes")
+    est.set_defaults(func=cmd_estimate)
+
+    srch = cmds.add_parser("search", parents=[common], help="every valid layout; the fastest that fit")
+    srch.add_argument("--top", type=int, default=5)
+    srch.add_argument("--precision", default="bf16")
+    srch.add_argument("--chart", help="write a PNG of the best layouts' memory and time")
+    srch.set_defaults(func=cmd_search)
+
+    val = cmds.add_parser("validate", help="reproduce the published tables")
+    val.add_argument("--system", default="dgx-a100-80g")
+    val.add_argument("--json", action="store_true")
+    val.set_defaults(func=cmd_validate)
+
+    probe = cmds.add_parser("probe", help="measure this machine and write a system profile")
+    probe.add_argument("--out", help="profile file to write (.toml or .json); default: print it")
+    probe.set_defaults(func=cmd_probe)
+
+
+def load_model(spec: str):
+    """A preset name or a TOML/JSON file holding a ModelConfig (flat, or under [model])."""
+    from luban.model.config import ModelConfig
+    from luban.model.presets import PRESETS, get_preset
+
+    path = Path(spec)
+    if spec in PRESETS or not path.suffix:
+        return get_preset(spec)
+    if not path.is_file():
+        raise bad_value("--model", spec, "a preset name or an existing .toml/.json file")
+    try:
+        raw = json.loads(path.read_text()) if path.suffix == ".json" else tomllib.loads(path.read_text())
+    except (ValueError, tomllib.TOMLDecodeError) as err:
+        raise LubanError(f"--model = {spec!r}: cannot parse: {err}") from None
+    return ModelConfig.from_dict(raw.get("model", raw))
+
+
+def _problem(args):
+    from luban.plan.problem import Problem
+    from luban.plan.system import load_system
+
+    model = load_model(args.model)
+    seq = args.seq or model.seq_len
+    return Problem(model, load_system(args.system), args.gpus, seq, args.global_batch, args.runtime, args.optimizer)
+
+
+def _layout(args, gpus: int):
+    from luban.parallel.layout import ParallelLayout
+
+    raw = {k: getattr(args, k) for k in LAYOUT_FLAGS if getattr(args, k) is not None}
+    if args.sp:
+        raw["sp"] = True
+    if "dp" not in raw:
+        inner = raw.get("tp", 1) * raw.get("pp", 1) * raw.get("cp", 1)
+        if gpus % inner:
+            raise bad_value("--gpus", gpus, f"must be divisible by tp*pp*cp = {inner}")
+        raw["dp"] = gpus // inner
+    if raw.get("schedule") in ("interleaved-1f1b", "zero-bubble", "dualpipev") and "virtual_stages" not in raw:
+        raw["virtual_stages"] = 2
+    return ParallelLayout.from_dict(raw, section="parallel")
+
+
+def cmd_estimate(args) -> int:
+    from luban.parallel.layout import check_layout
+    from luban.plan.estimate import Estimate, evaluate
+    from luban.plan.explain import describe, explain, nearest_feasible, why_not
+    from luban.plan.grid import Grid
+
+    problem = _problem(args)
+    layout = _layout(args, problem.gpus)
+    check_layout(layout, problem.model, problem.global_batch, problem.gpus, problem.seq)
+    g = Grid.from_layout(layout)
+    est = Estimate.from_results(problem, g, evaluate(problem, g), train_tokens=args.train_tokens,
+                                price_per_gpu_hour=args.price_per_gpu_hour)
+    near = [] if est.fits else nearest_feasible(problem, layout)
+    if args.json:
+        out = est.to_dict()
+        if not est.fits:
+            out["why_not"] = why_not(est)
+            out["nearest_feasible"] = [n.layout.to_dict() for n in near]
+        print(json.dumps(out, default=float))
+        return 0
+    print(f"{problem.model.name} on {args.gpus}x {problem.system.name}, seq {problem.seq}, "
+          f"global batch {problem.global_batch}: {describe(layout)}")
+    print(explain(est, problem) if args.explain else _summary(est))
+    if est.train_tokens:
+        print(f"training {est.train_tokens:.3g} tokens: {est.train_time_s / 86400:,.2f} days, "
+              f"{est.gpu_hours:,.0f} GPU-hours, cost {est.cost:,.0f} at {est.price_per_gpu_hour:g}/GPU-hour")
+    if not est.fits:
+        print("does not fit:")
+        for line in why_not(est):
+            print("  " + line)
+        print("nearest layouts that fit:")
+        for n in near:
+            print(f"  {describe(n.layout)}: {n.memory_bytes['total'] / GIB:.1f} GiB, {n.step_time_s:.3f} s/step, MFU {n.mfu:.1%}")
+    print("\n" + est.toml_block())
+    return 0
+
+
+def _summary(est) -> str:
+    mem = "  ".join(f"{k} {v / GIB:.2f}" for k, v in est.memory_bytes.items())
+    times = "  ".join(f"{k} {v * 1e3:.1f}" for k, v in est.time_breakdown_s.items() if v)
+    return (f"memory GiB/GPU: {mem}  -> {'fits' if est.fits else 'DOES NOT FIT'} in {est.hbm_bytes / GIB:.0f} GiB\n"
+            f"step {est.step_time_s * 1e3:,.1f} ms: {times}\n"
+            f"{est.tokens_per_s:,.0f} tokens/s  MFU {est.mfu:.1%}  HFU {est.hfu:.1%}  {est.tflops_per_gpu:.1f} TFLOP/s/GPU")
+
+
+def cmd_search(args) -> int:
+    from luban.parallel.layout import PRECISIONS
+    from luban.plan.explain import describe
+
+    if args.precision not in PRECISIONS:
+        raise bad_value("--precision", args.precision, f"one of {', '.join(PRECISIONS)}")
+    if args.top < 1:
+        raise bad_value("--top", args.top, "must be a positive integer")
+    from luban.plan.search import search
+
+    problem = _problem(args)
+    result = search(problem, top=args.top, precision=args.precision)
+    if args.chart and result.best:
+        from luban.plan.chart import write_chart
+
+        write_chart(result.best, args.chart, f"{problem.model.name} on {problem.gpus}x {problem.system.name}")
+    if args.json:
+        print(json.dumps({"evaluated": result.evaluated, "seconds": result.seconds, "layouts_per_s": result.rate,
+                          "valid": result.valid, "rejected": result.rejected,
+                          "best": [e.to_dict() for e in result.best]}, default=float))
+        return 0
+    print(f"{result.evaluated:,} layouts in {result.seconds:.2f} s ({result.rate:,.0f} layouts/s); "
+          f"{result.valid:,} valid and fit")
+    print(f"{'#':>2} {'layout':58s} {'step s':>8s} {'tok/s':>10s} {'MFU':>6s} {'mem GiB':>8s}")
+    for i, e in enumerate(result.best, 1):
+        print(f"{i:>2} {describe(e.layout):58s} {e.step_time_s:8.3f} {e.tokens_per_s:10,.0f} {e.mfu:6.1%} "
+              f"{e.memory_bytes['total'] / GIB:8.1f}")
+    print("rejected:")
+    for reason, count in sorted(result.rejected.items(), key=lambda kv: -kv[1]):
+        print(f"  {count:>10,}  {reason}")
+    if result.best:
+        print("\nbest:\n" + result.best[0].toml_block())
+    else:
+        print("no layout fits", file=sys.stderr)
+    return 0
+
+
+def cmd_validate(args) -> int:
+    from luban.plan.validate import validate_all
+
+    tables = validate_all(args.system)
+    if args.json:
+        print(json.dumps({name: {"summary": t["summary"],
+                                 "rows": [{k: v for k, v in r.items() if k != "estimate"} for r in t["rows"]]}
+                          for name, t in tables.items()}, default=float))
+        return 0
+    for name, t in tables.items():
+        s = t["summary"]
+        print(f"{name}: {s['rows']} rows, mean |error| {s['mean_abs_error']:.2%}, max {s['max_abs_error']:.2%}")
+        for r in t["rows"]:
+            exact = "" if "exact" not in r else ("  exact" if r["exact"] else "  MISMATCH")
+            print(f"  {r['row']:42s} ref {r['reference']:>10.4g} {r['unit']:8s} planned {r['predicted']:>10.4g}"
+                  f"  {r['error']:+7.2%}{exact}")
+    return 0
+
+
+def cmd_probe(args) -> int:
+    from luban.plan.probe import probe_system, write_profile
+
+    profile = probe_system()
+    if args.out:
+        write_profile(profile, args.out)
+        print(f"wrote {args.out}")
+    else:
+        print(json.dumps(profile, indent=2))
+    return 0

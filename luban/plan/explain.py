@@ -1,0 +1,91 @@
+"""Human-readable explanations: where every byte and second goes, why a layout does not fit,
+and the nearest layouts that do."""
+
+from __future__ import annotations
+
+from luban.parallel.layout import ParallelLayout
+from luban.plan.estimate import Estimate
+from luban.plan.grid import Grid
+from luban.plan.memory import activation_bytes, param_bytes, rank_layers
+from luban.plan.problem import Problem
+from luban.plan.search import search
+
+GIB = 2**30
+KNOBS = ("dp", "zero", "tp", "sp", "pp", "schedule", "virtual_stages", "cp", "micro_batch", "recompute", "offload")
+
+
+def describe(layout: ParallelLayout) -> str:
+    """A short one-line name: ``dp8 z1 tp4+sp pp2 1f1b cp1 mb1 rc=selective``."""
+    sched = f" {layout.schedule}" + (f"x{layout.virtual_stages}" if layout.virtual_stages > 1 else "") if layout.pp > 1 else ""
+    off = f" off={layout.offload}" if layout.offload != "none" else ""
+    return (f"dp{layout.dp} z{layout.zero} tp{layout.tp}{'+sp' if layout.sp else ''} pp{layout.pp}{sched} "
+            f"cp{layout.cp} mb{layout.micro_batch} rc={layout.recompute}{off}")
+
+
+def why_not(est: Estimate) -> list[str]:
+    """Reasons in numbers why ``est`` does not fit (empty when it fits)."""
+    lines = []
+    mem, lay = est.memory_bytes, est.layout
+    hbm = est.hbm_bytes / GIB
+    states = mem["weights"] + mem["gradients"] + mem["optimizer"]
+    if not est.extra["fits_hbm"]:
+        lines.append(f"needs {mem['total'] / GIB:.1f} GiB per GPU but the GPU has {hbm:.1f} GiB (pipeline rank {est.rank})")
+        if states > est.hbm_bytes:
+            lines.append(f"weights + gradients + optimizer need {states / GIB:.1f} GiB per GPU at zero={lay.zero}, "
+                         f"tp={lay.tp}, pp={lay.pp}: shard more (zero, tp, pp) or offload")
+        lines.append(f"activations need {mem['activations'] / GIB:.1f} GiB: {est.in_flight:g} micro-batch(es) in flight "
+                     f"x {est.activation_bytes_per_microbatch / GIB:.2f} GiB (micro_batch={lay.micro_batch}, "
+                     f"recompute={lay.recompute}, sp={lay.sp}, cp={lay.cp})")
+    if not est.extra["fits_host"]:
+        lines.append(f"offloaded state needs {est.host_bytes / GIB:.1f} GiB of host memory per GPU")
+    return lines
+
+
+def nearest_feasible(problem: Problem, layout: ParallelLayout, k: int = 3) -> list[Estimate]:
+    """Valid layouts that fit, fewest knobs changed from ``layout`` first, then fastest."""
+    target = Grid.from_layout(layout)
+
+    def closeness(g: Grid, results: dict):
+        changed = sum((getattr(g, name) != getattr(target, name)).astype(float) for name in KNOBS
+                      if name != "dp")
+        return -changed * 1e30 + results["tokens_per_s"]
+
+    return search(problem, top=k, score=closeness, precision=layout.precision).best
+
+
+def explain(est: Estimate, problem: Problem) -> str:
+    """Every term of the memory and time estimate with the numbers that produce it."""
+    lay = est.layout
+    g = Grid.from_layout(lay)
+    cfg = problem.model
+    wb, gb, ob = (float(x) for x in param_bytes(problem.runtime, problem.optimizer_states, g.precision))
+    shards = lay.dp // lay.dp_replicate
+    act = activation_bytes(problem, g)
+    tokens = lay.micro_batch * problem.seq / lay.cp
+    layers = int(rank_layers(problem, g))
+    params = est.param_bytes / wb * (shards if lay.zero >= 3 else 1)
+    m = est.memory_bytes
+    out = [f"memory per GPU (pipeline rank {est.rank}, {problem.runtime} runtime):",
+           f"  parameters on this rank   {params:,.0f} ({layers} layers of {cfg.layers}, tp={lay.tp})",
+           f"  weights       {m['weights'] / GIB:9.3f} GiB = params x {wb:g} B"
+           + (f" / {shards} (zero 3)" if lay.zero >= 3 else "") + (" (offloaded: 0 on GPU)" if lay.offload == "params" else ""),
+           f"  gradients     {m['gradients'] / GIB:9.3f} GiB = params x {gb:g} B" + (f" / {shards} (zero >= 2)" if lay.zero >= 2 else ""),
+           f"  optimizer     {m['optimizer'] / GIB:9.3f} GiB = params x {ob:g} B ({problem.optimizer})"
+           + (f" / {shards} (zero >= 1)" if lay.zero >= 1 else "") + (" (offloaded: 0 on GPU)" if lay.offload != "none" else ""),
+           f"  activations   {m['activations'] / GIB:9.3f} GiB = {est.in_flight:g} in flight x "
+           f"{est.activation_bytes_per_microbatch / GIB:.3f} GiB per micro-batch",
+           f"                per micro-batch: {layers} layers x {float(act['per_token']):,.1f} B/token x {tokens:,.0f} tokens"
+           f" (+ {float(act['fixed']):,.0f} B autocast weight copies per layer) + embedding/head",
+           f"  other         {m['other'] / GIB:9.3f} GiB = framework overhead {problem.system.framework_overhead_bytes / GIB:.2f}"
+           f" GiB + buffers {est.extra['buffers'] / GIB:.3f} GiB",
+           f"  total         {m['total'] / GIB:9.3f} GiB of {est.hbm_bytes / GIB:.1f} GiB -> {'fits' if est.fits else 'DOES NOT FIT'}",
+           f"  host (offload) {est.host_bytes / GIB:8.3f} GiB",
+           f"step time {est.step_time_s * 1e3:,.1f} ms ({est.microbatches} micro-batches per pipeline):"]
+    for name, seconds in est.time_breakdown_s.items():
+        share = seconds / est.step_time_s if est.step_time_s else 0.0
+        out.append(f"  {name:16s} {seconds * 1e3:12.2f} ms  {share:6.1%}")
+    out.append(f"  (data-parallel traffic hidden behind compute: {est.dp_hidden_s * 1e3:.2f} ms)")
+    out.append(f"throughput {est.tokens_per_s:,.0f} tokens/s, MFU {est.mfu:.1%}, HFU {est.hfu:.1%}, "
+               f"{est.tflops_per_gpu:.1f} TFLOP/s per GPU")
+    return "\n".join(out)
+
