@@ -3,27 +3,43 @@
 The trainer only ever calls this API; everything about how the model is split across ranks
 (and how gradients, optimizer state and activations move) hides behind it:
 
-* ``forward_backward(tokens, labels)`` runs all micro-batches of this rank's share of the
-  global batch, accumulates gradients and returns the global mean loss;
-* ``step(lr, max_norm)`` clips by global gradient norm, applies the optimizer, zeroes grads;
-* ``state_dict()`` / ``load_state_dict()`` use global parameter names (DCP-ready), so a
-  checkpoint saved under one layout loads under another;
-* ``memory_report()`` gives this rank's exact bytes of parameters, gradients, optimizer state.
+* ``forward_backward(tokens, labels)`` runs all micro-batches of this dp rank's share of the
+  global batch, accumulates gradients and returns the global mean loss (same on all ranks);
+* ``step(lr, max_norm)`` clips by the global gradient norm, applies the optimizer, zeroes grads;
+* ``state_dict()`` / ``load_state_dict()`` use global parameter names and global (DTensor)
+  shapes, model and flattened optimizer state alike, so a DCP checkpoint saved under one
+  layout loads under any other;
+* ``memory_report()`` gives this rank's exact bytes of parameters, gradients, optimizer state
+  and saved activations per micro-batch;
+* ``any_rank(flag)`` / ``barrier()`` let the trainer agree across ranks (e.g. on suspending).
 
-This module builds the single-process engine; ``luban.parallel`` extends it to meshes.
+``Engine`` is the single-process engine; ``DistributedEngine`` composes the mesh, tensor,
+context, pipeline and data parallel modules of ``luban.parallel`` on top of the same loop.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
+from torch.distributed.tensor import DTensor
 
 from luban.model.config import ModelConfig
-from luban.model.transformer import build_model, lm_loss
-from luban.parallel.layout import ParallelLayout
+from luban.model.transformer import lm_loss
+from luban.parallel.data_parallel import apply_data_parallel, set_gradient_sync, uses_autocast
+from luban.parallel.layout import ParallelLayout, check_layout
+from luban.parallel.memory import ActivationCounter, optimizer_tensors, tensor_bytes
+from luban.parallel.pipeline import Pipeline, TransformerPipeline
+from luban.parallel.precision import LossScaler, autocast
+
+OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 @dataclass(frozen=True)
@@ -36,37 +52,25 @@ class OptimizerConfig:
 
 
 def build_optimizer(params, cfg: OptimizerConfig, device: torch.device) -> torch.optim.Optimizer:
-    """AdamW (fused kernel where the device has one) or SGD; lr is set every step by the trainer."""
+    """AdamW (fused kernel where the device has one; foreach for DTensor parameters) or SGD;
+    lr is set every step by the trainer."""
     params = list(params)
     if cfg.name == "sgd":
         return torch.optim.SGD(params, lr=0.0, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    fused = device.type in ("cuda", "cpu")
+    fused = device.type in ("cuda", "cpu") and not any(isinstance(p, DTensor) for p in params)
     return torch.optim.AdamW(groups, lr=0.0, betas=cfg.betas, eps=cfg.eps, fused=fused)
 
 
-def autocast(layout: ParallelLayout, device: torch.device):
-    """bf16/fp16 autocast for forward (weights and optimizer stay fp32: mixed precision)."""
-    if layout.precision == "fp32":
-        return contextlib.nullcontext()
-    dtype = torch.bfloat16 if layout.precision == "bf16" else torch.float16
-    return torch.autocast(device_type=device.type, dtype=dtype)
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
-def tensor_bytes(tensors) -> int:
-    """Bytes of distinct storages behind the given tensors (shared storages counted once)."""
-    seen, total = set(), 0
-    for t in tensors:
-        if t is None:
-            continue
-        local = t.to_local() if hasattr(t, "to_local") else t
-        storage = local.untyped_storage()
-        if storage.data_ptr() not in seen:
-            seen.add(storage.data_ptr())
-            total += storage.nbytes()
-    return total
+def unwrap(module: nn.Module) -> nn.Module:
+    """The model inside a DDP wrapper (FSDP2 and DTensor modify modules in place)."""
+    return getattr(module, "module", module)
 
 
 class Engine:
@@ -79,74 +83,279 @@ class Engine:
 
     def __init__(self, model_cfg: ModelConfig, layout: ParallelLayout, optim_cfg: OptimizerConfig,
                  global_batch: int, seed: int, device: torch.device):
-        self.model_cfg, self.layout, self.device = model_cfg, layout, device
-        self.global_batch = global_batch
-        self.model = build_model(model_cfg, seed=seed, recompute=layout.recompute).to(device)
-        self.optimizer = build_optimizer(self.model.parameters(), optim_cfg, device)
-        self.scaler = torch.amp.GradScaler(device.type, enabled=layout.precision == "fp16")
+        self.model_cfg, self.layout, self.device, self.global_batch = model_cfg, layout, device, global_batch
+        self.parts = self._build_parts(TransformerPipeline(model_cfg, seed, layout.recompute, device, layout.pp_split))
+        self.optimizers = [build_optimizer(part.parameters(), optim_cfg, device) for part in self.parts]
+        self.scaler = LossScaler(layout.precision == "fp16")
+        self.loss_fn = lm_loss
+        self._activation_bytes = self._grad_bytes = 0
+
+    def _build_parts(self, model: TransformerPipeline) -> list[nn.Module]:
+        return [model.build_stage(0, 1)]
+
+    @property
+    def model(self) -> nn.Module:
+        return self.parts[0]
 
     @property
     def model_parts(self) -> list[nn.Module]:
-        return [self.model]
+        return self.parts
 
-    def _micro_batches(self, tokens, labels):
-        mb = self.layout.micro_batch
-        return zip(tokens.split(mb), labels.split(mb))
-
+    # ---- forward and backward -------------------------------------------------------------
     def forward_backward(self, tokens: torch.Tensor, labels: torch.Tensor) -> float:
-        """Accumulate gradients over this rank's micro-batches; return the mean loss."""
-        self.model.train()
-        tokens, labels = tokens.to(self.device), labels.to(self.device)
-        n = tokens.shape[0] // self.layout.micro_batch
+        """Accumulate gradients over this rank's micro-batches; return the global mean loss."""
+        for part in self.parts:
+            part.train()
+        tokens, labels = self._local_batch(tokens, labels)
+        with self._loss_context():
+            total = self._run_microbatches(tokens, labels)
+        self._grad_bytes = tensor_bytes(p.grad for p in self._params())
+        return self._global_mean(total)
+
+    def _local_batch(self, tokens, labels):
+        return tokens.to(self.device), labels.to(self.device)
+
+    def _loss_context(self):
+        return contextlib.nullcontext()
+
+    def _autocast(self):
+        return autocast(self.layout, self.device) if uses_autocast(self.layout) else contextlib.nullcontext()
+
+    def _run_microbatches(self, tokens, labels) -> torch.Tensor:
+        model, mb = self.parts[0], self.layout.micro_batch
+        n = tokens.shape[0] // mb
         total = torch.zeros((), device=self.device)
-        for x, y in self._micro_batches(tokens, labels):
-            with autocast(self.layout, self.device):
-                loss = lm_loss(self.model(x), y) / n
-            self.scaler.scale(loss).backward()
-            total += loss.detach()
-        return float(total)
+        counter = ActivationCounter(self.parts)
+        for i, (x, y) in enumerate(zip(tokens.split(mb), labels.split(mb))):
+            with set_gradient_sync(model, self.layout, sync=i == n - 1):
+                with counter.record() if i == 0 else contextlib.nullcontext(), self._autocast():
+                    loss = self.loss_fn(model(x), y) / n
+                (loss * self.scaler.scale).backward()
+            total += _local(loss.detach())
+        self._activation_bytes = counter.total
+        return total
+
+    def _global_mean(self, loss: torch.Tensor) -> float:
+        return float(loss)
 
     @torch.no_grad()
     def eval_loss(self, tokens: torch.Tensor, labels: torch.Tensor) -> float:
-        self.model.eval()
-        with autocast(self.layout, self.device):
-            return float(lm_loss(self.model(tokens.to(self.device)), labels.to(self.device)))
+        """Mean loss of a batch without touching gradients."""
+        for part in self.parts:
+            part.eval()
+        tokens, labels = self._local_batch(tokens, labels)
+        with self._loss_context(), self._autocast():
+            return self._global_mean(_local(self._eval(tokens, labels)))
+
+    def _eval(self, tokens, labels) -> torch.Tensor:
+        return self.loss_fn(self.parts[0](tokens), labels)
+
+    # ---- optimizer step ------------------------------------------------------------------
+    def _params(self) -> list[nn.Parameter]:
+        return [p for part in self.parts for p in part.parameters()]
+
+    def _norm_terms(self):
+        """(gradient, number of ranks holding the same values) for each gradient counted."""
+        return [(p.grad, 1) for p in self._params() if p.grad is not None]
+
+    def _all_reduce(self, t: torch.Tensor, op=None) -> torch.Tensor:
+        return t
+
+    def _sync_grads(self) -> None:
+        """Reductions the data-parallel wrappers do not do (tied embeddings across stages)."""
+
+    def grad_norm(self) -> float:
+        """Global L2 norm of all gradients, each element counted once across all ranks."""
+        sq = torch.zeros((), dtype=torch.float64, device=self.device)
+        for g, copies in self._norm_terms():
+            sq += _local(g).double().pow(2).sum() / copies
+        return math.sqrt(float(self._all_reduce(sq)))
 
     def step(self, lr: float, max_norm: float) -> float:
-        """Set lr, unscale, clip to ``max_norm`` (0: no clipping), step, zero grads; return grad norm."""
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.scaler.unscale_(self.optimizer)
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)
-        return float(norm)
+        """Set lr, unscale, clip to ``max_norm`` (0: no clipping), step, zero grads; return grad norm.
+        Under fp16 a non-finite norm skips the step (on every rank) and halves the loss scale."""
+        self._sync_grads()
+        grads = [_local(p.grad) for p in self._params() if p.grad is not None]
+        if self.scaler.enabled:
+            torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
+        norm = self.grad_norm()
+        if self.scaler.update(norm):
+            coef = max_norm / (norm + 1e-6) if max_norm > 0 else 1.0
+            if coef < 1.0:
+                torch._foreach_mul_(grads, coef)
+            for opt in self.optimizers:
+                for group in opt.param_groups:
+                    group["lr"] = lr
+                opt.step()
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+        return norm
+
+    # ---- coordination, checkpoints, memory ------------------------------------------------
+    def any_rank(self, flag: bool) -> bool:
+        """True on every rank if ``flag`` is true on any rank (all-reduce MAX)."""
+        return bool(self._all_reduce(torch.tensor(int(flag), device=self.device), dist.ReduceOp.MAX))
+
+    def barrier(self) -> None:
+        """Wait for every rank."""
 
     def state_dict(self) -> dict:
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        return {"model": model_sd, "optim": optim_sd, "scaler": self.scaler.state_dict()}
+        model, optim = {}, {}
+        for part, opt in zip(self.parts, self.optimizers):
+            model.update(get_model_state_dict(part))
+            optim.update(get_optimizer_state_dict(part, opt, options=OPTIM_OPTIONS))
+        return {"model": model, "optim": optim, "scaler": self.scaler.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        from torch.distributed.checkpoint.state_dict import set_state_dict
-
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        for part, opt in zip(self.parts, self.optimizers):
+            set_model_state_dict(part, state["model"], options=StateDictOptions(strict=False))
+            set_optimizer_state_dict(part, opt, state["optim"], options=OPTIM_OPTIONS)
         if state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
 
     def memory_report(self) -> dict:
-        params = list(self.model.parameters())
-        optim = [t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.ndim > 0]
-        return {"param_bytes": tensor_bytes(params), "grad_bytes": tensor_bytes(p.grad for p in params),
-                "optimizer_bytes": tensor_bytes(optim)}
+        """This rank's bytes: parameters, gradients (after the last ``forward_backward``),
+        optimizer state, activations saved per micro-batch (+ peak device memory on GPU)."""
+        report = {"param_bytes": tensor_bytes(self._params()), "grad_bytes": self._grad_bytes,
+                  "optimizer_bytes": tensor_bytes(t for opt in self.optimizers for t in optimizer_tensors(opt)),
+                  "activation_bytes": self._activation_bytes}
+        if self.device.type == "cuda":
+            report["peak_device_bytes"] = torch.cuda.max_memory_allocated(self.device)
+        return report
+
+
+class DistributedEngine(Engine):
+    """Any layout over the current process group: ``mesh`` -> tensor/sequence parallel ->
+    context parallel -> data parallel (DDP / FSDP2) per model part, parts from ``Pipeline``."""
+
+    def __init__(self, model_cfg: ModelConfig, layout: ParallelLayout, optim_cfg: OptimizerConfig,
+                 global_batch: int, seed: int, device: torch.device):
+        from luban.parallel.launch import init_distributed
+        from luban.parallel.mesh import build_mesh, coordinate
+        from luban.parallel.tensor_parallel import vocab_parallel_loss
+
+        init_distributed(device)
+        self.mesh = mesh = build_mesh(layout, device)
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.dp_rank = coordinate(mesh, "dp_replicate") * layout.dp_shard + coordinate(mesh, "dp_shard")
+        self.dp_size = layout.dp
+        self.pp_rank, self.cp_rank, self.tp_rank = (coordinate(mesh, d) for d in ("pp", "cp", "tp"))
+        self.layout = layout  # _prepare needs it during super().__init__
+        super().__init__(model_cfg, layout, optim_cfg, global_batch, seed, device)
+        if layout.tp > 1:
+            self.loss_fn = vocab_parallel_loss(mesh["tp"], model_cfg.vocab)
+        self._pipeline_loss = self._scaled_loss  # one object: the pipeline caches a schedule per loss fn
+        self._tied = self._tied_embeddings()
+
+    def _build_parts(self, model: TransformerPipeline) -> list[nn.Module]:
+        if self.layout.pp == 1:
+            return [self._prepare(model.build_stage(0, 1), 0)]
+        n_micro = self.layout.num_microbatches(self.global_batch)
+        self.pipeline = Pipeline(model, self.mesh["pp"], self.layout.schedule, self.layout.virtual_stages, n_micro,
+                                 self.device, prepare=self._prepare)
+        return self.pipeline.parts
+
+    def _prepare(self, module: nn.Module, stage_id: int) -> nn.Module:
+        from luban.parallel.context_parallel import apply_context_parallel, feed_positions
+        from luban.parallel.tensor_parallel import apply_tensor_parallel
+
+        layout = self.layout
+        if layout.tp > 1:
+            apply_tensor_parallel(module, self.mesh["tp"], layout.sp)
+        if layout.cp > 1:
+            apply_context_parallel(module, self.mesh["cp"])
+        seq_factor = layout.cp * (layout.tp if layout.sp and module.tok_emb is None else 1)
+        if seq_factor > 1:
+            feed_positions(module, layout.cp, self.cp_rank, seq_factor)
+        return apply_data_parallel(module, layout, self.mesh, self.device)
+
+    def _tied_embeddings(self) -> list[nn.Parameter]:
+        """Tied embedding copies on this rank when the pipeline splits them over stages."""
+        from luban.parallel.pipeline import SCHEDULES, tie_group
+
+        if self.layout.pp == 1 or not self.model_cfg.tie_embeddings:
+            return []
+        inner = [unwrap(p) for p in self.parts]
+        tied = [m.tok_emb.weight for m in inner if m.tok_emb is not None]
+        tied += [m.lm_head.weight for m in inner if m.lm_head is not None]
+        self._tie_group = tie_group(self.mesh["pp"]) if SCHEDULES[self.layout.schedule][1] == "loop" else None
+        return tied
+
+    def _sync_grads(self) -> None:
+        """Sum the tied embedding's two gradients (first stage's lookup, last stage's head)."""
+        grads = [_local(p.grad) for p in self._tied if p.grad is not None]
+        if len(grads) == 2:  # V schedules: both stages on this rank
+            grads[0].add_(grads[1])
+            grads[1].copy_(grads[0])
+        elif grads:
+            dist.all_reduce(grads[0], group=self._tie_group)
+
+    def _local_batch(self, tokens, labels):
+        from luban.parallel.context_parallel import shard_sequence
+
+        tokens, labels = tokens.to(self.device), labels.to(self.device)
+        if self.layout.cp > 1:
+            tokens, labels = (shard_sequence(t, self.layout.cp, self.cp_rank) for t in (tokens, labels))
+        return tokens, labels
+
+    def _loss_context(self):
+        from luban.parallel.tensor_parallel import loss_parallel
+
+        return loss_parallel() if self.layout.tp > 1 else contextlib.nullcontext()
+
+    def _scaled_loss(self, logits, labels):
+        return self.loss_fn(logits, labels) * self.scaler.scale
+
+    def _run_microbatches(self, tokens, labels) -> torch.Tensor:
+        if self.layout.pp == 1:
+            return super()._run_microbatches(tokens, labels)
+        counter = ActivationCounter(self.parts)
+        with counter.record(), self._autocast():
+            loss = self.pipeline.forward_backward(tokens, labels, self._pipeline_loss)
+        self._activation_bytes = counter.total // self.pipeline.n_microbatches
+        return loss / self.scaler.scale
+
+    def _eval(self, tokens, labels) -> torch.Tensor:
+        if self.layout.pp == 1:
+            return super()._eval(tokens, labels)
+        return self.pipeline.forward_backward(tokens, labels, self.loss_fn, train=False)
+
+    def _global_mean(self, loss: torch.Tensor) -> float:
+        """Every dp x cp rank holds the mean of its share (pp and tp ranks agree already)."""
+        loss = loss.detach().reshape(()).float().clone()
+        dist.all_reduce(loss, group=self.mesh["dp_cp"].get_group())
+        return float(loss) / (self.layout.dp * self.layout.cp)
+
+    def _all_reduce(self, t: torch.Tensor, op=None) -> torch.Tensor:
+        dist.all_reduce(t, op=op or dist.ReduceOp.SUM)
+        return t
+
+    def _norm_terms(self):
+        stage_ranks = self.world_size // self.layout.pp
+        skip = {id(unwrap(part).lm_head.weight) for part in self.parts  # the last stage's tied copy
+                if self._tied and unwrap(part).lm_head is not None}
+        terms = []
+        for p in self._params():
+            if p.grad is None or id(p) in skip:
+                continue
+            copies = stage_ranks
+            if isinstance(p.grad, DTensor):
+                mesh = p.grad.device_mesh
+                replicated = math.prod(mesh.size(i) for i, pl in enumerate(p.grad.placements) if not pl.is_shard())
+                copies = replicated * stage_ranks // mesh.size()
+            terms.append((p.grad, copies))
+        return terms
+
+    def barrier(self) -> None:
+        dist.barrier()
 
 
 def build_engine(model_cfg: ModelConfig, layout: ParallelLayout, optim_cfg: OptimizerConfig,
                  global_batch: int, seed: int, device: torch.device) -> Engine:
     """The engine for the current process group and layout (single process for world size 1)."""
-    if layout.world_size != 1:
-        raise NotImplementedError("multi-rank layouts are built by luban.parallel (in progress)")
-    return Engine(model_cfg, layout, optim_cfg, global_batch, seed, device)
+    from luban.parallel.launch import world_size
+
+    check_layout(layout, model_cfg, global_batch, world_size=world_size())
+    if layout.world_size == 1:
+        return Engine(model_cfg, layout, optim_cfg, global_batch, seed, device)
+    return DistributedEngine(model_cfg, layout, optim_cfg, global_batch, seed, device)

@@ -30,6 +30,7 @@ class ParallelLayout:
     dp: int = 1
     dp_replicate: int = 1
     zero: int = 0
+    bucket_mb: int = 25
     tp: int = 1
     sp: bool = False
     pp: int = 1
@@ -111,6 +112,9 @@ class ParallelLayout:
         if self.dp_replicate > 1 and self.zero < 2:
             raise bad_value(f"{section}.dp_replicate", self.dp_replicate,
                             f"hybrid sharding needs zero = 2 or 3 (zero = {self.zero}); set dp_replicate = 1")
+        if self.tp > 1 and self.zero == 0 and self.dp * self.cp > 1:
+            raise bad_value(f"{section}.zero", 0, f"tp = {self.tp} with dp*cp = {self.dp * self.cp} needs zero >= 1: "
+                            "DDP cannot reduce DTensor (tensor-parallel) parameters, FSDP2 can; nearest: zero = 1")
         if self.sp and self.tp == 1:
             raise bad_value(f"{section}.sp", True, "sequence parallel needs tp > 1")
         if self.precision == "fp16" and self.loss_scale == "none":

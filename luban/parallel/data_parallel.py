@@ -1,0 +1,77 @@
+"""Data parallelism and ZeRO (Rajbhandari et al. 2020), with PyTorch's own wrappers.
+
+=====  =========================================================================  ==========
+zero   mechanism                                                                  sharded
+=====  =========================================================================  ==========
+0      ``DistributedDataParallel``: gradients all-reduced in ``bucket_mb``        nothing
+       buckets overlapped with backward; ``no_sync`` while accumulating
+1      FSDP2 ``fully_shard(reshard_after_forward=False)`` with gradient sync     optimizer
+       off until the last micro-batch: full gradients accumulate locally, one
+       reduce-scatter per step, each rank steps its shard
+2      FSDP2 ``reshard_after_forward=False``: reduce-scatter every micro-batch    + gradients
+3      FSDP2 ``reshard_after_forward=True``: parameters re-gathered for backward  + parameters
+=====  =========================================================================  ==========
+
+Hybrid sharding (``dp_replicate > 1``) gives FSDP2 a 2-D mesh: shard inside ``dp_shard``,
+all-reduce across ``dp_replicate``. Context-parallel ranks hold the same parameters and see
+other tokens of the same samples, so they join the reduction (``dp_cp``/``dp_shard_cp``).
+Sharded parameters are DTensors with global shapes, so optimizer state saved through DCP
+carries global names and reshards to any other layout — that is why ZeRO-1 is built on
+FSDP2 and not on ``ZeroRedundancyOptimizer`` (whose state is a rank-0 consolidated blob).
+Under ZeRO-1/2 FSDP2 still frees the gathered parameters after backward, so parameter
+memory between steps is sharded as well; what distinguishes the stages is gradient memory
+while accumulating and the number of all-gathers per step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+from luban.parallel.layout import ParallelLayout
+from luban.parallel.precision import DTYPES
+
+
+def data_parallel_size(layout: ParallelLayout) -> int:
+    """Ranks that hold the same parameters and reduce gradients together (dp x cp)."""
+    return layout.dp * layout.cp
+
+
+def apply_data_parallel(module: nn.Module, layout: ParallelLayout, mesh: DeviceMesh, device: torch.device) -> nn.Module:
+    """Wrap one model part (a whole model or one pipeline stage); returns the module to call."""
+    if data_parallel_size(layout) == 1:
+        return module
+    if layout.zero == 0:
+        return DistributedDataParallel(module, process_group=mesh["dp_cp"].get_group(),
+                                       bucket_cap_mb=layout.bucket_mb,
+                                       device_ids=[device.index] if device.type == "cuda" else None)
+    dp_mesh = mesh["dp_replicate", "dp_shard_cp"] if layout.dp_replicate > 1 else mesh["dp_shard_cp"]
+    compute = DTYPES[layout.precision]
+    options = dict(mesh=dp_mesh, reshard_after_forward=layout.zero == 3,
+                   mp_policy=MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32),
+                   offload_policy=(CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+                                   if layout.offload != "none" else OffloadPolicy()))
+    layers = getattr(module, "layers", None)
+    for block in (layers.values() if isinstance(layers, nn.ModuleDict) else ()):
+        fully_shard(block, **options)
+    fully_shard(module, **options)
+    return module
+
+
+def set_gradient_sync(module: nn.Module, layout: ParallelLayout, sync: bool):
+    """Context for one micro-batch's backward: reduce now (``sync``) or keep accumulating."""
+    if isinstance(module, DistributedDataParallel) and not sync:
+        return module.no_sync()
+    if isinstance(module, FSDPModule) and layout.zero == 1:
+        module.set_requires_gradient_sync(sync)
+    return contextlib.nullcontext()
+
+
+def uses_autocast(layout: ParallelLayout) -> bool:
+    """FSDP2 casts parameters itself (``MixedPrecisionPolicy``); everything else uses autocast."""
+    return layout.zero == 0 or data_parallel_size(layout) == 1

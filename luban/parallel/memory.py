@@ -1,0 +1,68 @@
+"""Exact memory accounting from tensor storages.
+
+Parameters, gradients and optimizer state are summed over the distinct storages behind this
+rank's (local shards of) tensors. Activations are what autograd saves for backward: a
+``torch.autograd.graph.saved_tensors_hooks`` pack hook sees every saved tensor of a
+micro-batch; distinct storages that are not parameters are counted once each (views of one
+activation share a storage). With recompute only the checkpoint inputs are saved, so the
+measured figure drops accordingly (Korthikanti et al. 2022).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor behind a DTensor or a wrapper subclass (e.g. an async collective result)."""
+    while True:
+        inner = getattr(t, "_local_tensor", None)
+        inner = inner if inner is not None else getattr(t, "elem", None)
+        if not isinstance(inner, torch.Tensor):
+            return t
+        t = inner
+
+
+def tensor_bytes(tensors) -> int:
+    """Bytes of distinct storages behind the given tensors (shared storages counted once)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is not None:
+            storage = _local(t).untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+class ActivationCounter:
+    """Counts distinct storages saved for backward inside ``record()``, parameters excluded.
+
+    Parameters are looked up live from ``modules`` (FSDP2 registers freshly all-gathered
+    parameters during forward, so a set taken beforehand would miss them)."""
+
+    def __init__(self, modules):
+        self.modules = list(modules)
+        self.storages: dict[int, int] = {}
+        self.params: set[int] = set()
+
+    def _pack(self, t: torch.Tensor):
+        ptr = _local(t).untyped_storage().data_ptr()
+        if ptr not in self.storages and ptr not in self.params:
+            self.params = {_local(p).untyped_storage().data_ptr() for m in self.modules for p in m.parameters()}
+            if ptr not in self.params:
+                self.storages[ptr] = _local(t).untyped_storage().nbytes()
+        return t
+
+    @contextlib.contextmanager
+    def record(self):
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
+            yield self
+
+    @property
+    def total(self) -> int:
+        return sum(self.storages.values())
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer):
+    return [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.ndim > 0]

@@ -1,0 +1,41 @@
+"""The device mesh: how the ranks of a layout are arranged (``torch.distributed.DeviceMesh``).
+
+The world mesh has one named dimension per parallel degree, outermost first in the order of
+``layout.mesh_order`` (default ``pp,dp,cp,tp``: tensor parallel innermost, so its per-layer
+collectives stay among neighbouring ranks, i.e. inside a node; Narayanan et al. 2021,
+Sec. 3.3). ``dp`` is split into ``dp_replicate`` (outer) and ``dp_shard`` for hybrid
+sharding. Flattened views serve the collectives that span several dimensions:
+
+* ``dp_cp``       = dp_replicate x dp_shard x cp: ranks holding the same parameters (DDP
+                    all-reduce group; loss averaging);
+* ``dp_shard_cp`` = dp_shard x cp: the FSDP2 shard dimension (cp ranks see different tokens
+                    of the same samples, so their gradients are summed like dp's).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from luban.parallel.layout import ParallelLayout
+
+
+def mesh_dims(layout: ParallelLayout) -> list[tuple[str, int]]:
+    """(name, size) of every mesh dimension, outermost first."""
+    sizes = {"pp": [("pp", layout.pp)], "cp": [("cp", layout.cp)], "tp": [("tp", layout.tp)],
+             "dp": [("dp_replicate", layout.dp_replicate), ("dp_shard", layout.dp_shard)]}
+    return [dim for name in layout.mesh_order.split(",") for dim in sizes[name]]
+
+
+def build_mesh(layout: ParallelLayout, device: torch.device) -> DeviceMesh:
+    """The world mesh with the flattened ``dp_cp`` and ``dp_shard_cp`` views registered."""
+    dims = mesh_dims(layout)
+    mesh = init_device_mesh(device.type, tuple(s for _, s in dims), mesh_dim_names=tuple(n for n, _ in dims))
+    mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+    mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+    return mesh
+
+
+def coordinate(mesh: DeviceMesh, name: str) -> int:
+    """This rank's index along a (possibly flattened) mesh dimension."""
+    return mesh[name].get_local_rank()

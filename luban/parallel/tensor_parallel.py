@@ -1,0 +1,73 @@
+"""Tensor parallelism (Shoeybi et al. 2019, Megatron-LM) and sequence parallelism
+(Korthikanti et al. 2022) with DTensor: ``parallelize_module`` over the ``tp`` mesh.
+
+Per block: q/k/v and the MLP's up/gate projections are column-parallel (each rank owns a
+slice of the heads / hidden units), the output projections are row-parallel (one all-reduce
+per sub-layer forward and backward). With ``sp`` the norms and the residual stream are
+sharded along the sequence (``SequenceParallel``): the all-reduce becomes a reduce-scatter
+after each sub-layer plus an all-gather before the next (``PrepareModuleInput``), and norm
+activations shrink by tp. The token embedding is vocab-parallel (``RowwiseParallel`` on an
+``nn.Embedding`` masks out-of-shard ids), the LM head is column-parallel over the vocabulary
+and the loss is computed on the vocab-sharded logits with ``loss_parallel`` (no rank ever
+holds full logits). Tied embeddings stay tied: both are ``Shard(0)`` of one DTensor.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
+                                               loss_parallel, parallelize_module)
+
+from luban.model.transformer import Transformer
+
+
+def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, sp: bool) -> None:
+    """Shard ``model`` (a whole model or a pipeline stage of one) in place over ``tp_mesh``."""
+    residual = Shard(1) if sp else Replicate()  # layout of the residual stream between sub-layers
+    plan = {}
+    if model.tok_emb is not None:
+        plan["tok_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+        if sp:  # the stage's first block takes the (replicated) embedding and keeps its sequence shard
+            first = next(iter(model.layers))
+            plan[f"layers.{first}"] = PrepareModuleInput(input_layouts=(Replicate(), None),
+                                                         desired_input_layouts=(Shard(1), None), use_local_output=True)
+    for name, block in model.layers.items():
+        p = f"layers.{name}"
+        for proj in ("wq", "wk", "wv"):
+            plan[f"{p}.attn.{proj}"] = ColwiseParallel()
+        plan[f"{p}.attn.wo"] = RowwiseParallel(output_layouts=residual)
+        for proj in ("w_gate", "w_up") if block.mlp.swiglu else ("w_up",):
+            plan[f"{p}.mlp.{proj}"] = ColwiseParallel()
+        plan[f"{p}.mlp.w_down"] = RowwiseParallel(output_layouts=residual)
+        if sp:
+            plan[f"{p}.norm1"] = SequenceParallel()
+            plan[f"{p}.norm2"] = SequenceParallel()
+            plan[f"{p}.attn"] = PrepareModuleInput(input_layouts=(Shard(1), None),
+                                                   desired_input_layouts=(Replicate(), None), use_local_output=True)
+            plan[f"{p}.mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                                  use_local_output=True)
+    if model.norm is not None and sp:
+        plan["norm"] = SequenceParallel()
+    if model.lm_head is not None:
+        plan["lm_head"] = ColwiseParallel(input_layouts=residual, output_layouts=Shard(-1), use_local_output=True)
+    tied = model.tok_emb is not None and model.lm_head is not None and model.lm_head.weight is model.tok_emb.weight
+    parallelize_module(model, tp_mesh, plan)
+    if tied:
+        model.lm_head.weight = model.tok_emb.weight
+
+
+def vocab_parallel_loss(tp_mesh: DeviceMesh, vocab: int):
+    """Mean cross-entropy of vocab-sharded local logits [b, s, V/tp] (V may not divide by tp);
+    call it, and the backward, under ``loss_parallel()``."""
+    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        shape = (*logits.shape[:-1], vocab)
+        stride = (shape[1] * vocab, vocab, 1)
+        logits = DTensor.from_local(logits.float(), tp_mesh, [Shard(2)], run_check=False, shape=shape, stride=stride)
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+    return loss_fn
+
+
+__all__ = ["apply_tensor_parallel", "vocab_parallel_loss", "loss_parallel"]
