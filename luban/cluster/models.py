@@ -99,10 +99,12 @@ class Job(Base):
     requested: Mapped[int] = mapped_column(Integer, default=0)  # StopReason flags asked for
     reason: Mapped[str] = mapped_column(Text, default="")
     chain_submitted_at: Mapped[float] = mapped_column(Float)
+    place: Mapped[float] = mapped_column(Float)  # queue order key (policy rule 1)
     queued_at: Mapped[float] = mapped_column(Float)
     started_at: Mapped[float | None] = mapped_column(Float, nullable=True)
     ended_at: Mapped[float | None] = mapped_column(Float, nullable=True)
     suspend_deadline: Mapped[float | None] = mapped_column(Float, nullable=True)
+    acked: Mapped[bool] = mapped_column(Boolean, default=False)  # the job called go_suspend()
     exit_code: Mapped[int | None] = mapped_column(Integer, nullable=True)
     nodes: Mapped[list] = mapped_column(JSON, default=list)
     handle: Mapped[str | None] = mapped_column(Text, nullable=True)

@@ -7,7 +7,9 @@ Rules, in the order they apply (docs/platform.md states them for users):
 
 1. **Order.** Candidates (queued, starting and running jobs) are sorted by priority, highest
    first; within one priority running jobs keep their nodes first, then queued jobs follow in
-   the order of their chain's first submission (a suspended and requeued job keeps its place).
+   the order of their ``place``: the chain's first submission, so a job suspended for a higher
+   priority and requeued keeps its place; a job that yielded its time slice (rule 2) goes to the
+   back, its place becoming the time it was requeued.
 2. **Time-sharing.** Within one (node group, priority), when a queued job has waited at least
    ``quantum`` seconds, running jobs of *other* users at that priority that have run at least
    ``quantum`` seconds since their last start yield, longest-running first, until enough nodes
@@ -45,7 +47,8 @@ class NodeView:
 @dataclasses.dataclass(slots=True)
 class JobView:
     """One job as the policy sees it. ``owner`` is the quota holder (``user:x`` or ``group:g``);
-    ``since`` is when it was queued (queued jobs) or last started (running jobs)."""
+    ``place`` orders the queue (rule 1); ``since`` is when it was queued (queued jobs) or last
+    started (running jobs)."""
 
     id: int
     user: str
@@ -54,7 +57,7 @@ class JobView:
     node_group: str
     nnodes: int
     state: str
-    first_submit: float
+    place: float
     since: float
     nodes: tuple[str, ...] = ()
 
@@ -71,11 +74,12 @@ class Snapshot:
 @dataclasses.dataclass(slots=True)
 class Plan:
     """``starts``: (job id, nodes, reason); ``suspends``: (job id, reason, time_share);
-    ``waits``: job id -> why it is still queued."""
+    ``waits``: job id -> why it is still queued; ``admitted``: every job that may hold nodes."""
 
     starts: list[tuple[int, tuple[str, ...], str]] = dataclasses.field(default_factory=list)
     suspends: list[tuple[int, str, bool]] = dataclasses.field(default_factory=list)
     waits: dict[int, str] = dataclasses.field(default_factory=dict)
+    admitted: set[int] = dataclasses.field(default_factory=set)
 
 
 def _yielders(snap: Snapshot, free_count: dict[str, int]) -> set[int]:
@@ -89,7 +93,7 @@ def _yielders(snap: Snapshot, free_count: dict[str, int]) -> set[int]:
         waiters = [j for j in jobs if j.state == QUEUED and snap.now - j.since >= snap.quantum]
         if not waiters:
             continue
-        waiter = min(waiters, key=lambda j: (j.first_submit, j.id))
+        waiter = min(waiters, key=lambda j: (j.place, j.id))
         need = waiter.nnodes - free_count.get(group, 0)
         if need <= 0:
             continue
@@ -148,17 +152,20 @@ def plan(snap: Snapshot) -> Plan:
             cls = 2 if job.id in yielding else 0
         else:
             cls = 3 if (job.node_group, job.priority, job.user) in yielding_users else 1
-        return (-job.priority, cls, job.first_submit, job.id)
+        return (-job.priority, cls, job.place, job.id)
 
     result = Plan()
     used_capacity: dict[str, int] = defaultdict(int)
     used_quota: dict[tuple[str, str, int], int] = defaultdict(int)
+    displaced: set[tuple[str, str, int]] = set()  # (node group, user, priority) losing a running job
     candidates = sorted((j for j in snap.jobs if j.state == QUEUED or j.state in INCUMBENT), key=order)
     for job in candidates:
         key = (job.owner, job.node_group, job.priority)
         limit = snap.quota.get(key, 0)
         group = job.node_group
-        if used_quota[key] + job.nnodes > limit:
+        if job.state == QUEUED and (group, job.user, job.priority) in displaced:
+            why = "a running job of the same user and priority is being suspended; it keeps its place"
+        elif used_quota[key] + job.nnodes > limit:
             why = (f"quota: {job.owner} holds {used_quota[key]} of {limit} nodes at priority "
                    f"{job.priority} in node group {group}, needs {job.nnodes}")
         elif used_capacity[group] + job.nnodes > capacity[group]:
@@ -167,6 +174,7 @@ def plan(snap: Snapshot) -> Plan:
         else:
             used_quota[key] += job.nnodes
             used_capacity[group] += job.nnodes
+            result.admitted.add(job.id)
             if job.state == QUEUED:
                 if free_count[group] >= job.nnodes:
                     nodes, where = _place(free[group], job.nnodes)
@@ -178,7 +186,9 @@ def plan(snap: Snapshot) -> Plan:
             continue
         if job.state == QUEUED:
             result.waits[job.id] = why
-        elif job.id in yielding:
+            continue
+        displaced.add((group, job.user, job.priority))
+        if job.id in yielding:
             result.suspends.append((job.id, f"time-share: ran >= {snap.quantum:g}s while another "
                                              f"user's job waited >= {snap.quantum:g}s ({why})", True))
         else:

@@ -1,0 +1,318 @@
+"""Command line: ``luban submit|jobs|logs|stop|suspend|nodes|quota``, ``luban cluster serve|
+simulate|trace`` and ``luban admin user|group|quota|node``. All but serve/simulate/trace talk to
+the service through ``Client`` (LUBAN_CLUSTER_URL / LUBAN_CLUSTER_TOKEN or --url / --token)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from luban.errors import LubanError, bad_value
+
+
+def _client(args):
+    from luban.cluster.client import Client
+
+    return Client(args.url, args.token)
+
+
+def _table(rows: list[dict], columns: list[str]) -> None:
+    cells = [[str(r.get(c, "")) if r.get(c) is not None else "-" for c in columns] for r in rows]
+    widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(columns)]
+    for row in [[c.upper() for c in columns]] + cells:
+        print("  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip())
+
+
+def _ids(values: list[str]) -> list[int]:
+    try:
+        return [int(v) for v in values]
+    except ValueError:
+        raise bad_value("JOB", values, "job ids are integers") from None
+
+
+# -- user commands -------------------------------------------------------------------------------
+def cmd_submit(args) -> int:
+    from luban.cluster import spec as specs
+
+    rest = args.rest[1:] if args.rest[:1] == ["--"] else args.rest
+    file, command = (None, rest) if args.rest[:1] == ["--"] or not rest else (rest[0], rest[1:])
+    if file is not None and command and command[0] != "--":
+        raise bad_value("submit", " ".join(rest), "options go before JOB.yaml; a command goes after --")
+    command = command[1:] if command[:1] == ["--"] else command
+    if file is not None and not file.endswith((".yaml", ".yml", ".json")):
+        raise bad_value("job file", file, "a .yaml/.yml file; put a command after --, e.g. luban submit -- python train.py")
+    data: dict = {}
+    if file:
+        path = Path(file)
+        if not path.exists():
+            raise bad_value("job file", file, "no such file")
+        import yaml
+
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise LubanError(f"{file} is not valid YAML: {err}".replace("\n", " ")) from None
+        if not isinstance(data, dict):
+            raise bad_value("job file", file, "a YAML mapping (name, command, args, ...)")
+    if command:
+        data["command"], data["args"] = command[0], command[1:]
+    for key, value in (("nodes", args.nodes), ("priority", args.priority), ("name", args.name),
+                       ("group", args.group), ("node_group", args.node_group), ("workdir", args.workdir)):
+        if value is not None:
+            data[key] = value
+    if "workdir" not in data and command:
+        data["workdir"] = os.getcwd()
+    for item in args.env:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise bad_value("--env", item, "KEY=VALUE")
+        data.setdefault("env", {})[key] = value
+    if "name" not in data and data.get("command"):
+        data["name"] = Path(str(data["command"])).name[:64] or "job"
+    spec = specs.parse(data)  # one-line error before anything is sent
+    job = _client(args).submit(spec.to_dict())
+    print(f"submitted job {job['id']} ({job['name']}, {job['nnodes']} node(s), {job['priority_name']})")
+    return 0
+
+
+def cmd_jobs(args) -> int:
+    rows = _client(args).jobs(all_attempts=args.all, state=args.state)
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    for r in rows:
+        r["prio"], r["nodes_"] = r["priority_name"], ",".join(r["nodes"]) or r["nnodes"]
+    _table(rows, ["id", "chain_id", "name", "user", "prio", "nodes_", "state", "restart_count", "reason"])
+    return 0
+
+
+def cmd_logs(args) -> int:
+    client = _client(args)
+    if args.follow:
+        for text in client.follow(args.job, args.rank):
+            sys.stdout.write(text)
+            sys.stdout.flush()
+    else:
+        offset = 0
+        while True:
+            chunk = client.logs(args.job, args.rank, offset)
+            sys.stdout.write(chunk["text"])
+            if not chunk["text"]:
+                break
+            offset = chunk["offset"]
+    return 0
+
+
+def cmd_stop(args) -> int:
+    client = _client(args)
+    for job_id in _ids(args.jobs):
+        job = client.suspend(job_id) if args.command_name == "suspend" else client.stop(job_id)
+        print(f"{args.command_name} requested for job {job['id']} ({job['state']})")
+    return 0
+
+
+def cmd_nodes(args) -> int:
+    rows = _client(args).nodes()
+    for r in rows:
+        r["zone"] = r["labels"].get("zone", "-")
+        r["job_"] = f"{r['job']['id']} {r['job']['user']} {r['job']['name']} ({r['job']['state']})" if r["job"] else "-"
+    _table(rows, ["name", "node_group", "gpus", "zone", "state", "job_"])
+    return 0
+
+
+def cmd_quota(args) -> int:
+    _table(_client(args).quota(), ["owner", "node_group", "priority_name", "nodes", "used"])
+    return 0
+
+
+# -- admin commands ------------------------------------------------------------------------------
+def cmd_admin(args) -> int:
+    client = _client(args)
+    what, action = args.what, args.action
+    if what == "user" and action == "add":
+        print(client.add_user(args.name, admin=args.admin, group=args.group)["token"])
+    elif what == "user" and action == "token":
+        print(client.rotate_token(args.name)["token"])
+    elif what == "user" and action == "set":
+        print(client.set_user(args.name, group=args.group))
+    elif what == "user":
+        _table(client.users(), ["name", "admin", "group"])
+    elif what == "group" and action == "add":
+        client.add_group(args.name, args.data_dir, args.env_dir)
+        print(f"group {args.name} added")
+    elif what == "group":
+        rows = client.groups()
+        for r in rows:
+            r["members"] = ",".join(r["members"])
+        _table(rows, ["name", "members", "data_dir", "env_dir"])
+    elif what == "quota":
+        q = client.set_quota(args.owner, args.priority, args.nodes, args.node_group)
+        print(f"quota {q['owner']} {q['node_group']} priority {q['priority']}: {q['nodes']} node(s)")
+    elif what == "node":
+        print(client.set_node(args.name, "drain" if action == "drain" else "up"))
+    return 0
+
+
+# -- service-side commands -----------------------------------------------------------------------
+def cmd_serve(args) -> int:
+    import uvicorn
+
+    from luban.cluster import db
+    from luban.cluster.executors import make
+    from luban.cluster.scheduler import Scheduler, Settings
+    from luban.cluster.service import create_app, ensure_admin
+
+    state = Path(args.state).absolute()
+    state.mkdir(parents=True, exist_ok=True)
+    engine = db.make_engine(args.db or str(state / "luban.db"))
+    db.upgrade(engine)
+    sessions = db.sessions(engine)
+    options = ({"nodes": args.nodes, "gpus": args.gpus, "zones": args.zones, "node_group": args.node_group}
+               if args.executor == "local" else {"partition": args.partition, "state_dir": str(state)})
+    settings = Settings(state_dir=str(state), url=args.public_url or f"http://{args.host}:{args.port}",
+                        tick=args.tick, quantum=args.quantum, suspend_timeout=args.suspend_timeout,
+                        sample_every=args.sample_every)
+    scheduler = Scheduler(sessions, make(args.executor, **options), settings)
+    token_path = ensure_admin(sessions, state)
+    if token_path:
+        print(f"luban cluster: admin token written to {token_path}", flush=True)
+    uvicorn.run(create_app(sessions, scheduler), host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def cmd_trace(args) -> int:
+    from luban.cluster import trace
+
+    jobs = trace.synthetic(trace.TraceConfig(jobs=args.jobs, days=args.days, nodes=args.nodes, users=args.users,
+                                             load=args.load, seed=args.seed))
+    trace.save(jobs, args.output)
+    print(f"wrote {len(jobs)} jobs to {args.output}")
+    return 0
+
+
+def cmd_simulate(args) -> int:
+    from luban.cluster import simulate, trace
+
+    if args.trace:
+        jobs = trace.load(args.trace)
+    else:
+        jobs = trace.synthetic(trace.TraceConfig(jobs=args.jobs, days=args.days, nodes=args.nodes,
+                                                 users=args.users, load=args.load, seed=args.seed))
+    report = simulate.run(jobs, simulate.SimConfig(nodes=args.nodes, zones=args.zones, quantum=args.quantum,
+                                                   tick=args.tick, checkpoint_s=args.checkpoint_s))
+    print(json.dumps(report, indent=1) if args.json else simulate.format_report(report))
+    return 0
+
+
+def register(subparsers) -> None:
+    conn = argparse.ArgumentParser(add_help=False)
+    conn.add_argument("--url", help="service URL (default $LUBAN_CLUSTER_URL or http://127.0.0.1:8765)")
+    conn.add_argument("--token", help="API token (default $LUBAN_CLUSTER_TOKEN)")
+
+    p = subparsers.add_parser("submit", parents=[conn], help="submit a job to the cluster scheduler")
+    p.add_argument("-n", "--nodes", type=int, help="whole nodes")
+    p.add_argument("-p", "--priority", help="EXTREME_HIGH ... LOW, or AUTO")
+    p.add_argument("--name")
+    p.add_argument("--group", help="charge the job to this user group's quota")
+    p.add_argument("--node-group")
+    p.add_argument("--workdir")
+    p.add_argument("-e", "--env", action="append", default=[], help="KEY=VALUE (repeatable)")
+    p.add_argument("rest", nargs=argparse.REMAINDER, metavar="JOB.yaml | -- COMMAND ARGS...",
+                   help="a job spec YAML (name, command, args, env, workdir, nodes, priority, group, node_group) "
+                        "and/or a command after --")
+    p.set_defaults(func=cmd_submit)
+
+    p = subparsers.add_parser("jobs", parents=[conn], help="list your jobs (latest attempt of each chain)")
+    p.add_argument("--all", action="store_true", help="every attempt, not only the latest")
+    p.add_argument("--state", help="comma-separated states to show")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_jobs)
+
+    p = subparsers.add_parser("logs", parents=[conn], help="print a job's log (all attempts of its chain)")
+    p.add_argument("job", type=int)
+    p.add_argument("-f", "--follow", action="store_true", help="keep printing until the chain ends")
+    p.add_argument("--rank", type=int, default=0)
+    p.set_defaults(func=cmd_logs)
+
+    for name, text in (("stop", "stop jobs"), ("suspend", "suspend jobs (checkpoint, requeue)")):
+        p = subparsers.add_parser(name, parents=[conn], help=text)
+        p.add_argument("jobs", nargs="+")
+        p.set_defaults(func=cmd_stop, command_name=name)
+
+    p = subparsers.add_parser("nodes", parents=[conn], help="list nodes and the jobs on them")
+    p.set_defaults(func=cmd_nodes)
+    p = subparsers.add_parser("quota", parents=[conn], help="show quotas and their use")
+    p.set_defaults(func=cmd_quota)
+
+    admin = subparsers.add_parser("admin", help="manage users, groups, quotas and nodes (admin token)")
+    what = admin.add_subparsers(dest="what", required=True, metavar="WHAT")
+    user = what.add_parser("user").add_subparsers(dest="action", required=True, metavar="ACTION")
+    p = user.add_parser("add", parents=[conn], help="create a user; prints its token")
+    p.add_argument("name")
+    p.add_argument("--admin", action="store_true")
+    p.add_argument("--group")
+    p = user.add_parser("token", parents=[conn], help="issue a new token (the old one stops working)")
+    p.add_argument("name")
+    p = user.add_parser("set", parents=[conn], help="move a user to a group")
+    p.add_argument("name")
+    p.add_argument("--group")
+    user.add_parser("list", parents=[conn])
+    group = what.add_parser("group").add_subparsers(dest="action", required=True, metavar="ACTION")
+    p = group.add_parser("add", parents=[conn])
+    p.add_argument("name")
+    p.add_argument("--data-dir")
+    p.add_argument("--env-dir")
+    group.add_parser("list", parents=[conn])
+    quota = what.add_parser("quota").add_subparsers(dest="action", required=True, metavar="ACTION")
+    p = quota.add_parser("set", parents=[conn], help="OWNER (user:NAME or group:NAME) PRIORITY NODES")
+    p.add_argument("owner")
+    p.add_argument("priority")
+    p.add_argument("nodes", type=int)
+    p.add_argument("--node-group", default="default")
+    node = what.add_parser("node").add_subparsers(dest="action", required=True, metavar="ACTION")
+    for action in ("drain", "up"):
+        node.add_parser(action, parents=[conn]).add_argument("name")
+    admin.set_defaults(func=cmd_admin)
+
+    cluster = subparsers.add_parser("cluster", help="run the scheduler service, simulate, make traces")
+    sub = cluster.add_subparsers(dest="cluster_command", required=True, metavar="ACTION")
+    p = sub.add_parser("serve", help="run the scheduler and its HTTP API")
+    p.add_argument("--state", default="luban-cluster", help="state directory (logs, SQLite file, admin token)")
+    p.add_argument("--db", help="database URL (postgresql://...); default STATE/luban.db (SQLite)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8765)
+    p.add_argument("--public-url", help="URL jobs use to reach the service (default http://HOST:PORT)")
+    p.add_argument("--executor", choices=["local", "slurm"], default="local")
+    p.add_argument("--nodes", type=int, default=1, help="local: virtual nodes on this machine")
+    p.add_argument("--gpus", type=int, default=0, help="local: GPUs per virtual node")
+    p.add_argument("--zones", type=int, default=1, help="local: network zones the nodes are split into")
+    p.add_argument("--node-group", default="default", help="local: the nodes' group")
+    p.add_argument("--partition", help="slurm: only this partition's nodes")
+    p.add_argument("--tick", type=float, default=1.0, help="seconds between scheduling ticks")
+    p.add_argument("--quantum", type=float, default=3600.0, help="time-sharing quantum, seconds")
+    p.add_argument("--suspend-timeout", type=float, default=600.0, help="seconds to checkpoint before a kill")
+    p.add_argument("--sample-every", type=float, default=10.0, help="seconds between occupancy samples")
+    p.add_argument("--log-level", default="warning")
+    p.set_defaults(func=cmd_serve)
+
+    sim_args = argparse.ArgumentParser(add_help=False)
+    sim_args.add_argument("--jobs", type=int, default=10_000)
+    sim_args.add_argument("--days", type=float, default=30.0)
+    sim_args.add_argument("--nodes", type=int, default=1000)
+    sim_args.add_argument("--users", type=int, default=50)
+    sim_args.add_argument("--load", type=float, default=0.9, help="offered load / capacity")
+    sim_args.add_argument("--seed", type=int, default=0)
+    p = sub.add_parser("trace", parents=[sim_args], help="write a synthetic job trace (JSON lines)")
+    p.add_argument("-o", "--output", required=True)
+    p.set_defaults(func=cmd_trace)
+    p = sub.add_parser("simulate", parents=[sim_args], help="replay a trace through the policy in virtual time")
+    p.add_argument("--trace", help="JSON-lines trace (default: a synthetic one from the options)")
+    p.add_argument("--zones", type=int, default=10)
+    p.add_argument("--quantum", type=float, default=4 * 3600.0)
+    p.add_argument("--tick", type=float, default=60.0, help="virtual seconds between ticks")
+    p.add_argument("--checkpoint-s", type=float, default=120.0, help="virtual seconds a job needs to suspend")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_simulate)

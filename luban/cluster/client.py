@@ -1,0 +1,130 @@
+"""``Client``: the Python SDK for the cluster API, used by the CLI and by scripts.
+
+``Client()`` reads LUBAN_CLUSTER_URL and LUBAN_CLUSTER_TOKEN (a running job has both); an API
+error becomes a ``LubanError`` carrying the server's one-line explanation.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+
+import httpx
+
+from luban.errors import LubanError
+
+DEFAULT_URL = "http://127.0.0.1:8765"
+
+
+class Client:
+    def __init__(self, url: str | None = None, token: str | None = None, timeout: float = 30.0):
+        self.url = (url or os.environ.get("LUBAN_CLUSTER_URL") or DEFAULT_URL).rstrip("/")
+        token = token or os.environ.get("LUBAN_CLUSTER_TOKEN")
+        if not token:
+            raise LubanError("LUBAN_CLUSTER_TOKEN is not set: pass --token or export the token an admin gave you")
+        self.http = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {token}"}, timeout=timeout)
+
+    def call(self, method: str, path: str, **kwargs):
+        try:
+            response = self.http.request(method, "/api" + path, **kwargs)
+        except httpx.HTTPError as err:
+            raise LubanError(f"cluster service at {self.url} is unreachable: {err}") from None
+        if response.status_code >= 400:
+            try:
+                detail = response.json().get("detail")
+            except ValueError:
+                detail = response.text
+            raise LubanError(f"{detail} (HTTP {response.status_code})")
+        return response.json()
+
+    # jobs
+    def submit(self, spec: dict | str) -> dict:
+        """Submit a spec mapping or YAML text; returns the new job."""
+        return self.call("POST", "/jobs", json={"yaml": spec} if isinstance(spec, str) else {"spec": spec})
+
+    def jobs(self, all_attempts: bool = False, state: str | None = None) -> list[dict]:
+        params = {"all": all_attempts} | ({"state": state} if state else {})
+        return self.call("GET", "/jobs", params=params)
+
+    def job(self, job_id: int) -> dict:
+        return self.call("GET", f"/jobs/{job_id}")
+
+    def events(self, job_id: int) -> list[dict]:
+        return self.call("GET", f"/jobs/{job_id}/events")
+
+    def stop(self, job_id: int) -> dict:
+        return self.call("POST", f"/jobs/{job_id}/stop")
+
+    def suspend(self, job_id: int) -> dict:
+        return self.call("POST", f"/jobs/{job_id}/suspend")
+
+    def logs(self, job_id: int, rank: int = 0, offset: int = 0) -> dict:
+        return self.call("GET", f"/jobs/{job_id}/logs", params={"rank": rank, "offset": offset})
+
+    def follow(self, job_id: int, rank: int = 0, poll: float = 0.5) -> Iterator[str]:
+        """Yield log text as it is written, across restarts, until the chain has ended."""
+        offset = 0
+        while True:
+            chunk = self.logs(job_id, rank, offset)
+            offset = chunk["offset"]
+            if chunk["text"]:
+                yield chunk["text"]
+            elif chunk["done"]:
+                return
+            else:
+                time.sleep(poll)
+
+    def wait(self, job_id: int, states=("succeeded", "failed", "stopped"), timeout: float = 600.0,
+             poll: float = 0.2) -> dict:
+        """Poll until the chain's latest attempt reaches one of ``states``."""
+        deadline = time.time() + timeout
+        while True:
+            job = self.latest(job_id)
+            if job["state"] in states:
+                return job
+            if time.time() > deadline:
+                raise TimeoutError(f"job {job_id} still {job['state']} after {timeout}s")
+            time.sleep(poll)
+
+    def latest(self, job_id: int) -> dict:
+        chain = self.job(job_id)["chain_id"]
+        return [j for j in self.jobs(all_attempts=True) if j["chain_id"] == chain][-1]
+
+    # cluster
+    def whoami(self) -> dict:
+        return self.call("GET", "/whoami")
+
+    def nodes(self) -> list[dict]:
+        return self.call("GET", "/nodes")
+
+    def set_node(self, name: str, state: str) -> dict:
+        return self.call("PATCH", f"/nodes/{name}", json={"state": state})
+
+    def quota(self) -> list[dict]:
+        return self.call("GET", "/quota")
+
+    def set_quota(self, owner: str, priority: str | int, nodes: int, node_group: str = "default") -> dict:
+        return self.call("PUT", "/quota", json={"owner": owner, "priority": priority, "nodes": nodes,
+                                                "node_group": node_group})
+
+    def users(self) -> list[dict]:
+        return self.call("GET", "/users")
+
+    def add_user(self, name: str, admin: bool = False, group: str | None = None) -> dict:
+        return self.call("POST", "/users", json={"name": name, "admin": admin, "group": group})
+
+    def set_user(self, name: str, **changes) -> dict:
+        return self.call("PATCH", f"/users/{name}", json=changes)
+
+    def rotate_token(self, name: str) -> dict:
+        return self.call("POST", f"/users/{name}/token")
+
+    def groups(self) -> list[dict]:
+        return self.call("GET", "/groups")
+
+    def add_group(self, name: str, data_dir: str | None = None, env_dir: str | None = None) -> dict:
+        return self.call("POST", "/groups", json={"name": name, "data_dir": data_dir, "env_dir": env_dir})
+
+    def samples(self, since: float = 0.0) -> list[dict]:
+        return self.call("GET", "/samples", params={"since": since})

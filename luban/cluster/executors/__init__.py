@@ -1,0 +1,73 @@
+"""Executors start job ranks on nodes, deliver the suspend signal, kill, and report exits.
+
+The scheduler speaks to them through ``Executor``; ``local`` runs everything on this machine
+(several virtual nodes for testing), ``slurm`` goes through a real Slurm controller.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol
+
+from luban.errors import bad_value
+
+
+@dataclasses.dataclass
+class NodeInfo:
+    name: str
+    node_group: str = "default"
+    gpus: int = 0
+    labels: dict = dataclasses.field(default_factory=dict)
+    addr: str = "127.0.0.1"
+
+
+@dataclasses.dataclass
+class Launch:
+    """Everything needed to start one job attempt: one rank per node, ranks in node order."""
+
+    job_id: int
+    nodes: list[str]
+    command: list[str]
+    env: dict[str, str]
+    run_dir: str
+    log_pattern: str  # contains {rank}
+    workdir: str | None = None
+
+
+@dataclasses.dataclass
+class Status:
+    """``done`` with the job's exit code (75 = suspended), or still running; ``lost`` when the
+    executor can no longer find it."""
+
+    done: bool
+    exit_code: int | None = None
+    lost: bool = False
+
+
+def combine(codes: list[int]) -> int:
+    """One exit code for all ranks: the first failure, else 75 if any rank suspended, else 0."""
+    failures = [c for c in codes if c not in (0, 75)]
+    if failures:
+        return failures[0]
+    return 75 if 75 in codes else 0
+
+
+class Executor(Protocol):
+    def discover(self) -> list[NodeInfo]: ...
+    def start(self, launch: Launch) -> str: ...
+    def poll(self, handle: str) -> Status: ...
+    def suspend(self, handle: str) -> None: ...
+    def kill(self, handle: str) -> None: ...
+
+
+def make(kind: str, **options) -> Executor:
+    """``local`` or ``slurm`` with its options."""
+    if kind == "local":
+        from luban.cluster.executors.local import LocalExecutor
+
+        return LocalExecutor(**options)
+    if kind == "slurm":
+        from luban.cluster.executors.slurm import SlurmExecutor
+
+        return SlurmExecutor(**options)
+    raise bad_value("executor", kind, "local or slurm")

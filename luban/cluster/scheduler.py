@@ -1,0 +1,289 @@
+"""The scheduler loop: observe executors, ask the policy, apply its plan to the database.
+
+Every tick: (1) read exits and move jobs on (a suspended attempt is requeued as the next
+attempt of its chain), enforce suspend deadlines, stop and suspend requests; (2) build a
+``policy.Snapshot`` from the database and call ``policy.plan``; (3) start and suspend jobs as
+planned. A start is one transaction that locks the owner's quota row, recounts its use and
+inserts node allocations (primary key per node), so concurrent schedulers or submissions can
+never exceed a quota or share a node. Every decision goes to the ``events`` table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import secrets
+import socket
+import threading
+import time
+from pathlib import Path
+
+from sqlalchemy import func, select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session, sessionmaker
+
+from luban.cluster import policy
+from luban.cluster.executors import Executor, Launch
+from luban.cluster.models import ACTIVE, Allocation, Event, Job, Node, Quota, Sample, StopReason, User, UserGroup
+
+log = logging.getLogger("luban.cluster")
+
+
+@dataclasses.dataclass
+class Settings:
+    state_dir: str
+    url: str = "http://127.0.0.1:8765"   # what jobs use to reach the service
+    tick: float = 1.0                     # seconds between scheduling ticks
+    quantum: float = 3600.0               # time-sharing quantum (policy rule 2)
+    suspend_timeout: float = 600.0        # seconds a job has to checkpoint before it is killed
+    sample_every: float = 10.0            # seconds between occupancy samples
+
+
+def token_hash(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def new_token() -> str:
+    return secrets.token_urlsafe(24)
+
+
+def record(session: Session, kind: str, message: str, job_id: int | None = None) -> None:
+    session.add(Event(t=time.time(), job_id=job_id, kind=kind, message=message))
+    log.info("%s job=%s %s", kind, job_id, message)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+class Scheduler:
+    def __init__(self, sessions: sessionmaker, executor: Executor, settings: Settings):
+        self.sessions, self.executor, self.settings = sessions, executor, settings
+        self.last_sample = 0.0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- nodes -------------------------------------------------------------------------------
+    def sync_nodes(self) -> None:
+        """Add or refresh the executor's nodes; an admin's drain stays in force."""
+        with self.sessions.begin() as s:
+            for info in self.executor.discover():
+                node = s.get(Node, info.name) or Node(name=info.name, state="up")
+                node.node_group, node.gpus, node.labels, node.addr = info.node_group, info.gpus, info.labels, info.addr
+                s.add(node)
+
+    # -- the loop ----------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="luban-scheduler", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread:
+            self._thread.join(timeout=30)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.tick()
+            except Exception:  # keep scheduling; the traceback goes to the service log
+                log.exception("scheduling tick failed")
+            self._stop.wait(self.settings.tick)
+
+    def tick(self) -> policy.Plan:
+        now = time.time()
+        self.observe(now)
+        with self.sessions() as s:
+            snap = self.snapshot(s, now)
+        result = policy.plan(snap)
+        self.apply(result, now)
+        if now - self.last_sample >= self.settings.sample_every:
+            self.sample(now)
+        return result
+
+    # -- (1) observe -------------------------------------------------------------------------
+    def observe(self, now: float) -> None:
+        with self.sessions() as s:
+            ids = s.scalars(select(Job.id).where(Job.state.in_(ACTIVE))).all()
+            queued_stops = s.scalars(select(Job.id).where(Job.state == "queued", Job.requested.op("&")(
+                int(StopReason.USER_STOP | StopReason.ADMIN_STOP)) != 0)).all()
+        for job_id in queued_stops:
+            with self.sessions.begin() as s:
+                job = s.get(Job, job_id)
+                if job.state == "queued":
+                    self._end(s, job, "stopped", None, job.requested, "stopped while queued")
+        for job_id in ids:
+            with self.sessions.begin() as s:
+                job = s.get(Job, job_id, with_for_update=True)
+                if job.state in ACTIVE:
+                    self._observe_one(s, job, now)
+
+    def _observe_one(self, s: Session, job: Job, now: float) -> None:
+        if job.handle is None:  # the service died between the start commit and the launch
+            self._end(s, job, "suspended", None, StopReason.LOST, "never launched; requeued")
+            return
+        status = self.executor.poll(job.handle)
+        if status.done:
+            self._finish(s, job, status.exit_code, status.lost)
+            return
+        if job.state == "starting":
+            job.state = "running"
+        stop = job.requested & (StopReason.USER_STOP | StopReason.ADMIN_STOP)
+        if stop and not job.stop_reason & stop:
+            job.stop_reason |= stop
+            self.executor.kill(job.handle)
+            record(s, "kill", f"stop requested ({StopReason(stop).name})", job.id)
+        elif job.state == "running" and job.requested & StopReason.USER_SUSPEND:
+            self._suspend(s, job, StopReason.USER_SUSPEND, "suspend requested by the user", now)
+        elif job.state == "suspending" and job.acked and not job.stop_reason & StopReason.SUSPEND_TIMEOUT:
+            if job.suspend_deadline is not None:
+                job.suspend_deadline = None
+                self.executor.kill(job.handle)
+                record(s, "kill", "job acknowledged the suspend (go_suspend): released", job.id)
+        elif job.state == "suspending" and job.suspend_deadline is not None and now > job.suspend_deadline:
+            job.stop_reason |= StopReason.SUSPEND_TIMEOUT
+            job.suspend_deadline = None
+            self.executor.kill(job.handle)
+            record(s, "kill", f"no acknowledgement within {self.settings.suspend_timeout:g}s: killed", job.id)
+
+    def _finish(self, s: Session, job: Job, code: int | None, lost: bool) -> None:
+        stop = job.requested & (StopReason.USER_STOP | StopReason.ADMIN_STOP)
+        if stop:
+            self._end(s, job, "stopped", code, job.stop_reason | stop, f"stopped on request, exit code {code}")
+        elif code == 75 or (job.state == "suspending" and code != 0):
+            self._end(s, job, "suspended", code, job.stop_reason, f"suspended with exit code {code}; requeued")
+        elif code == 0:
+            self._end(s, job, "succeeded", 0, job.stop_reason, "exit code 0")
+        elif lost:
+            self._end(s, job, "failed", None, job.stop_reason | StopReason.LOST, "lost: launcher gone, no exit code")
+        else:
+            self._end(s, job, "failed", code, job.stop_reason | StopReason.NONZERO_EXIT, f"exit code {code}")
+
+    def _end(self, s: Session, job: Job, state: str, code: int | None, reasons: int, message: str) -> None:
+        """Close an attempt, free its nodes; a suspended attempt is requeued as the next one."""
+        job.state, job.exit_code, job.stop_reason = state, code, int(reasons)
+        job.ended_at, job.token_hash, job.suspend_deadline = time.time(), None, None
+        s.execute(Allocation.__table__.delete().where(Allocation.job_id == job.id))
+        record(s, state, message, job.id)
+        if state == "suspended":
+            nxt = Job(chain_id=job.chain_id, first_id=job.first_id, restart_count=job.restart_count + 1,
+                      whole_life_state=job.whole_life_state, user=job.user, group=job.group, owner=job.owner,
+                      name=job.name, spec=job.spec, priority=job.priority, node_group=job.node_group,
+                      nnodes=job.nnodes, state="queued", chain_submitted_at=job.chain_submitted_at,
+                      place=time.time() if job.stop_reason & StopReason.TIME_SHARE else job.place,
+                      queued_at=time.time(), nodes=[], requested=0, stop_reason=0, reason="requeued")
+            s.add(nxt)
+            s.flush()
+            record(s, "requeue", f"attempt {nxt.restart_count} of chain {job.chain_id} (was job {job.id})", nxt.id)
+
+    def _suspend(self, s: Session, job: Job, why: StopReason, message: str, now: float) -> None:
+        job.state, job.stop_reason = "suspending", job.stop_reason | why
+        job.suspend_deadline = now + self.settings.suspend_timeout
+        self.executor.suspend(job.handle)
+        record(s, "suspend", message, job.id)
+
+    # -- (2) snapshot ------------------------------------------------------------------------
+    def snapshot(self, s: Session, now: float) -> policy.Snapshot:
+        nodes = [policy.NodeView(n.name, n.node_group, (n.labels or {}).get("zone", "default"), n.state == "up")
+                 for n in s.scalars(select(Node))]
+        jobs = [policy.JobView(j.id, j.user, j.owner, j.priority, j.node_group, j.nnodes, j.state,
+                               j.place, j.started_at if j.state != "queued" else j.queued_at,
+                               tuple(j.nodes or ()))
+                for j in s.scalars(select(Job).where(Job.state.in_(("queued",) + ACTIVE)))
+                if not (j.state == "queued" and j.requested & (StopReason.USER_STOP | StopReason.ADMIN_STOP))]
+        quota = {(q.owner, q.node_group, q.priority): q.nodes for q in s.scalars(select(Quota))}
+        return policy.Snapshot(now, nodes, jobs, quota, self.settings.quantum)
+
+    # -- (3) apply ---------------------------------------------------------------------------
+    def apply(self, result: policy.Plan, now: float) -> None:
+        for job_id, why, time_share in result.suspends:
+            with self.sessions.begin() as s:
+                job = s.get(Job, job_id, with_for_update=True)
+                if job.state == "running":
+                    flag = StopReason.TIME_SHARE if time_share else StopReason.PREEMPTED
+                    self._suspend(s, job, flag, why, now)
+        for job_id, nodes, why in result.starts:
+            self.launch(job_id, nodes, why)
+        if result.waits:
+            with self.sessions.begin() as s:
+                for job in s.scalars(select(Job).where(Job.id.in_(list(result.waits)))):
+                    if job.reason != result.waits[job.id]:
+                        job.reason = result.waits[job.id]
+                        record(s, "wait", job.reason, job.id)
+
+    def claim(self, job_id: int, nodes: tuple[str, ...], why: str) -> tuple[Job, str] | None:
+        """The start transaction: quota row locked and recounted, nodes inserted; None if refused."""
+        token = new_token()
+        try:
+            with self.sessions.begin() as s:
+                job = s.get(Job, job_id)
+                quota = s.get(Quota, (job.owner, job.node_group, job.priority), with_for_update=True)
+                held = s.scalar(select(func.coalesce(func.sum(Job.nnodes), 0)).where(
+                    Job.owner == job.owner, Job.node_group == job.node_group,
+                    Job.priority == job.priority, Job.state.in_(ACTIVE)))
+                if quota is None or held + job.nnodes > quota.nodes:
+                    record(s, "refuse", f"quota re-check failed: {held} + {job.nnodes} > "
+                                        f"{quota.nodes if quota else 0}", job_id)
+                    return None
+                claimed = s.execute(update(Job).where(Job.id == job_id, Job.state == "queued").values(
+                    state="starting", nodes=list(nodes), started_at=time.time(), reason=why,
+                    token_hash=token_hash(token)))
+                if claimed.rowcount != 1:
+                    return None
+                s.add_all(Allocation(node=n, job_id=job_id) for n in nodes)
+                record(s, "start", f"on {','.join(nodes)}: {why}", job_id)
+            return job, token
+        except IntegrityError:
+            return None  # another scheduler took one of the nodes first
+
+    def launch(self, job_id: int, nodes: tuple[str, ...], why: str) -> None:
+        claimed = self.claim(job_id, nodes, why)
+        if claimed is None:
+            return
+        job, token = claimed
+        with self.sessions() as s:
+            env = self.job_env(s, job, token, nodes)
+        spec = job.spec
+        state = Path(self.settings.state_dir)
+        launch = Launch(job_id=job.id, nodes=list(nodes), command=[spec["command"], *spec.get("args", [])],
+                        env=env, run_dir=str(state / "runs" / str(job.id)),
+                        log_pattern=str(state / "logs" / job.chain_id / "rank{rank}.log"),
+                        workdir=spec.get("workdir"))
+        try:
+            handle = self.executor.start(launch)
+        except Exception as err:  # noqa: BLE001 - any launch failure fails this attempt, not the service
+            with self.sessions.begin() as s:
+                self._end(s, s.get(Job, job_id), "failed", None, StopReason.LOST, f"launch failed: {err}")
+            return
+        with self.sessions.begin() as s:
+            s.get(Job, job_id).handle = handle
+
+    def job_env(self, s: Session, job: Job, token: str, nodes: tuple[str, ...]) -> dict[str, str]:
+        """SDK variables, torchrun-style rendezvous variables and the group's shared directories."""
+        first = s.get(Node, nodes[0])
+        gpus = max(first.gpus, 1)
+        user = s.get(User, job.user)
+        group = s.get(UserGroup, job.group or user.group) if (job.group or user.group) else None
+        env = {**job.spec.get("env", {}),
+               "LUBAN_CLUSTER_URL": self.settings.url, "LUBAN_CLUSTER_TOKEN": token,
+               "LUBAN_JOB_ID": str(job.id), "LUBAN_CHAIN_ID": job.chain_id,
+               "LUBAN_RESTART_COUNT": str(job.restart_count), "LUBAN_NODES": ",".join(nodes),
+               "LUBAN_WORKDIR": job.spec.get("workdir") or "",
+               "MASTER_ADDR": first.addr, "MASTER_PORT": str(free_port()), "NNODES": str(len(nodes)),
+               "NPROC_PER_NODE": str(gpus), "WORLD_SIZE": str(len(nodes)), "LOCAL_RANK": "0"}
+        if group is not None:
+            env.update({k: v for k, v in (("LUBAN_GROUP", group.name), ("LUBAN_GROUP_DATA_DIR", group.data_dir),
+                                          ("LUBAN_GROUP_ENV_DIR", group.env_dir)) if v})
+        return env
+
+    def sample(self, now: float) -> None:
+        self.last_sample = now
+        with self.sessions.begin() as s:
+            nodes = s.scalar(select(func.count()).select_from(Node).where(Node.state == "up"))
+            held = s.scalar(select(func.count()).select_from(Allocation))
+            running = s.scalar(select(func.coalesce(func.sum(Job.nnodes), 0)).where(Job.state == "running"))
+            queued = s.scalar(select(func.count()).select_from(Job).where(Job.state == "queued"))
+            s.merge(Sample(t=round(now, 3), nodes=nodes, held=held, running=running, queued_jobs=queued))

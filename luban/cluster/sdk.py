@@ -1,0 +1,40 @@
+"""Calls a running job makes about itself (the executor sets LUBAN_CLUSTER_URL,
+LUBAN_CLUSTER_TOKEN and LUBAN_JOB_ID): poll for a suspend, acknowledge it, and keep an integer
+"whole-life state" that survives suspends and restarts of the chain.
+"""
+
+from __future__ import annotations
+
+import os
+
+from luban.cluster.client import Client
+from luban.errors import LubanError
+
+
+def _job() -> tuple[Client, int]:
+    job_id = os.environ.get("LUBAN_JOB_ID")
+    if not job_id:
+        raise LubanError("LUBAN_JOB_ID is not set: this is only available inside a job started by luban's scheduler")
+    return Client(), int(job_id)
+
+
+def receive_suspend_command() -> bool:
+    """True once the scheduler wants this job to checkpoint and suspend."""
+    client, job_id = _job()
+    return bool(client.call("GET", f"/jobs/{job_id}/suspend_command")["suspend"])
+
+
+def go_suspend() -> None:
+    """Acknowledge: the checkpoint is saved; the scheduler stops this attempt and requeues it."""
+    client, job_id = _job()
+    client.call("POST", f"/jobs/{job_id}/go_suspend")
+
+
+def get_whole_life_state() -> int:
+    client, job_id = _job()
+    return int(client.call("GET", f"/jobs/{job_id}/whole_life_state")["value"])
+
+
+def set_whole_life_state(value: int) -> None:
+    client, job_id = _job()
+    client.call("PUT", f"/jobs/{job_id}/whole_life_state", json={"value": int(value)})

@@ -1,0 +1,160 @@
+"""Fixtures for the platform tests: real services (PostgreSQL, Slurm, Chromium) or a clear skip.
+
+With LUBAN_REQUIRE_SERVICES=1 (set by .ci/run after .ci/services.sh) a missing service FAILS
+the test instead of skipping it.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from luban.cluster.client import Client
+
+ROOT = Path(__file__).resolve().parents[2]
+PYTHON = sys.executable
+PG_ADMIN = os.environ.get("LUBAN_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
+# The real `luban` entry point (luban.cli.main) with only this package's sub-commands registered,
+# so these tests do not depend on other sub-packages importing cleanly.
+LUBAN = [PYTHON, "-c", "import sys, luban.cli as c; c.SUBCOMMAND_MODULES[:] = ['luban.cluster.cli']; "
+                       "sys.exit(c.main(sys.argv[1:]))"]
+
+
+def require(available: bool, what: str) -> None:
+    """Skip with a reason, or fail when LUBAN_REQUIRE_SERVICES=1."""
+    if available:
+        return
+    message = f"{what} is not available (run .ci/services.sh as root)"
+    if os.environ.get("LUBAN_REQUIRE_SERVICES") == "1":
+        pytest.fail(message + " and LUBAN_REQUIRE_SERVICES=1")
+    pytest.skip(message)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(predicate, timeout: float = 60.0, every: float = 0.1, what: str = "condition"):
+    deadline = time.time() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.time() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(every)
+
+
+@pytest.fixture(scope="session")
+def pg_admin_url():
+    try:
+        import psycopg
+
+        with psycopg.connect(PG_ADMIN, connect_timeout=3):
+            pass
+    except Exception as err:  # noqa: BLE001 - any failure means: no usable server
+        require(False, f"PostgreSQL at {PG_ADMIN} ({err.__class__.__name__}: {err})".replace("\n", " "))
+    return PG_ADMIN
+
+
+@pytest.fixture
+def pg_url(pg_admin_url):
+    """A throwaway database, dropped afterwards."""
+    import psycopg
+
+    name = "luban_test_" + secrets.token_hex(4)
+    with psycopg.connect(pg_admin_url, autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {name}")
+    yield pg_admin_url.rsplit("/", 1)[0] + "/" + name
+    with psycopg.connect(pg_admin_url, autocommit=True) as conn:
+        conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+class Service:
+    """A real `luban cluster serve` process; restartable on the same state and database."""
+
+    def __init__(self, state: Path, args: list[str]):
+        self.state, self.args, self.port = state, args, free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+        self.log = state / "service.log"
+
+    def start(self) -> "Service":
+        self.state.mkdir(parents=True, exist_ok=True)
+        with open(self.log, "a") as log:
+            self.proc = subprocess.Popen(
+                [*LUBAN, "cluster", "serve", "--state", str(self.state), "--port", str(self.port),
+                 "--log-level", "info", *self.args], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+        wait_for(self._up, 60, 0.2, f"service on {self.url} (log {self.log})")
+        return self
+
+    def _up(self) -> bool:
+        if self.proc.poll() is not None:
+            raise AssertionError(f"service exited with {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
+        try:
+            return httpx.get(self.url + "/api/whoami", timeout=1).status_code == 401
+        except httpx.HTTPError:
+            return False
+
+    def stop(self, sig=signal.SIGTERM) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            self.proc.wait(30)
+
+    @property
+    def admin_token(self) -> str:
+        return (self.state / "admin.token").read_text().strip()
+
+    def admin(self) -> Client:
+        return Client(self.url, self.admin_token)
+
+    def user(self, name: str, quotas: dict[str, int], group: str | None = None, node_group: str = "default"):
+        """Create a user with quotas {PRIORITY: nodes}; returns (token, Client)."""
+        admin = self.admin()
+        token = admin.add_user(name, group=group)["token"]
+        for level, nodes in quotas.items():
+            admin.set_quota(f"user:{name}", level, nodes, node_group)
+        return token, Client(self.url, token)
+
+    def cli(self, *args: str, token: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
+        env = dict(os.environ, LUBAN_CLUSTER_URL=self.url, LUBAN_CLUSTER_TOKEN=token or self.admin_token)
+        result = subprocess.run([*LUBAN, *args], env=env, capture_output=True, text=True, timeout=120)
+        if check and result.returncode != 0:
+            raise AssertionError(f"luban {' '.join(args)} -> {result.returncode}\n{result.stdout}\n{result.stderr}")
+        return result
+
+
+@pytest.fixture
+def service(tmp_path):
+    """Factory: service(*serve_args) starts a service; all are stopped and their jobs killed after."""
+    started: list[Service] = []
+
+    def make(*args: str, state: Path | None = None) -> Service:
+        svc = Service(state or tmp_path / f"state{len(started)}", list(args)).start()
+        started.append(svc)
+        return svc
+
+    yield make
+    for svc in started:
+        svc.stop()
+        kill_jobs(svc.state)
+
+
+def kill_jobs(state: Path) -> None:
+    """Kill any job process groups a test left behind (pgid files the launcher wrote)."""
+    for pgid_file in state.glob("runs/*/rank*.pgid"):
+        try:
+            os.killpg(int(pgid_file.read_text()), signal.SIGKILL)
+        except (ProcessLookupError, ValueError, PermissionError):
+            pass
