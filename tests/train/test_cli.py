@@ -57,7 +57,7 @@ def test_train_logs_metrics_and_learns_then_samples_exports_imports(tiny, tmp_pa
     (["--set", "train.lr=\"fast\""], "train.lr = 'fast': must be of type float"),
     (["--set", "model.heads=5"], "model.heads = 5: must divide hidden"),
     (["--set", "data.path=\"/nonexistent/data\""], "data.path = '/nonexistent/data': no dataset there"),
-    (["--set", "parallel.tp=3"], "parallel.tp = 3: must divide heads"),
+    (["--set", "parallel.tp=3", "--nproc", "3"], "parallel.tp = 3: must divide heads"),
     (["--set", "parallel.pipeline=2"], "parallel.pipeline: unknown key"),
     (["--set", "train.global_batch=6", "--set", "parallel.micro_batch=4"], "train.global_batch = 6"),
     (["--set", "model.vocab=100"], "model.vocab = 100: must be >= the dataset's tokenizer vocabulary 257"),
@@ -65,7 +65,7 @@ def test_train_logs_metrics_and_learns_then_samples_exports_imports(tiny, tmp_pa
     (["/nonexistent.toml"], "CONFIG = '/nonexistent.toml': no such file"),
 ])
 def test_bad_input_is_one_line_exit_2(tiny, args, needle):
-    proc = luban("train", *args, *_sets(tiny()))
+    proc = luban("train", *_sets(tiny()), *args)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0] and lines[0].startswith("luban: error:"), proc.stderr

@@ -63,17 +63,21 @@ def test_suspend_by_signal_k_times_is_bitwise_exact(tiny, tmp_path):
     assert_bitwise_equal(final_weights(tmp_path / "straight"), final_weights(tmp_path / "suspended"))
 
 
-def test_second_sigint_exits_at_once(tiny):
-    args = ["train", *sum((["--set", s] for s in tiny(**{"train.steps": 500})), [])]
+def test_second_sigint_exits_at_once(tiny, tmp_path):
+    # steps of ~1 s, so both signals land within one step
+    big = {"train.steps": 500, "model.hidden": 512, "model.seq_len": 128, "train.global_batch": 16}
+    args = ["train", *sum((["--set", s] for s in tiny(**big)), [])]
     proc = subprocess.Popen([sys.executable, "-m", "luban", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     for line in proc.stdout:
         if line.startswith("step "):
             break
     proc.send_signal(signal.SIGINT)
+    time.sleep(0.2)
     proc.send_signal(signal.SIGINT)
     proc.communicate(timeout=60)
     assert proc.returncode == 130
+    assert not (tmp_path / "run" / "checkpoints").exists()
 
 
 def test_crash_during_save_keeps_previous_checkpoint(tiny, tmp_path, monkeypatch):
