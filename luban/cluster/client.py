@@ -18,7 +18,11 @@ DEFAULT_URL = "http://127.0.0.1:8765"
 
 
 class Client:
-    def __init__(self, url: str | None = None, token: str | None = None, timeout: float = 30.0):
+    def __init__(self, url: str | None = None, token: str | None = None, timeout: float = 30.0,
+                 retry_for: float = 0.0):
+        """``retry_for``: seconds to keep retrying when the service cannot be reached (a running
+        job's SDK calls ride out a service restart this way)."""
+        self.retry_for = retry_for
         self.url = (url or os.environ.get("LUBAN_CLUSTER_URL") or DEFAULT_URL).rstrip("/")
         token = token or os.environ.get("LUBAN_CLUSTER_TOKEN")
         if not token:
@@ -26,10 +30,15 @@ class Client:
         self.http = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {token}"}, timeout=timeout)
 
     def call(self, method: str, path: str, **kwargs):
-        try:
-            response = self.http.request(method, "/api" + path, **kwargs)
-        except httpx.HTTPError as err:
-            raise LubanError(f"cluster service at {self.url} is unreachable: {err}") from None
+        deadline = time.monotonic() + self.retry_for
+        while True:
+            try:
+                response = self.http.request(method, "/api" + path, **kwargs)
+                break
+            except httpx.TransportError as err:
+                if time.monotonic() >= deadline:
+                    raise LubanError(f"cluster service at {self.url} is unreachable: {err}") from None
+                time.sleep(1.0)
         if response.status_code >= 400:
             try:
                 detail = response.json().get("detail")

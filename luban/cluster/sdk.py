@@ -10,12 +10,14 @@ import os
 from luban.cluster.client import Client
 from luban.errors import LubanError
 
+RETRY_FOR = 300.0  # seconds a job keeps retrying while the service restarts
+
 
 def _job() -> tuple[Client, int]:
     job_id = os.environ.get("LUBAN_JOB_ID")
     if not job_id:
         raise LubanError("LUBAN_JOB_ID is not set: this is only available inside a job started by luban's scheduler")
-    return Client(), int(job_id)
+    return Client(retry_for=RETRY_FOR), int(job_id)
 
 
 def receive_suspend_command() -> bool:

@@ -1,0 +1,60 @@
+"""Restarting the service (even killed with SIGKILL) loses no job and no state: SQLite and PostgreSQL."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import pytest
+
+from luban.cluster.client import Client
+from tests.cluster.conftest import PYTHON, Service, kill_jobs, wait_for
+
+TRAINER = str(Path(__file__).with_name("fake_trainer.py"))
+
+
+def scenario(tmp_path, extra):
+    state = tmp_path / "state"
+    svc = Service(state, ["--nodes", "2", "--tick", "0.2", *extra]).start()
+    try:
+        admin = svc.admin()
+        admin.add_group("vision")
+        token = admin.add_user("alice", group="vision")["token"]
+        admin.set_quota("user:alice", "NORMAL", 2)
+        alice = Client(svc.url, token)
+        long = alice.submit({"name": "long", "command": PYTHON, "nodes": 1, "workdir": str(tmp_path),
+                             "args": [TRAINER, str(tmp_path / "s"), "30", "--sleep", "0.1"]})["id"]
+        wide = alice.submit({"name": "wide", "command": "true", "nodes": 2})["id"]
+        wait_for(lambda: alice.job(long)["state"] == "running", 60, what="long running")
+        alice.call("PUT", f"/jobs/{long}/whole_life_state", json={"value": 42})
+        before = {j["id"]: (j["state"], j["chain_id"], j["nodes"]) for j in alice.jobs(all_attempts=True)}
+        assert before[wide][0] == "queued"
+        events_before = len(alice.events(long))
+        svc.stop(signal.SIGKILL)  # a crash: nothing is flushed on the way out
+
+        svc.start()  # same state directory and database, new process
+        again = {j["id"]: (j["state"], j["chain_id"], j["nodes"]) for j in alice.jobs(all_attempts=True)}
+        assert again.keys() == before.keys()  # no job lost, no attempt added
+        assert again[long][1:] == before[long][1:] and again[long][0] in ("running", "succeeded")
+        assert again[wide][1] == before[wide][1]
+        assert alice.whoami()["group"] == "vision"  # the user's token still works
+        assert [q["nodes"] for q in alice.quota()] == [2]
+        assert alice.job(long)["whole_life_state"] == 42
+        assert len(alice.events(long)) >= events_before
+        assert alice.wait(long, timeout=120)["state"] == "succeeded"  # the job outlived the crash
+        assert "done at step 30" in alice.logs(long)["text"]
+        assert alice.wait(wide, timeout=60)["state"] == "succeeded"
+    finally:
+        svc.stop()
+        kill_jobs(state)
+
+
+def test_restart_keeps_jobs_and_state_sqlite(tmp_path):
+    scenario(tmp_path, [])
+    assert (tmp_path / "state" / "luban.db").exists()
+
+
+@pytest.mark.usefixtures("pg_url")
+def test_restart_keeps_jobs_and_state_postgresql(tmp_path, pg_url):
+    scenario(tmp_path, ["--db", pg_url])
+    assert not (tmp_path / "state" / "luban.db").exists()
