@@ -28,6 +28,7 @@ from luban.cluster.executors import Executor, Launch
 from luban.cluster.models import ACTIVE, Allocation, Event, Job, Node, Quota, Sample, StopReason, User, UserGroup
 
 log = logging.getLogger("luban.cluster")
+LAUNCH_GRACE = 60.0  # seconds a claimed job may go without an executor handle
 
 
 @dataclasses.dataclass
@@ -122,8 +123,9 @@ class Scheduler:
                     self._observe_one(s, job, now)
 
     def _observe_one(self, s: Session, job: Job, now: float) -> None:
-        if job.handle is None:  # the service died between the start commit and the launch
-            self._end(s, job, "suspended", None, StopReason.LOST, "never launched; requeued")
+        if job.handle is None:  # being launched, or the service died between claim and launch
+            if now - job.started_at > LAUNCH_GRACE:
+                self._end(s, job, "suspended", None, StopReason.LOST, "never launched; requeued")
             return
         status = self.executor.poll(job.handle)
         if status.done:

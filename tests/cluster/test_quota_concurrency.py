@@ -1,0 +1,134 @@
+"""Quota checks are transactional: racing submitters and schedulers on PostgreSQL never exceed one."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import func, select
+
+from luban.cluster import db
+from luban.cluster.executors.local import LocalExecutor
+from luban.cluster.models import ACTIVE, Allocation, Job
+from luban.cluster.scheduler import Scheduler, Settings
+from luban.cluster.service import create_app, ensure_admin
+from tests.cluster.conftest import kill_jobs
+
+QUOTA = {"user:alice": 3, "user:bob": 2}
+
+
+@pytest.fixture
+def cluster(pg_url, tmp_path):
+    engine = db.make_engine(pg_url)
+    db.upgrade(engine)
+    sessions = db.sessions(engine)
+    settings = Settings(state_dir=str(tmp_path), tick=0.05, sample_every=1e9)
+    schedulers = [Scheduler(sessions, LocalExecutor(nodes=8), settings) for _ in range(4)]
+    schedulers[0].sync_nodes()
+    ensure_admin(sessions, tmp_path)
+    http = TestClient(create_app(sessions, schedulers[0], run_scheduler=False))
+    admin = {"Authorization": "Bearer " + (tmp_path / "admin.token").read_text().strip()}
+    tokens = {}
+    for owner, nodes in QUOTA.items():
+        name = owner.split(":")[1]
+        tokens[name] = http.post("/api/users", json={"name": name}, headers=admin).json()["token"]
+        assert http.put("/api/quota", json={"owner": owner, "priority": "NORMAL", "nodes": nodes},
+                        headers=admin).status_code == 200
+    yield sessions, schedulers, http, tokens
+    kill_jobs(tmp_path)
+    engine.dispose()
+
+
+def held(sessions) -> dict[str, int]:
+    with sessions() as s:
+        return dict(s.execute(select(Job.owner, func.sum(Job.nnodes)).where(Job.state.in_(ACTIVE))
+                              .group_by(Job.owner)).all())
+
+
+def test_racing_claims_stop_exactly_at_the_quota(cluster):
+    sessions, schedulers, http, tokens = cluster
+    auth = {"Authorization": f"Bearer {tokens['alice']}"}
+    ids = [http.post("/api/jobs", json={"spec": {"name": f"j{i}", "command": "true"}}, headers=auth).json()["id"]
+           for i in range(6)]
+    barrier, wins = threading.Barrier(6), []
+
+    def claim(i):
+        barrier.wait()
+        wins.append(schedulers[i % 4].claim(ids[i], (f"node{i + 1}",), "race") is not None)
+
+    threads = [threading.Thread(target=claim, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sum(wins) == 3 == held(sessions)["user:alice"]
+    # the node primary key: two schedulers giving one node to two of bob's jobs, one wins
+    bob = {"Authorization": f"Bearer {tokens['bob']}"}
+    a, b = (http.post("/api/jobs", json={"spec": {"name": n, "command": "true"}}, headers=bob).json()["id"]
+            for n in ("a", "b"))
+    barrier, wins = threading.Barrier(2), []
+    threads = [threading.Thread(target=claim_one, args=(schedulers[k], job, barrier, wins)) for k, job in ((0, a), (1, b))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(wins) == [False, True]
+
+
+def claim_one(scheduler, job_id, barrier, wins):
+    barrier.wait()
+    wins.append(scheduler.claim(job_id, ("node8",), "same node") is not None)
+
+
+def test_concurrent_submissions_and_schedulers_never_exceed_quota(cluster):
+    sessions, schedulers, http, tokens = cluster
+    stop, peaks, errors = threading.Event(), {o: 0 for o in QUOTA}, []
+    barrier = threading.Barrier(8)
+
+    def submit(user, k):
+        barrier.wait()
+        for i in range(5):
+            spec = {"name": f"{user}{k}-{i}", "command": "sleep", "args": ["0.5"], "nodes": 1 + (i + k) % 2,
+                    "priority": "AUTO"}
+            r = http.post("/api/jobs", json={"spec": spec}, headers={"Authorization": f"Bearer {tokens[user]}"})
+            if r.status_code != 201:
+                errors.append(r.text)
+
+    def schedule(scheduler):
+        while not stop.is_set():
+            try:
+                scheduler.tick()
+            except Exception as err:  # noqa: BLE001 - collected and reported below
+                errors.append(repr(err))
+
+    def monitor():
+        while not stop.is_set():
+            for owner, n in held(sessions).items():
+                peaks[owner] = max(peaks[owner], n)
+            with sessions() as s:
+                per_node = s.execute(select(Allocation.node, func.count()).group_by(Allocation.node)).all()
+            assert all(c == 1 for _, c in per_node)
+            time.sleep(0.01)
+
+    workers = [threading.Thread(target=submit, args=(u, k)) for u in ("alice", "bob") for k in range(4)]
+    loops = [threading.Thread(target=schedule, args=(s,)) for s in schedulers] + [threading.Thread(target=monitor)]
+    for t in workers + loops:
+        t.start()
+    for t in workers:
+        t.join()
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        with sessions() as s:
+            if not s.scalar(select(func.count()).select_from(Job).where(Job.state.in_(("queued",) + ACTIVE))):
+                break
+        time.sleep(0.2)
+    stop.set()
+    for t in loops:
+        t.join()
+    assert errors == []
+    assert peaks == QUOTA, f"peaks {peaks} must reach but never pass the quotas {QUOTA}"
+    with sessions() as s:
+        states = dict(s.execute(select(Job.state, func.count()).group_by(Job.state)).all())
+    assert states == {"succeeded": 40}
