@@ -84,30 +84,31 @@ class Plan:
 
 def _yielders(snap: Snapshot, free_count: dict[str, int]) -> set[int]:
     """Running jobs that yield to a long-waiting queued job of another user (rule 2)."""
-    blocks: dict[tuple[str, int], list[JobView]] = defaultdict(list)
+    cutoff = snap.now - snap.quantum
+    waiter: dict[tuple[str, int], JobView] = {}
+    running: dict[tuple[str, int], list[JobView]] = defaultdict(list)
     for job in snap.jobs:
-        if job.state in (QUEUED, RUNNING):
-            blocks[(job.node_group, job.priority)].append(job)
-    yielding: set[int] = set()
-    for (group, _), jobs in blocks.items():
-        waiters = [j for j in jobs if j.state == QUEUED and snap.now - j.since >= snap.quantum]
-        if not waiters:
+        if job.since > cutoff:
             continue
-        waiter = min(waiters, key=lambda j: (j.place, j.id))
-        need = waiter.nnodes - free_count.get(group, 0)
+        block = (job.node_group, job.priority)
+        if job.state == QUEUED:
+            best = waiter.get(block)
+            if best is None or (job.place, job.id) < (best.place, best.id):
+                waiter[block] = job
+        elif job.state == RUNNING:
+            running[block].append(job)
+    yielding: set[int] = set()
+    for block, first in waiter.items():
+        need = first.nnodes - free_count.get(block[0], 0)
         if need <= 0:
             continue
-        running = sorted(
-            (j for j in jobs if j.state == RUNNING and j.user != waiter.user
-             and snap.now - j.since >= snap.quantum),
-            key=lambda j: (j.since, j.id),
-        )
         chosen, freed = [], 0
-        for job in running:
+        for job in sorted(running.get(block, ()), key=lambda j: (j.since, j.id)):
             if freed >= need:
                 break
-            chosen.append(job.id)
-            freed += job.nnodes
+            if job.user != first.user:
+                chosen.append(job.id)
+                freed += job.nnodes
         if freed >= need:
             yielding.update(chosen)
     return yielding
@@ -146,46 +147,57 @@ def plan(snap: Snapshot) -> Plan:
 
     yielding = _yielders(snap, free_count)
     yielding_users = {(j.node_group, j.priority, j.user) for j in snap.jobs if j.id in yielding}
-
-    def order(job: JobView):
-        if job.state in INCUMBENT:
+    # rule 1/2 order: (-priority, class, place, id); class 0 running, 1 queued, 2 yielding,
+    # 3 queued behind a yielding job of the same user
+    keyed = []
+    for job in snap.jobs:
+        if job.state == QUEUED:
+            cls = 3 if yielding_users and (job.node_group, job.priority, job.user) in yielding_users else 1
+        elif job.state in INCUMBENT:
             cls = 2 if job.id in yielding else 0
         else:
-            cls = 3 if (job.node_group, job.priority, job.user) in yielding_users else 1
-        return (-job.priority, cls, job.place, job.id)
+            continue
+        keyed.append((-job.priority, cls, job.place, job.id, job))
+    keyed.sort()  # ids are unique: comparison never reaches the job itself
 
     result = Plan()
+    waits, admitted = result.waits, result.admitted
     used_capacity: dict[str, int] = defaultdict(int)
     used_quota: dict[tuple[str, str, int], int] = defaultdict(int)
     displaced: set[tuple[str, str, int]] = set()  # (node group, user, priority) losing a running job
-    candidates = sorted((j for j in snap.jobs if j.state == QUEUED or j.state in INCUMBENT), key=order)
-    for job in candidates:
-        key = (job.owner, job.node_group, job.priority)
-        limit = snap.quota.get(key, 0)
-        group = job.node_group
-        if job.state == QUEUED and (group, job.user, job.priority) in displaced:
+    reasons: dict[tuple, str] = {}  # one string per distinct reason: ticks stay fast with deep queues
+    quota = snap.quota
+    for *_, job in keyed:
+        group, n, queued = job.node_group, job.nnodes, job.state == QUEUED
+        key = (job.owner, group, job.priority)
+        held_quota = used_quota[key]
+        if queued and displaced and (group, job.user, job.priority) in displaced:
             why = "a running job of the same user and priority is being suspended; it keeps its place"
-        elif used_quota[key] + job.nnodes > limit:
-            why = (f"quota: {job.owner} holds {used_quota[key]} of {limit} nodes at priority "
-                   f"{job.priority} in node group {group}, needs {job.nnodes}")
-        elif used_capacity[group] + job.nnodes > capacity[group]:
-            why = (f"capacity: {used_capacity[group]} of {capacity[group]} nodes in node group "
-                   f"{group} go to jobs ahead in order, needs {job.nnodes}")
+        elif held_quota + n > quota.get(key, 0):
+            rkey = (key, held_quota, n)
+            why = reasons.get(rkey) or reasons.setdefault(rkey, (
+                f"quota: {job.owner} holds {held_quota} of {quota.get(key, 0)} nodes at priority "
+                f"{job.priority} in node group {group}, needs {n}"))
+        elif used_capacity[group] + n > capacity[group]:
+            rkey = (group, used_capacity[group], n)
+            why = reasons.get(rkey) or reasons.setdefault(rkey, (
+                f"capacity: {used_capacity[group]} of {capacity[group]} nodes in node group "
+                f"{group} go to jobs ahead in order, needs {n}"))
         else:
-            used_quota[key] += job.nnodes
-            used_capacity[group] += job.nnodes
-            result.admitted.add(job.id)
-            if job.state == QUEUED:
-                if free_count[group] >= job.nnodes:
-                    nodes, where = _place(free[group], job.nnodes)
-                    free_count[group] -= job.nnodes
+            used_quota[key] = held_quota + n
+            used_capacity[group] += n
+            admitted.add(job.id)
+            if queued:
+                if free_count[group] >= n:
+                    nodes, where = _place(free[group], n)
+                    free_count[group] -= n
                     result.starts.append((job.id, nodes, f"admitted at priority {job.priority}; {where}"))
                 else:
-                    result.waits[job.id] = (f"admitted; waiting for {job.nnodes - free_count[group]} "
-                                            f"node(s) being released in node group {group}")
+                    waits[job.id] = (f"admitted; waiting for {n - free_count[group]} "
+                                     f"node(s) being released in node group {group}")
             continue
-        if job.state == QUEUED:
-            result.waits[job.id] = why
+        if queued:
+            waits[job.id] = why
             continue
         displaced.add((group, job.user, job.priority))
         if job.id in yielding:
