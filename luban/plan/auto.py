@@ -1,0 +1,42 @@
+"""``choose_layout``: the layout the trainer uses when the config does not fix one.
+
+Plans with ``runtime="luban"`` (luban's own memory accounting: fp32 weights, gradients and
+optimizer state; the tensors luban's transformer saves) on the given system profile, or on a
+probe of this machine (measured once and cached, ``luban.plan.probe.cached_profile``).
+"""
+
+from __future__ import annotations
+
+from luban.errors import LubanError
+from luban.model.config import ModelConfig
+from luban.parallel.layout import SCHEDULES, ParallelLayout
+from luban.plan.estimate import Estimate
+from luban.plan.explain import describe
+from luban.plan.problem import Problem
+from luban.plan.search import search
+from luban.plan.system import System, load_system
+
+
+def choose_layout(model_cfg: ModelConfig, world_size: int, global_batch: int, seq_len: int,
+                  system: "System | str | None" = None, *, precision: str | None = None,
+                  optimizer: str = "adamw", schedules=SCHEDULES, offloads=(0, 1, 2)) -> tuple[ParallelLayout, Estimate]:
+    """The fastest valid layout that fits, and its estimate (per-rank bytes, step time).
+
+    ``precision`` defaults to the faster of bf16 and fp32 on the system (fp32 on most CPUs);
+    ``schedules`` and ``offloads`` restrict the search to what the runtime supports.
+    """
+    if system is None:
+        from luban.plan.probe import cached_profile
+
+        system = System.from_dict(cached_profile(), source="probe")
+    system = load_system(system)
+    precision = precision or ("bf16" if system.peak("bf16") > system.peak("fp32") else "fp32")
+    problem = Problem(model_cfg, system, world_size, seq_len, global_batch, runtime="luban", optimizer=optimizer)
+    result = search(problem, top=1, precision=precision, schedules=schedules, offloads=offloads)
+    if not result.best:
+        worst = max(result.rejected, key=result.rejected.get) if result.rejected else "no candidates"
+        raise LubanError(f"plan: no layout of {model_cfg.name} on {world_size} x {system.name} with global_batch = "
+                         f"{global_batch}, seq_len = {seq_len} is valid and fits (most common reason: {worst})")
+    best = result.best[0]
+    best.extra["summary"] = describe(best.layout)
+    return best.layout, best

@@ -1,0 +1,194 @@
+"""``luban plan probe``: measure this machine and describe it as a system profile.
+
+Measures matmul FLOP/s vs size (fp32, and bf16), memory bandwidth (a large copy), and gloo
+all-reduce / all-gather / reduce-scatter time vs message size between 2 local processes. A
+"GPU" of the profile is one training process; the planner's ``runtime="luban"`` estimates
+then describe luban's CPU runs. ``cached_profile()`` keeps one probe per host and torch version.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import socket
+import time
+from pathlib import Path
+
+MATMUL_SIZES = (64, 128, 256, 512, 1024)
+MESSAGE_SIZES = (2**10, 2**14, 2**17, 2**20, 2**22)
+
+
+def _best_seconds(fn, budget: float, min_reps: int = 3) -> float:
+    """Best time of ``fn`` over at least ``min_reps`` runs and ``budget`` seconds (``budget`` 0:
+    exactly ``min_reps`` runs, as collectives need the same count on every rank)."""
+    fn()  # warm-up
+    best, start, reps = float("inf"), time.perf_counter(), 0
+    while reps < min_reps or (budget and time.perf_counter() - start < budget):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+        reps += 1
+    return best
+
+
+def matmul_flops(n: int, dtype=None, budget: float = 0.2) -> float:
+    """FLOP/s of an n×n×n matmul (2n³ FLOPs), best of repeated runs."""
+    import torch
+
+    dtype = dtype or torch.float32
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    return 2 * n**3 / _best_seconds(lambda: torch.mm(a, b), budget)
+
+
+def measure_matmul_peak(seconds: float = 1.0, dtype=None) -> float:
+    """Peak matmul FLOP/s of this process's CPU threads (fp32 by default), in about ``seconds``.
+
+    The trainer uses it as the denominator of MFU on CPU."""
+    sizes = (256, 512)
+    return max(matmul_flops(n, dtype, seconds / len(sizes)) for n in sizes)
+
+
+def memory_bandwidth(nbytes: int = 2**27, budget: float = 0.3) -> float:
+    """Bytes/s of a large tensor copy (each byte read once and written once)."""
+    import torch
+
+    src = torch.empty(nbytes // 4, dtype=torch.float32).fill_(1.0)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / _best_seconds(lambda: dst.copy_(src), budget)
+
+
+def _collective_worker(rank: int, world: int, port: int, out: str) -> None:
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    results = {}
+    for size in MESSAGE_SIZES:
+        n = size // 4
+        x = torch.ones(n)
+        gathered = torch.empty(n * world)
+        ops = {"all-reduce": lambda: dist.all_reduce(x),
+               "all-gather": lambda: dist.all_gather_into_tensor(gathered, x),
+               "reduce-scatter": lambda: dist.reduce_scatter_tensor(x, gathered)}
+        for name, op in ops.items():
+            try:
+                dist.barrier()
+                results.setdefault(name, {})[size] = _best_seconds(op, 0, min_reps=5)
+            except (RuntimeError, NotImplementedError):  # gloo lacks some collectives in some builds
+                results.setdefault(name, {})[size] = None
+    if rank == 0:
+        Path(out).write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+def collective_times(world: int = 2) -> dict:
+    """Seconds per collective and message size between ``world`` local gloo processes."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "collectives.json")
+        mp.spawn(_collective_worker, args=(world, port, out), nprocs=world, join=True)
+        raw = json.loads(Path(out).read_text())
+    return {name: {int(k): v for k, v in sizes.items()} for name, sizes in raw.items()}
+
+
+def fit_collectives(times: dict, world: int) -> dict:
+    """Latency (smallest message), bus bandwidth (largest) and efficiency vs size of the ring
+    model ``steps·latency + factor·M/bandwidth`` (all-reduce: factor 2(n−1)/n)."""
+    ar = {m: t for m, t in times["all-reduce"].items() if t}
+    factor = 2 * (world - 1) / world
+    sizes = sorted(ar)
+    bus = {m: factor * m / ar[m] for m in sizes}
+    bandwidth = max(bus.values())
+    latency = ar[sizes[0]] / (2 * (world - 1))
+    return {"bandwidth": bandwidth, "latency": latency, "sizes": [float(m) for m in sizes],
+            "efficiency": [max(1e-3, bus[m] / bandwidth) for m in sizes]}
+
+
+def probe_system(world: int = 2) -> dict:
+    """Measure this machine; return a profile dict (see ``luban.plan.system``)."""
+    import torch
+
+    cores = os.cpu_count() or 1
+    mem_total = _mem_total()
+    fp32 = {n: matmul_flops(n) for n in MATMUL_SIZES}
+    peak32 = max(fp32.values())
+    bf16 = matmul_flops(256, torch.bfloat16)  # one size: CPUs without bf16 units are very slow here
+    hbm = memory_bandwidth()
+    coll = fit_collectives(collective_times(world), world)
+    sizes = [2.0 * n**3 for n in MATMUL_SIZES]
+    return {
+        "name": f"probe-{socket.gethostname()}",
+        "description": f"measured by luban plan probe: {platform.processor() or platform.machine()}, {cores} cores, "
+                       f"torch {torch.__version__}, {torch.get_num_threads()} threads; one process = one 'GPU'",
+        "gpus_per_node": world, "hbm_bytes": mem_total / world, "hbm_bandwidth": hbm,
+        "nvlink_domain": world, "nvlink_bandwidth": coll["bandwidth"], "nvlink_latency": coll["latency"],
+        "internode_bandwidth": coll["bandwidth"], "internode_latency": coll["latency"],
+        "host_bytes": mem_total, "host_bandwidth": hbm, "host_link_bandwidth": hbm,
+        "framework_overhead_bytes": 512 * 2**20,
+        "peak_flops": {"fp32": peak32, "bf16": bf16, "fp16": bf16},
+        "efficiency": {"matmul_size": sizes, "matmul": [fp32[n] / peak32 for n in MATMUL_SIZES],
+                       "collective_size": coll["sizes"], "collective": coll["efficiency"],
+                       "elementwise_traffic": 2.0, "hbm_efficiency": 1.0, "dp_overlap": 0.0,
+                       "zero3_overlap": 0.0, "pp_overlap": 0.0},
+    }
+
+
+def _mem_total() -> float:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def write_profile(profile: dict, path: "str | Path") -> Path:
+    """Write a profile as JSON (``.json``) or TOML (anything else)."""
+    path = Path(path)
+    if path.suffix == ".json":
+        path.write_text(json.dumps(profile, indent=2) + "\n")
+        return path
+    flat = [f"{k} = {_toml_value(v)}" for k, v in profile.items() if not isinstance(v, dict)]
+    tables = [f"\n[{k}]\n" + "\n".join(f"{kk} = {_toml_value(vv)}" for kk, vv in v.items())
+              for k, v in profile.items() if isinstance(v, dict)]
+    path.write_text("\n".join(flat) + "\n" + "\n".join(tables) + "\n")
+    return path
+
+
+def _toml_value(v) -> str:
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    return repr(float(v)) if isinstance(v, float) else str(v)
+
+
+def cache_path() -> Path:
+    import torch
+
+    root = Path(os.environ.get("LUBAN_CACHE_DIR", Path.home() / ".cache" / "luban"))
+    return root / f"probe-{socket.gethostname()}-torch{torch.__version__}.json"
+
+
+def cached_profile() -> dict:
+    """This machine's probe, measured once and kept in ``cache_path()``."""
+    path = cache_path()
+    if path.is_file():
+        return json.loads(path.read_text())
+    profile = probe_system()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_profile(profile, path)
+    return profile
+
