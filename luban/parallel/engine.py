@@ -282,7 +282,12 @@ class DistributedEngine(Engine):
         return tied
 
     def _sync_grads(self) -> None:
-        """Sum the tied embedding's two gradients (first stage's lookup, last stage's head)."""
+        """Give DTensor gradients their parameter's layout (an embedding's gradient may come
+        back replicated), then sum the tied embedding's two gradients (first stage's lookup,
+        last stage's head)."""
+        for p in self._params():
+            if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+                p.grad = p.grad.redistribute(p.device_mesh, p.placements)
         grads = [_local(p.grad) for p in self._tied if p.grad is not None]
         if len(grads) == 2:  # V schedules: both stages on this rank
             grads[0].add_(grads[1])
@@ -341,7 +346,7 @@ class DistributedEngine(Engine):
             copies = stage_ranks
             if isinstance(p.grad, DTensor):
                 mesh = p.grad.device_mesh
-                replicated = math.prod(mesh.size(i) for i, pl in enumerate(p.grad.placements) if not pl.is_shard())
+                replicated = math.prod(mesh.size(i) for i, pl in enumerate(p.grad.placements) if pl.is_replicate())
                 copies = replicated * stage_ranks // mesh.size()
             terms.append((p.grad, copies))
         return terms

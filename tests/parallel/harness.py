@@ -27,7 +27,7 @@ LR, MAX_NORM = 0.1, 1.0
 
 
 def model_cfg(job):
-    return get_preset(job.get("preset", "tiny")).replace(seq_len=job.get("seq", 32))
+    return get_preset(job.get("preset", "tiny")).replace(seq_len=job.get("seq", 32), vocab=job.get("vocab", 257))
 
 
 def batch(step: int, global_batch: int, cfg):
@@ -62,7 +62,7 @@ def run_job(job: dict) -> dict:
         tokens, labels = batch(step, gb, cfg)
         rows = slice(engine.dp_rank * per_dp, (engine.dp_rank + 1) * per_dp)
         losses.append(engine.forward_backward(tokens[rows], labels[rows]))
-        norms.append(engine.step(LR, MAX_NORM))
+        norms.append(engine.step(LR, job.get("max_norm", MAX_NORM)))
     memory = engine.memory_report()
     if job.get("save"):
         dcp.save(engine.state_dict(), checkpoint_id=job["save"])
