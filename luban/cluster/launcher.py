@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     rank = args.rank if args.rank is not None else int(os.environ.get("SLURM_NODEID", "0"))
     args.run_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, NODE_RANK=str(rank), RANK=str(rank), GROUP_RANK=str(rank))
+    env.setdefault("LUBAN_NODE", env.get("SLURMD_NODENAME", "?"))
     log_path = Path(args.log.format(rank=rank))
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab", buffering=0) as log:

@@ -138,9 +138,11 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
             user = s.get(User, p.user.name)
             if spec.group is not None and spec.group != user.group:
                 raise bad_value("group", spec.group, f"you are not a member (your group: {user.group})")
+            known = sorted(set(s.scalars(select(Node.node_group))))
+            if spec.node_group is None:
+                spec.node_group = known[0] if len(known) == 1 else "default"
             size = s.scalar(select(func.count()).select_from(Node).where(Node.node_group == spec.node_group))
             if not size:
-                known = sorted(set(s.scalars(select(Node.node_group))))
                 raise bad_value("node_group", spec.node_group, f"unknown; node groups: {', '.join(known)}")
             if spec.nodes > size:
                 raise bad_value("nodes", spec.nodes, f"at most {size} (the size of node group {spec.node_group})")

@@ -26,7 +26,7 @@ class JobSpec:
     nodes: int = 1
     priority: str = "NORMAL"
     group: str | None = None
-    node_group: str = "default"
+    node_group: str | None = None  # None: "default", or the cluster's only node group
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -82,7 +82,7 @@ def parse(data) -> JobSpec:
         nodes=nodes,
         priority=priority if isinstance(priority, str) else priority.name,
         group=_str(data, "group", pattern=NAME_RE),
-        node_group=_str(data, "node_group", pattern=NAME_RE) or "default",
+        node_group=_str(data, "node_group", pattern=NAME_RE),
     )
 
 

@@ -1,0 +1,110 @@
+"""The Slurm executor: luban decides, Slurm runs.
+
+Nodes come from ``scontrol show node`` (node group = first partition, zone = a ``zone*``
+feature). A job attempt is one ``sbatch --nodelist=... --exclusive --no-requeue`` whose batch
+script ``srun``s one launcher per node (rank = SLURM_NODEID); suspend is
+``scancel --signal=USR1`` (srun hands it to the launchers, which forward it to the job), kill is
+``scancel``; the state is read back with ``scontrol show job``, and the launchers' exit files
+(when the state directory is shared) give each rank's exit code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+from luban.cluster import launcher
+from luban.cluster.executors import Launch, NodeInfo, Status, combine
+from luban.errors import LubanError
+
+RUNNING = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING", "SIGNALING",
+           "STAGE_OUT"}
+
+
+def fields(line: str) -> dict[str, str]:
+    """``Key=Value Key=Value`` (scontrol -o) into a dict; values may not contain spaces."""
+    out = {}
+    for token in line.split():
+        key, sep, value = token.partition("=")
+        if sep:
+            out[key] = value
+    return out
+
+
+class SlurmExecutor:
+    def __init__(self, partition: str | None = None, state_dir: str = ".", python: str = sys.executable):
+        self.partition, self.state_dir, self.python = partition, state_dir, python
+
+    def _run(self, *args: str) -> str:
+        try:
+            result = subprocess.run(args, capture_output=True, text=True, timeout=60)
+        except FileNotFoundError:
+            raise LubanError(f"{args[0]} not found: install slurm-wlm (client) or use --executor local") from None
+        if result.returncode != 0:
+            raise RuntimeError(f"{' '.join(args)} failed ({result.returncode}): {result.stderr.strip()}")
+        return result.stdout
+
+    def discover(self) -> list[NodeInfo]:
+        nodes = []
+        for line in self._run("scontrol", "show", "node", "-o").splitlines():
+            f = fields(line)
+            partitions = (f.get("Partitions") or "default").split(",")
+            if "NodeName" not in f or (self.partition and self.partition not in partitions):
+                continue
+            features = [x for x in (f.get("AvailableFeatures") or "").split(",") if x and x != "(null)"]
+            zone = next((x for x in features if x.startswith("zone")), "default")
+            gpus = sum(int(g.split(":")[-1].split("(")[0]) for g in (f.get("Gres") or "").split(",")
+                       if g.startswith("gpu") and g.split(":")[-1].split("(")[0].isdigit())
+            nodes.append(NodeInfo(f["NodeName"], self.partition or partitions[0], gpus,
+                                  {"zone": zone, "features": features}, f.get("NodeAddr") or f["NodeName"]))
+        return nodes
+
+    def start(self, launch: Launch) -> str:
+        run_dir = Path(launch.run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        rank = [self.python, "-m", "luban.cluster.launcher", "--run-dir", str(run_dir), "--log",
+                launch.log_pattern, "--", *launch.command]
+        script = run_dir / "job.sbatch"
+        script.write_text("#!/bin/bash\n# luban job %d\nexec srun --kill-on-bad-exit=0 --ntasks-per-node=1 "
+                          "--nodes=%d --ntasks=%d %s\n" % (launch.job_id, len(launch.nodes), len(launch.nodes),
+                                                          shlex.join(rank)))
+        args = ["sbatch", "--parsable", f"--job-name=luban-{launch.job_id}", f"--nodelist={','.join(launch.nodes)}",
+                f"--nodes={len(launch.nodes)}", "--exclusive", "--no-requeue", "--export=ALL",
+                f"--output={run_dir}/slurm-%j.out", f"--chdir={launch.workdir or run_dir}"]
+        if self.partition:
+            args.append(f"--partition={self.partition}")
+        env = dict(os.environ, **launch.env)
+        result = subprocess.run([*args, str(script)], capture_output=True, text=True, env=env, timeout=60)
+        if result.returncode != 0:
+            raise RuntimeError(f"sbatch failed: {result.stderr.strip()}")
+        slurm_id = result.stdout.strip().split(";")[0]
+        return json.dumps({"slurm_id": slurm_id, "run_dir": str(run_dir), "ranks": len(launch.nodes)})
+
+    def poll(self, handle: str) -> Status:
+        info = json.loads(handle)
+        try:
+            f = fields(self._run("scontrol", "show", "job", "-o", info["slurm_id"]))
+        except RuntimeError:
+            f = {}  # forgotten by slurmctld (MinJobAge): fall back to the launchers' exit files
+        state = f.get("JobState", "")
+        if state in RUNNING:
+            return Status(done=False)
+        run_dir = Path(info["run_dir"])
+        files = [launcher.exit_file(run_dir, r) for r in range(info["ranks"])]
+        if all(p.exists() for p in files):
+            return Status(done=True, exit_code=combine([int(p.read_text()) for p in files]))
+        if not state:
+            return Status(done=True, lost=True)
+        code, _, sig = f.get("ExitCode", "0:0").partition(":")
+        code = int(code) or (128 + int(sig or 0) if int(sig or 0) else (0 if state == "COMPLETED" else 1))
+        return Status(done=True, exit_code=code)
+
+    def suspend(self, handle: str) -> None:
+        self._run("scancel", "--signal=USR1", json.loads(handle)["slurm_id"])
+
+    def kill(self, handle: str) -> None:
+        self._run("scancel", json.loads(handle)["slurm_id"])
