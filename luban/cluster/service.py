@@ -39,7 +39,7 @@ class Principal:
 def job_dict(job: Job) -> dict:
     return {k: getattr(job, k) for k in (
         "id", "chain_id", "first_id", "restart_count", "whole_life_state", "user", "group", "name",
-        "priority", "node_group", "nnodes", "state", "stop_reason", "reason", "chain_submitted_at",
+        "priority", "node_group", "nnodes", "state", "stop_reason", "reason", "chain_submitted_at", "place",
         "queued_at", "started_at", "ended_at", "exit_code", "nodes", "spec")} | {
         "priority_name": prio.Priority(job.priority).name,
         "stop_reasons": [f.name for f in StopReason if job.stop_reason & f]}
