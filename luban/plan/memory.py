@@ -84,8 +84,7 @@ def activation_bytes(problem: Problem, g: Grid) -> dict:
         none = replicated / rep_div + (sharded + scores) / t
         selective = replicated / rep_div + sharded / t
         full = e * h / rep_div
-        fixed = np.zeros_like(e)
-        fixed_none = fixed
+        fixed_none = np.zeros_like(e)
     else:
         big = 4.0  # residual stream, norms: fp32 (the weights are fp32)
         e = np.where(g.precision == FP32, 4.0, 2.0)
@@ -99,7 +98,9 @@ def activation_bytes(problem: Problem, g: Grid) -> dict:
         selective = replicated / rep_div + (e * (q + 2 * kv) + core_out + mlp) / t
         full = big * h / rep_div
         fixed_none = np.where(g.precision == FP32, 0.0, 2.0 * problem.derived["layer_matmul_weights"] / t)
-        fixed = np.where(g.recompute == FULL, 0.0, fixed_none)
+    share = recomputed_share(problem, g)  # full:k keeps the other layers' activations
+    fixed = (1 - share) * fixed_none
+    full = share * full + (1 - share) * none
     per_token = np.where(g.recompute == NO_RECOMPUTE, none, np.where(g.recompute == SELECTIVE, selective, full))
     return {"per_token": per_token, "fixed": fixed, "none": none, "selective": selective, "fixed_none": fixed_none,
             "e": e}

@@ -1,0 +1,62 @@
+"""runtime="luban" predictions against what PyTorch allocates for luban's own model.
+
+Parameters, gradients and optimizer state come from ``Engine.memory_report`` (storages);
+saved activations per micro-batch are the distinct non-parameter storages that autograd saves
+for backward (``saved_tensors_hooks``), as the runtime measures them.
+"""
+
+import pytest
+import torch
+
+from luban.model.presets import get_preset
+from luban.model.transformer import build_model, lm_loss
+from luban.parallel.engine import Engine, OptimizerConfig, autocast
+from luban.parallel.layout import ParallelLayout
+from luban.plan.estimate import estimate
+
+
+def saved_activation_bytes(cfg, layout, batch, seq):
+    model = build_model(cfg, recompute=layout.recompute)
+    model.train()
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    x = torch.randint(0, cfg.vocab, (batch, seq))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast(layout, torch.device("cpu")):
+        lm_loss(model(x), x)
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-llama"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("recompute", ["none", "selective", "full", "full:2"])
+def test_activations_per_microbatch_within_10pct(name, precision, recompute):
+    cfg = get_preset(name).replace(layers=3)
+    batch, seq = (1, 96) if precision == "fp32" else (3, 64)
+    layout = ParallelLayout(precision=precision, recompute=recompute, micro_batch=batch)
+    est = estimate(cfg, "dgx-a100-80g", layout, global_batch=batch, seq=seq, runtime="luban")
+    measured = saved_activation_bytes(cfg, layout, batch, seq)
+    assert est.activation_bytes_per_microbatch == pytest.approx(measured, rel=0.10)
+
+
+@pytest.mark.parametrize("optimizer,momentum", [("adamw", 0.0), ("sgd", 0.0), ("sgd-momentum", 0.9)])
+def test_model_states_within_2pct(optimizer, momentum):
+    cfg = get_preset("tiny-llama")
+    layout = ParallelLayout(precision="bf16")
+    engine = Engine(cfg, layout, OptimizerConfig(name="adamw" if optimizer == "adamw" else "sgd", momentum=momentum),
+                    global_batch=2, seed=0, device=torch.device("cpu"))
+    x = torch.randint(0, cfg.vocab, (2, 32))
+    engine.forward_backward(x, x)
+    engine.step(lr=1e-3, max_norm=1.0)
+    engine.forward_backward(x, x)
+    report = engine.memory_report()
+    est = estimate(cfg, "dgx-a100-80g", layout, global_batch=2, seq=32, runtime="luban", optimizer=optimizer)
+    assert est.param_bytes == pytest.approx(report["param_bytes"], rel=0.02)
+    assert est.grad_bytes == pytest.approx(report["grad_bytes"], rel=0.02)
+    assert est.optimizer_bytes == pytest.approx(report["optimizer_bytes"], rel=0.02, abs=1)
