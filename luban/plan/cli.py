@@ -65,10 +65,10 @@ def load_model(spec: str):
     from luban.model.presets import PRESETS, get_preset
 
     path = Path(spec)
-    if spec in PRESETS or not path.suffix:
+    if spec in PRESETS:
         return get_preset(spec)
     if not path.is_file():
-        raise bad_value("--model", spec, "a preset name or an existing .toml/.json file")
+        raise bad_value("--model", spec, f"a .toml/.json file or a preset: {', '.join(PRESETS)}")
     try:
         raw = json.loads(path.read_text()) if path.suffix == ".json" else tomllib.loads(path.read_text())
     except (ValueError, tomllib.TOMLDecodeError) as err:

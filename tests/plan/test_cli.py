@@ -1,0 +1,76 @@
+"""``luban plan`` through a subprocess, as users run it."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def luban(*args):
+    return subprocess.run([sys.executable, "-m", "luban", "plan", *args], capture_output=True, text=True, cwd=ROOT,
+                          timeout=300)
+
+
+def test_estimate_json_has_the_documented_keys():
+    r = luban("estimate", "--model", "gpt3-175b", "--gpus", "64", "--global-batch", "64", "--tp", "8", "--pp", "8",
+              "--sp", "--recompute", "selective", "--schedule", "interleaved-1f1b", "--virtual-stages", "3",
+              "--zero", "1", "--precision", "fp16", "--train-tokens", "3e11", "--price-per-gpu-hour", "2", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    for key in ("fits", "step_time_s", "tokens_per_s", "mfu", "hfu", "tflops_per_gpu", "memory_bytes",
+                "time_breakdown_s", "gpu_hours", "cost"):
+        assert key in out
+    assert set(out["memory_bytes"]) >= {"weights", "gradients", "optimizer", "activations", "other", "total"}
+    assert out["fits"] and out["layout"]["tp"] == 8 and out["cost"] > 0
+
+
+def test_estimate_human_output_explains_an_infeasible_layout(tmp_path):
+    model = tmp_path / "m.toml"
+    model.write_text('[model]\npreset = "llama-8b"\nlayers = 40\n')
+    r = luban("estimate", "--model", str(model), "--gpus", "1", "--global-batch", "8", "--seq", "8192",
+              "--precision", "bf16", "--explain")
+    assert r.returncode == 0, r.stderr
+    assert "does not fit" in r.stdout and "GiB per GPU at zero=0" in r.stdout
+    assert "nearest layouts that fit" in r.stdout and "[parallel]" in r.stdout
+    assert "pipeline_bubble" in r.stdout  # --explain lists every time component
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--tp", "3"], "--gpus = 8"),
+    (["--tp", "5", "--dp", "1", "--gpus", "5"], "parallel.tp = 5"),
+    (["--model", "no-such-model"], "--model"),
+    (["--zero", "7"], "parallel.zero = 7"),
+    (["--system", "no-such-system"], "--system"),
+])
+def test_bad_input_exits_2_with_one_line(args, needle):
+    base = {"--model": "megatron-22b", "--gpus": "8", "--global-batch": "8"}
+    flags = list(args)
+    for k, v in base.items():
+        if k not in flags:
+            flags += [k, v]
+    r = luban("estimate", *flags)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("luban: error:") and needle in lines[0], r.stderr
+
+
+def test_search_json_reports_count_rate_and_chart(tmp_path):
+    chart = tmp_path / "best.png"
+    r = luban("search", "--model", "megatron-22b", "--gpus", "16", "--global-batch", "32", "--json", "--top", "3",
+              "--chart", str(chart))
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["evaluated"] > 10000 and out["layouts_per_s"] > 0 and len(out["best"]) == 3
+    assert sum(out["rejected"].values()) + out["valid"] == out["evaluated"]
+    assert chart.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_validate_prints_per_row_errors():
+    r = luban("validate")
+    assert r.returncode == 0, r.stderr
+    assert "korthikanti2022-t5: 8 rows" in r.stdout and "narayanan2021-t1: 10 rows" in r.stdout
+    assert "MISMATCH" not in r.stdout

@@ -1,0 +1,78 @@
+"""Probe pieces, profile files and ``choose_layout``."""
+
+import json
+
+import pytest
+import torch
+
+from luban.errors import LubanError
+from luban.model.presets import get_preset
+from luban.parallel.layout import check_layout
+from luban.plan import probe
+from luban.plan.auto import choose_layout
+from luban.plan.system import System, builtin_systems, load_system
+
+
+def test_builtin_profiles_load():
+    assert set(builtin_systems()) >= {"dgx-a100-80g", "dgx-a100-40g", "dgx-h100", "hgx-h200"}
+    h100 = load_system("dgx-h100")
+    assert h100.peak("bf16") > load_system("dgx-a100-80g").peak("bf16")
+
+
+def test_measure_matmul_peak_is_positive_and_quick():
+    assert probe.measure_matmul_peak(0.2) > 1e8
+
+
+def test_fit_collectives_recovers_ring_model():
+    bandwidth, latency = 2e9, 1e-4
+    times = {"all-reduce": {m: 2 * latency + m / bandwidth for m in probe.MESSAGE_SIZES}}
+    fit = probe.fit_collectives(times, world=2)
+    assert fit["latency"] == pytest.approx(latency * (1 + probe.MESSAGE_SIZES[0] / bandwidth / (2 * latency)))
+    assert fit["bandwidth"] == pytest.approx(probe.MESSAGE_SIZES[-1] / times["all-reduce"][probe.MESSAGE_SIZES[-1]])
+    assert fit["efficiency"][-1] == 1.0
+
+
+def fake_profile():
+    p = json.loads(json.dumps(load_system("dgx-a100-80g").to_dict()))
+    p.update(name="probe-test", peak_flops={"fp32": 5e10, "bf16": 1e9, "fp16": 1e9}, hbm_bytes=4e9, gpus_per_node=2,
+             nvlink_domain=2)
+    return p
+
+
+@pytest.mark.parametrize("suffix", [".toml", ".json"])
+def test_profile_round_trip(tmp_path, suffix):
+    path = probe.write_profile(fake_profile(), tmp_path / f"p{suffix}")
+    assert load_system(path) == System.from_dict(fake_profile())
+
+
+def test_bad_profile_is_a_one_line_error(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('name = "x"\n')
+    with pytest.raises(LubanError, match="missing key"):
+        load_system(bad)
+
+
+def test_choose_layout_uses_the_cached_probe(tmp_path, monkeypatch):
+    monkeypatch.setenv("LUBAN_CACHE_DIR", str(tmp_path))
+    probe.cache_path().parent.mkdir(parents=True, exist_ok=True)
+    probe.cache_path().write_text(json.dumps(fake_profile()))
+    cfg = get_preset("tiny")
+    layout, est = choose_layout(cfg, 2, 16, 128)
+    assert est.system == "probe-test" and layout.precision == "fp32" and est.runtime == "luban"
+    check_layout(layout, cfg, 16, 2, 128)
+    assert est.param_bytes > 0 and est.optimizer_bytes > 0 and est.activation_bytes_per_microbatch > 0
+    assert est.step_time_s > 0
+
+
+def test_choose_layout_on_a_gpu_profile_and_when_nothing_fits():
+    layout, est = choose_layout(get_preset("llama-8b"), 16, 64, 4096, system="dgx-h100")
+    assert layout.world_size == 16 and est.fits and layout.precision == "bf16"
+    with pytest.raises(LubanError, match="no layout"):
+        choose_layout(get_preset("llama-405b"), 2, 2, 8192, system="dgx-a100-40g", offloads=(0,))
+
+
+@pytest.mark.multirank
+def test_gloo_collectives_between_two_processes():
+    times = probe.collective_times(2)
+    assert all(times["all-reduce"][m] > 0 for m in probe.MESSAGE_SIZES)
+    assert torch.distributed.is_available()

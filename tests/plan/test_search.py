@@ -1,0 +1,33 @@
+"""The search: counts, rejection reasons and the best layout of known cases."""
+
+from luban.parallel.layout import check_layout
+from luban.plan.search import search
+
+from plan_helpers import make_problem
+
+
+def test_single_gpu_small_model_prefers_big_microbatches_without_recompute():
+    problem = make_problem("gpt2-124m", gpus=1, seq=1024, batch=8)
+    result = search(problem, top=3)
+    best = result.best[0].layout
+    assert (best.tp, best.pp, best.cp, best.dp) == (1, 1, 1, 1)
+    assert best.recompute == "none" and best.micro_batch == 8 and best.offload == "none"
+
+
+def test_175b_on_64_a100_keeps_tp_in_node_and_pipelines():
+    problem = make_problem("gpt3-175b", gpus=64, batch=64)
+    result = search(problem, top=5)
+    assert result.valid > 0 and len(result.best) == 5
+    assert sum(result.rejected.values()) + result.valid == result.evaluated
+    speeds = [e.tokens_per_s for e in result.best]
+    assert speeds == sorted(speeds, reverse=True)
+    for est in result.best:
+        assert est.fits and est.layout.tp <= 8 and est.layout.pp > 1
+        check_layout(est.layout, problem.model, 64, 64, 2048)  # every reported layout is valid
+    assert result.rejected["does not fit in GPU memory"] > 0
+
+
+def test_no_layout_fits_reports_memory_rejections():
+    problem = make_problem("llama-405b", gpus=8, seq=8192, batch=8)
+    result = search(problem, top=1, offloads=(0,))
+    assert result.best == [] and result.rejected["does not fit in GPU memory"] > 0

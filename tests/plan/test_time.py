@@ -1,0 +1,72 @@
+"""Time formulas against hand computation: bubbles, ring collectives, MFU/HFU, cost."""
+
+import numpy as np
+import pytest
+
+from luban.model.flops import flops_per_token
+from luban.parallel.layout import ParallelLayout
+from luban.plan.estimate import estimate
+from luban.plan.grid import Grid
+from luban.plan.memory import memory
+from luban.plan.time import ALL_REDUCE, collective, step_time
+
+from plan_helpers import make_problem
+
+
+def times(problem, layout):
+    g = Grid.from_layout(layout)
+    return step_time(problem, g, memory(problem, g))
+
+
+@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("gpipe", 1), ("interleaved-1f1b", 2), ("interleaved-1f1b", 4)])
+def test_bubble_fraction_is_p_minus_1_over_v_m(schedule, v):
+    problem = make_problem("gpt3-175b", gpus=64, batch=64)
+    t = times(problem, ParallelLayout(tp=8, pp=8, schedule=schedule, virtual_stages=v, zero=1, recompute="full"))
+    m = 64
+    busy = m * (t["F"] + t["B"])
+    assert float(t["parts"]["pipeline_bubble"] / busy) == pytest.approx((8 - 1) / (v * m))
+
+
+def test_zero_bubble_and_dualpipev_formulas():
+    problem = make_problem("gpt3-175b", gpus=64, batch=64)
+    zb = times(problem, ParallelLayout(tp=8, pp=8, schedule="zero-bubble", virtual_stages=2, zero=1))
+    F, B, W = float(zb["F"]), float(zb["B"]), float(zb["W"])
+    assert float(zb["parts"]["pipeline_bubble"]) == pytest.approx(7 * max(0.0, F + (B - W) - 2 * W) / 2)
+    dv = times(problem, ParallelLayout(tp=8, pp=8, schedule="dualpipev", virtual_stages=2, zero=1))
+    F, B, W = float(dv["F"]), float(dv["B"]), float(dv["W"])
+    chunk_f, chunk_b, chunk_w = F / 2, (B - W) / 2, W / 2
+    expected = (8 / 2 - 1) * max(0.0, (chunk_f + chunk_b + chunk_w) + chunk_b - 3 * chunk_w)
+    assert float(dv["parts"]["pipeline_bubble"]) == pytest.approx(expected)
+    assert expected < 7 * (F + B)
+
+
+def test_ring_all_reduce_is_2_n_minus_1_over_n():
+    problem = make_problem()
+    s = problem.system
+    m = 1e9
+    got = float(collective(problem, m, np.array(8), np.array(True), ALL_REDUCE))
+    expected = 2 * 7 / 8 * m / (s.nvlink_bandwidth * s.collective_efficiency(m)) + 2 * 7 * s.nvlink_latency
+    assert got == pytest.approx(expected)
+    assert float(collective(problem, m, np.array(1), np.array(True), ALL_REDUCE)) == 0.0
+
+
+def test_mfu_hfu_and_cost_definitions():
+    problem = make_problem("megatron-22b", gpus=8, batch=4)
+    layout = ParallelLayout(tp=8, micro_batch=4, recompute="full", precision="fp16")
+    est = estimate(problem.model, problem.system, layout, global_batch=4, seq=2048, train_tokens=1e9,
+                   price_per_gpu_hour=2.0)
+    assert est.tokens_per_s == pytest.approx(4 * 2048 / est.step_time_s)
+    peak = 8 * 312e12
+    assert est.mfu == pytest.approx(flops_per_token(problem.model, 2048) * est.tokens_per_s / peak)
+    assert est.hfu == pytest.approx(flops_per_token(problem.model, 2048, recompute="full") * est.tokens_per_s / peak)
+    assert est.tflops_per_gpu == pytest.approx(est.hfu * 312)
+    assert est.step_time_s == pytest.approx(sum(est.time_breakdown_s.values()))
+    assert est.gpu_hours == pytest.approx(1e9 / est.tokens_per_s * 8 / 3600)
+    assert est.cost == pytest.approx(2.0 * est.gpu_hours)
+
+
+def test_recompute_costs_one_more_forward():
+    problem = make_problem("megatron-22b", gpus=8, batch=4)
+    full = times(problem, ParallelLayout(tp=8, micro_batch=4, recompute="full"))["parts"]
+    assert float(full["recompute"]) == pytest.approx(float(full["forward"]), rel=0.05)  # all but the LM head
+    assert float(full["backward"]) == pytest.approx(2 * float(full["forward"]))
