@@ -3,7 +3,7 @@
 ``load_config(path, overrides)`` reads the file, applies ``--set section.key=value`` overrides
 (values parsed as TOML literals, else taken as strings), checks every key and type, and
 returns a ``RunConfig``. Mistakes raise ``LubanError`` naming the key, the value and what is
-allowed. The resolved config is saved in every checkpoint. Schema: docs/CONFIG.md.
+allowed. The resolved config is saved in every checkpoint. Schema: docs/training.md.
 """
 
 from __future__ import annotations

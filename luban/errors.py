@@ -3,7 +3,7 @@
 A ``LubanError`` is printed by the CLI as one line (``luban: error: ...``) with no traceback
 and exit code ``EXIT_USAGE``. Messages name the offending key, the value and what is allowed.
 
-Exit codes (also in docs/CLI.md):
+Exit codes (also in docs/training.md):
   0   success
   1   unexpected crash (a bug: traceback printed)
   2   bad input: config, flags, data (``EXIT_USAGE``)

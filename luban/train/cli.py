@@ -17,7 +17,7 @@ def register(sub) -> None:
                        description="Train a model. Exit code 75 means suspended: resume with --resume auto.")
     _train_args(p)
     p.add_argument("config", nargs="?",
-                   help="TOML config ([model] [data] [train] [parallel] [run]); omitted: the defaults (docs/CONFIG.md)")
+                   help="TOML config ([model] [data] [train] [parallel] [run]); omitted: the defaults (docs/training.md)")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("demo", help="train the demo model on the embedded corpus, then print samples")

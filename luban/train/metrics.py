@@ -1,6 +1,6 @@
 """Per-step metrics: ``<run>/metrics.jsonl``, TensorBoard, and a terminal progress line.
 
-Each line of metrics.jsonl is one JSON object. Fields (docs/METRICS.md):
+Each line of metrics.jsonl is one JSON object. Fields (docs/training.md):
   step, tokens (cumulative), loss, lr, grad_norm, tokens_per_s, tflops (achieved model
   TFLOP/s over all ranks), mfu, hfu, time_data_s, time_fwd_bwd_s, time_optimizer_s,
   time_step_s, peak_memory_bytes, param_bytes, grad_bytes, optimizer_bytes,
