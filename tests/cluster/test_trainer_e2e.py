@@ -1,0 +1,85 @@
+"""luban's own trainer under the scheduler: preempted by a high-priority job (SIGUSR1 ->
+checkpoint -> exit 75), requeued, resumed with --resume auto, and finished with weights
+bitwise equal to an uninterrupted run. No user code: the trainer speaks the protocol itself."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+
+import pytest
+
+from tests.cluster.conftest import PYTHON, ROOT, wait_for
+
+CONFIG = """
+[model]
+preset = "tiny"
+layers = 1
+hidden = 64
+heads = 2
+[data]
+path = ""
+[train]
+steps = 40
+global_batch = 2
+warmup_steps = 2
+seed = 0
+checkpoint_every = 1000
+eval_every = 1000
+[run]
+dir = "{run}"
+"""
+
+
+def weights(run_dir):
+    """The final checkpoint's tensors (torch DCP), as raw bytes per name."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    final = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
+    flat = run_dir / "final.pt"
+    dcp_to_torch_save(final, flat)
+    state = torch.load(flat, weights_only=False)
+    out = {}
+
+    def walk(prefix, value):
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}.{k}", v)
+        elif isinstance(value, torch.Tensor):
+            out[prefix] = value.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+
+    walk("", state.get("model", state))
+    return final.name, out
+
+
+@pytest.mark.slow
+def test_luban_training_is_preempted_resumes_and_matches_an_uninterrupted_run(service, tmp_path):
+    ref_cfg, job_cfg = tmp_path / "ref.toml", tmp_path / "job.toml"
+    ref_cfg.write_text(CONFIG.format(run=tmp_path / "ref"))
+    job_cfg.write_text(CONFIG.format(run=tmp_path / "job"))
+    reference = subprocess.Popen([PYTHON, "-m", "luban", "train", str(ref_cfg), "--resume", "auto"], cwd=ROOT,
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    svc = service("--nodes", "1", "--tick", "0.2", "--suspend-timeout", "300")
+    alice_token, alice = svc.user("alice", {"LOW": 1})
+    _, bob = svc.user("bob", {"HIGH": 1})
+    out = svc.cli("submit", "-p", "LOW", "--name", "train", "--workdir", str(ROOT), "--", PYTHON, "-m", "luban",
+                  "train", str(job_cfg), "--resume", "auto", token=alice_token).stdout
+    job = int(re.search(r"submitted job (\d+)", out).group(1))
+    wait_for(lambda: re.search(r"step [3-9]/40", alice.logs(job)["text"]), 600, 0.5, "training progress")
+    high = bob.submit({"name": "urgent", "command": "true", "priority": "HIGH"})["id"]
+    assert bob.wait(high, timeout=600)["state"] == "succeeded"
+    final = alice.wait(job, timeout=900)
+    log = alice.logs(job)["text"]
+    assert final["state"] == "succeeded", log[-3000:]
+    first = [j for j in alice.jobs(all_attempts=True) if j["chain_id"] == final["chain_id"]][0]
+    assert first["state"] == "suspended" and first["exit_code"] == 75 and "PREEMPTED" in first["stop_reasons"]
+    assert re.search(r"resumed from .*step_\d+ at step \d+", log), log[-3000:]
+
+    assert reference.wait(900) == 0, reference.stdout.read()[-3000:]
+    ref_step, ref_weights = weights(tmp_path / "ref")
+    job_step, job_weights = weights(tmp_path / "job")
+    assert ref_step == job_step == "step_0000040"
+    assert ref_weights.keys() == job_weights.keys() and ref_weights
+    assert all(ref_weights[k] == job_weights[k] for k in ref_weights), "weights differ after preemption"
