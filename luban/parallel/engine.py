@@ -199,17 +199,34 @@ class Engine:
     def barrier(self) -> None:
         """Wait for every rank."""
 
+    def _tied_copy(self, part: nn.Module) -> bool:
+        """A pipeline stage holding a tied LM head without the embedding: its optimizer state is
+        saved under the embedding's name, the one the unsplit model uses."""
+        inner = unwrap(part)
+        return self.model_cfg.tie_embeddings and inner.tok_emb is None and inner.lm_head is not None
+
+    @staticmethod
+    def _rename(optim_sd: dict, old: str, new: str) -> dict:
+        return {k.replace(f".{old}.", f".{new}.", 1) if k.split(".", 1)[1].startswith(old + ".") else k: v
+                for k, v in optim_sd.items()}
+
     def state_dict(self) -> dict:
         model, optim = {}, {}
         for part, opt in zip(self.parts, self.optimizers):
             model.update(get_model_state_dict(part))
-            optim.update(get_optimizer_state_dict(part, opt, options=OPTIM_OPTIONS))
+            part_optim = get_optimizer_state_dict(part, opt, options=OPTIM_OPTIONS)
+            if self._tied_copy(part):
+                part_optim = self._rename(part_optim, "lm_head.weight", "tok_emb.weight")
+            optim.update(part_optim)
         return {"model": model, "optim": optim, "scaler": self.scaler.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         for part, opt in zip(self.parts, self.optimizers):
             set_model_state_dict(part, state["model"], options=StateDictOptions(strict=False))
-            set_optimizer_state_dict(part, opt, state["optim"], options=OPTIM_OPTIONS)
+            optim = state["optim"]
+            if self._tied_copy(part):
+                optim = self._rename(optim, "tok_emb.weight", "lm_head.weight")
+            set_optimizer_state_dict(part, opt, optim, options=OPTIM_OPTIONS)
         if state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
 
