@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from luban.cli import main
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -39,23 +41,27 @@ def test_estimate_human_output_explains_an_infeasible_layout(tmp_path):
     assert "pipeline_bubble" in r.stdout  # --explain lists every time component
 
 
+def test_bad_input_exits_2_with_one_line():
+    r = luban("estimate", "--model", "megatron-22b", "--gpus", "8", "--global-batch", "8", "--tp", "3")
+    assert r.returncode == 2 and r.stderr.strip() == "luban: error: --gpus = 8: must be divisible by tp*pp*cp = 3"
+
+
 @pytest.mark.parametrize("args,needle", [
-    (["--tp", "3"], "--gpus = 8"),
     (["--tp", "5", "--dp", "1", "--gpus", "5"], "parallel.tp = 5"),
     (["--model", "no-such-model"], "--model"),
     (["--zero", "7"], "parallel.zero = 7"),
     (["--system", "no-such-system"], "--system"),
+    (["--global-batch", "3"], "train.global_batch = 3"),
 ])
-def test_bad_input_exits_2_with_one_line(args, needle):
+def test_bad_input_messages_name_the_key(args, needle, capsys):
     base = {"--model": "megatron-22b", "--gpus": "8", "--global-batch": "8"}
     flags = list(args)
     for k, v in base.items():
         if k not in flags:
             flags += [k, v]
-    r = luban("estimate", *flags)
-    assert r.returncode == 2
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("luban: error:") and needle in lines[0], r.stderr
+    assert main(["plan", "estimate", *flags]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("luban: error:") and needle in lines[0], lines
 
 
 def test_search_json_reports_count_rate_and_chart(tmp_path):

@@ -1,0 +1,44 @@
+"""Fit the dgx-a100-80g calibration once: a coarse grid over three global knobs.
+
+The knobs scale the profile's whole matmul-efficiency curve and collective-efficiency curve (so
+x1.0 means "keep the current values") and
+set the HBM traffic of memory-bound kernels. Each candidate profile is applied unchanged to
+every row of Korthikanti 2022 Table 5 and Narayanan 2021 Table 1; the objective is the sum
+of (mean error / 3%, max error / 8%) on Table 5 and (mean error / 5%) on Table 1. Prints the
+best candidates; the chosen values are written into luban/plan/systems/dgx-a100-80g.toml by hand.
+
+    .venv/bin/python bench/plan_calibrate.py
+"""
+
+import itertools
+
+from luban.plan.system import System, load_system
+from luban.plan.validate import korthikanti_table5, narayanan_table1, summary
+
+
+def candidate(base: System, mm: float, coll: float, traffic: float) -> System:
+    raw = base.to_dict()
+    eff = dict(raw["efficiency"])
+    eff["matmul"] = [min(1.0, x * mm) for x in eff["matmul"]]
+    eff["collective"] = [min(1.0, x * coll) for x in eff["collective"]]
+    eff["elementwise_traffic"] = traffic
+    raw["efficiency"] = eff
+    return System.from_dict(raw)
+
+
+def main() -> None:
+    base = load_system("dgx-a100-80g")
+    scored = []
+    for mm, coll, traffic in itertools.product((0.96, 0.98, 1.0, 1.02, 1.04), (0.9, 1.0, 1.1), (1.5, 2.0, 2.5, 3.0)):
+        system = candidate(base, mm, coll, traffic)
+        k, n = summary(korthikanti_table5(system)), summary(narayanan_table1(system))
+        score = k["mean_abs_error"] / 0.03 + k["max_abs_error"] / 0.08 + n["mean_abs_error"] / 0.05
+        scored.append((score, mm, coll, traffic, k, n))
+    scored.sort(key=lambda row: row[0])
+    for score, mm, coll, traffic, k, n in scored[:8]:
+        print(f"score {score:.3f}  matmul x{mm}  collective x{coll}  traffic {traffic}  "
+              f"T5 mean {k['mean_abs_error']:.2%} max {k['max_abs_error']:.2%}  T1 mean {n['mean_abs_error']:.2%}")
+
+
+if __name__ == "__main__":
+    main()
