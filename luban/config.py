@@ -58,7 +58,7 @@ class RunSection:
 
 @dataclass(frozen=True)
 class RunConfig:
-    model: ModelConfig = field(default_factory=lambda: get_preset("tiny"))
+    model: ModelConfig = field(default_factory=lambda: get_preset(DEFAULT_PRESET))
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelLayout = field(default_factory=ParallelLayout)
@@ -77,6 +77,7 @@ class RunConfig:
         return dataclasses.replace(self, **sections)
 
 
+DEFAULT_PRESET = "tiny"  # [model] keys not given come from this preset unless `preset` names another
 SECTIONS = ("model", "data", "train", "parallel", "run")
 CHOICES = {("train", "optimizer"): ("adamw", "sgd"), ("run", "progress"): ("auto", "bar", "plain", "none"),
            ("run", "device"): ("auto", "cpu", "cuda")}
@@ -121,8 +122,7 @@ def config_from_dict(raw: dict) -> RunConfig:
             raise LubanError(f"[{name}]: unknown section; allowed: {', '.join(SECTIONS)}")
         if not isinstance(raw[name], dict):
             raise bad_value(name, raw[name], "must be a table of keys")
-    default = RunConfig()
-    model = ModelConfig.from_dict(raw["model"]) if "model" in raw else default.model
+    model = ModelConfig.from_dict({"preset": DEFAULT_PRESET, **raw.get("model", {})})
     cfg = RunConfig(model=model,
                     data=_section(DataConfig, raw.get("data", {}), "data"),
                     train=_section(TrainConfig, raw.get("train", {}), "train"),

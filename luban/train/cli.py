@@ -68,12 +68,21 @@ def _run_training(args) -> int:
         if getattr(args, key) < 1:
             raise bad_value(f"--{key}", getattr(args, key), "must be >= 1")
     world = args.nproc * args.nnodes
+    sets = list(args.set)
+    if "WORLD_SIZE" not in os.environ:  # the launching process (not a rank it started)
+        from luban.train import plan_check
+
+        Path(cfg.run.dir, "plan.json").unlink(missing_ok=True)
+        if args.parallel == "auto":
+            cfg, prediction = plan_check.plan(cfg, world)
+            print(plan_check.describe(prediction), flush=True)
+            sets += plan_check.layout_overrides(prediction["layout"])
     if "WORLD_SIZE" not in os.environ and world > 1:
         from luban.parallel.launch import launch
         from luban.parallel.layout import check_layout
 
         check_layout(cfg.parallel, cfg.model, cfg.train.global_batch, world, cfg.seq_len)
-        argv = ["train", args.config, *sum((["--set", s] for s in args.set), [])]
+        argv = ["train", args.config, *sum((["--set", s] for s in sets), [])]
         if args.resume:
             argv += ["--resume", args.resume]
         return launch([a for a in argv if a is not None], nproc=args.nproc, nnodes=args.nnodes,

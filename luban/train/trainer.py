@@ -146,7 +146,7 @@ class Trainer:
             (self.run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
         tokens_per_step = t.global_batch * cfg.seq_len
         peak = peak_flops(self.device.type, cfg.parallel.precision) * self.engine.world_size
-        loss, saved = None, None
+        loss, saved, step_times, memory = None, None, [], {}
         try:
             while self.step < t.steps:
                 t0 = time.perf_counter()
@@ -161,6 +161,7 @@ class Trainer:
                     torch.cuda.synchronize(self.device)
                 t3 = time.perf_counter()
                 self.step += 1
+                step_times.append(t3 - t0)
                 record = {"step": self.step, "tokens": self.step * tokens_per_step, "loss": loss, "lr": lr,
                           "grad_norm": grad_norm, "tokens_per_s": tokens_per_step / (t3 - t0),
                           "tflops": tokens_per_step * self.model_flops / (t3 - t0) / 1e12,
@@ -179,7 +180,24 @@ class Trainer:
                     log.message(f"suspended on {suspend.reason or 'a peer rank signal'} at step {self.step}; "
                                 f"checkpoint {saved}; exit {EXIT_SUSPENDED} (resume with --resume auto)")
                     return TrainResult(self.step, True, saved, loss)
+            self._report_plan(memory, step_times[3:], log)
         finally:
             self.loader.close()
             log.close()
         return TrainResult(self.step, False, saved, loss)
+
+    def _report_plan(self, memory: dict, step_times: list[float], log: MetricsLogger) -> None:
+        """Predicted vs measured, when ``--parallel auto`` planned this run (``plan_check``)."""
+        import torch.distributed as dist
+
+        from luban.train import plan_check
+
+        memory_by_rank = [memory]
+        if dist.is_available() and dist.is_initialized():
+            memory_by_rank = [None] * dist.get_world_size()
+            dist.all_gather_object(memory_by_rank, memory)
+        if self.is_main:
+            rows = plan_check.compare(self.run_dir, memory_by_rank, step_times)
+            for key, row in (rows or {}).items():
+                log.message(f"plan vs measured: {key:16s} predicted {row['predicted']:.4g}  "
+                            f"measured {row['measured']:.4g}  error {100 * (row['error'] or 0):+.1f}%")
