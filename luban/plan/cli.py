@@ -164,10 +164,12 @@ def cmd_search(args) -> int:
         write_chart(result.best, args.chart, f"{problem.model.name} on {problem.gpus}x {problem.system.name}")
     if args.json:
         print(json.dumps({"evaluated": result.evaluated, "seconds": result.seconds, "layouts_per_s": result.rate,
+                          "cpu_seconds": result.cpu_seconds, "layouts_per_cpu_s": result.cpu_rate,
                           "valid": result.valid, "rejected": result.rejected,
                           "best": [e.to_dict() for e in result.best]}, default=float))
         return 0
-    print(f"{result.evaluated:,} layouts in {result.seconds:.2f} s ({result.rate:,.0f} layouts/s); "
+    print(f"{result.evaluated:,} layouts in {result.seconds:.2f} s ({result.rate:,.0f} layouts/s; "
+          f"{result.cpu_rate:,.0f} per CPU-second); "
           f"{result.valid:,} valid and fit")
     print(f"{'#':>2} {'layout':58s} {'step s':>8s} {'tok/s':>10s} {'MFU':>6s} {'mem GiB':>8s}")
     for i, e in enumerate(result.best, 1):

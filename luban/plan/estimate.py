@@ -19,7 +19,7 @@ import numpy as np
 from luban.model.config import ModelConfig
 from luban.parallel.layout import ParallelLayout, check_layout
 from luban.plan.grid import FULL, SELECTIVE, Grid
-from luban.plan.memory import memory, recomputed_share
+from luban.plan.memory import at_rank, memory, recomputed_share
 from luban.plan.problem import Problem
 from luban.plan.system import System, load_system
 from luban.plan.time import peak_flops, step_time
@@ -84,20 +84,25 @@ class Estimate:
             return np.broadcast_to(arr, shape)[index].item()
 
         mem, times = results["memory"], results["time"]
+        layout = g.layout(index)
+
+        def rank(key):
+            return at_rank(mem, key, shape, index)
+
         return cls(
-            layout=g.layout(index), model=problem.model.name, system=problem.system.name, gpus=problem.gpus,
+            layout=layout, model=problem.model.name, system=problem.system.name, gpus=problem.gpus,
             seq=problem.seq, global_batch=problem.global_batch, runtime=problem.runtime, optimizer=problem.optimizer,
-            fits=bool(at(mem["fits"])), memory_bytes={k: at(mem[k]) for k in MEMORY_KEYS}, host_bytes=at(mem["host"]),
-            param_bytes=at(mem["weights_total"]), grad_bytes=at(mem["gradients"]),
-            optimizer_bytes=at(mem["optimizer_total"]),
-            activation_bytes_per_microbatch=at(mem["activation_per_microbatch"]), rank=int(at(mem["rank"])),
-            microbatches=int(at(mem["microbatches"])), in_flight=at(mem["in_flight"]),
+            fits=bool(at(mem["fits"])), memory_bytes={k: rank(k) for k in MEMORY_KEYS}, host_bytes=at(mem["host"]),
+            param_bytes=rank("weights_total"), grad_bytes=rank("gradients"), optimizer_bytes=rank("optimizer_total"),
+            activation_bytes_per_microbatch=rank("activation_per_microbatch"),
+            rank=0 if bool(np.broadcast_to(mem["pick_first"], shape)[index]) else layout.pp - 1,
+            microbatches=int(at(mem["microbatches"])), in_flight=rank("in_flight"),
             step_time_s=at(times["step"]), time_breakdown_s={k: at(v) for k, v in times["parts"].items()},
             dp_hidden_s=at(times["dp_hidden"]), tokens_per_s=at(results["tokens_per_s"]), mfu=at(results["mfu"]),
             hfu=at(results["hfu"]), tflops_per_gpu=at(results["tflops_per_gpu"]), hbm_bytes=problem.system.hbm_bytes,
-            extra={"buffers": at(mem["buffers"]), "fits_hbm": bool(at(mem["fits_hbm"])),
-                   "fits_host": bool(at(mem["fits_host"])), "first_params": at(mem["first_params"]),
-                   "last_params": at(mem["last_params"])},
+            extra={"buffers": rank("buffers"), "fits_hbm": bool(at(mem["fits_hbm"])),
+                   "fits_host": bool(at(mem["fits_host"])), "first_params": at(mem["first"]["params"]),
+                   "last_params": at(mem["last"]["params"])},
             **cost)
 
     @property

@@ -199,12 +199,17 @@ def memory(problem: Problem, g: Grid) -> dict:
                            buffers=buffers, total=total, host=host, in_flight=flight,
                            weights_total=weights, optimizer_total=optim)
     pick_first = ranks["first"]["total"] >= ranks["last"]["total"]
-    out = {k: np.where(pick_first, ranks["first"][k], ranks["last"][k]) for k in ranks["first"]}
-    out["rank"] = np.where(pick_first, 0, g.pp - 1)
-    out["first_params"], out["last_params"] = ranks["first"]["params"], ranks["last"]["params"]
-    out["microbatches"] = m
-    host_per_gpu = system.host_bytes / system.gpus_per_node
-    out["fits_hbm"] = out["total"] <= system.hbm_bytes
-    out["fits_host"] = out["host"] <= host_per_gpu
-    out["fits"] = out["fits_hbm"] & out["fits_host"]
-    return out
+    total = np.where(pick_first, ranks["first"]["total"], ranks["last"]["total"])
+    host = np.where(pick_first, ranks["first"]["host"], ranks["last"]["host"])
+    fits_hbm = total <= system.hbm_bytes
+    fits_host = host <= system.host_bytes / system.gpus_per_node
+    # per-rank figures stay in "first"/"last"; ``at_rank`` picks the fuller rank of one layout
+    return {"first": ranks["first"], "last": ranks["last"], "pick_first": pick_first, "total": total,
+            "host": host, "params": np.maximum(params_first, params_last), "microbatches": m,
+            "fits_hbm": fits_hbm, "fits_host": fits_host, "fits": fits_hbm & fits_host}
+
+
+def at_rank(mem: dict, key: str, shape: tuple, index=()):
+    """``key`` on the fuller pipeline rank of the layout at ``index`` of a grid of ``shape``."""
+    first = bool(np.broadcast_to(mem["pick_first"], shape)[index])
+    return np.broadcast_to(mem["first" if first else "last"][key], shape)[index].item()

@@ -29,14 +29,21 @@ VIRTUAL_STAGES = (2, 3, 4, 6, 8)
 class SearchResult:
     problem: Problem
     evaluated: int
-    seconds: float
+    seconds: float  # wall clock
+    cpu_seconds: float  # this process's CPU time (the machine may be shared)
     rejected: dict  # reason -> count
     valid: int
     best: list  # Estimates, fastest first
 
     @property
     def rate(self) -> float:
+        """Layouts per wall-clock second."""
         return self.evaluated / self.seconds if self.seconds > 0 else float("inf")
+
+    @property
+    def cpu_rate(self) -> float:
+        """Layouts per CPU second of this process."""
+        return self.evaluated / self.cpu_seconds if self.cpu_seconds > 0 else float("inf")
 
 
 def candidate_grid(problem: Problem, precision: str = "bf16", micro_batches=None, schedules=SCHEDULES,
@@ -76,12 +83,12 @@ def _schedules(pp: int, allowed) -> list:
     return [(code, v) for code, vs in names.items() if SCHEDULES[code] in allowed for v in vs]
 
 
-def search(problem: Problem, top: int = 5, chunk: int = 1 << 17, score=None, **grid_options) -> SearchResult:
+def search(problem: Problem, top: int = 5, chunk: int = 1 << 16, score=None, **grid_options) -> SearchResult:
     """Estimate every candidate layout; keep the ``top`` valid ones that fit, fastest first
     (or highest ``score(grid, results)`` first when given).
 
     Axis 0 of the grid is processed ``chunk`` layouts at a time to stay within the CPU caches."""
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     g = candidate_grid(problem, **grid_options)
     rows = g.shape[0]
     step = max(1, chunk // max(1, int(np.prod(g.shape[1:]))))
@@ -99,13 +106,20 @@ def search(problem: Problem, top: int = 5, chunk: int = 1 << 17, score=None, **g
         value = results["tokens_per_s"] if score is None else score(part, results)
         value = np.broadcast_to(value, part.shape).ravel()
         valid = np.flatnonzero(codes == 0)
-        keep = valid[np.argsort(-value[valid], kind="stable")[:top]]
-        best += [(value[i], Estimate.from_results(problem, part, results, np.unravel_index(i, part.shape)))
-                 for i in keep]
-    best = [e for _, e in sorted(best, key=lambda pair: -pair[0])[:top]]
-    seconds = time.perf_counter() - start
+        if len(valid) > top:
+            valid = valid[np.argpartition(-value[valid], top)[:top]]
+        best += [(value[i], lo, np.unravel_index(i, part.shape)) for i in valid]
+    best = sorted(best, key=lambda item: -item[0])[:top]
+    best = [_estimate_one(problem, _rows(g, slice(lo, lo + step)).layout(index)) for _, lo, index in best]
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     rejected = {REASONS[k]: int(c) for k, c in enumerate(counts) if k and c}
-    return SearchResult(problem, int(counts.sum()), seconds, rejected, int(counts[0]), best)
+    return SearchResult(problem, int(counts.sum()), seconds, cpu_seconds, rejected, int(counts[0]), best)
+
+
+def _estimate_one(problem: Problem, layout) -> Estimate:
+    """The estimate of one layout of the grid (the 0-d case of the same formulas)."""
+    g = Grid.from_layout(layout)
+    return Estimate.from_results(problem, g, evaluate(problem, g))
 
 
 def _rows(g: Grid, rows: slice) -> Grid:
