@@ -126,7 +126,7 @@ def outcome(snap, out):
     return suspended, started, keeps
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(snapshots())
 def test_allocations_never_exceed_nodes_or_quota(snap):
     out = plan(snap)
@@ -153,7 +153,7 @@ def test_allocations_never_exceed_nodes_or_quota(snap):
         assert n <= sum(1 for x in snap.nodes if x.node_group == g and (x.schedulable or x.name in held_now))
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(snapshots())
 def test_higher_priority_never_waits_for_lower(snap):
     out = plan(snap)
@@ -177,7 +177,7 @@ def test_higher_priority_never_waits_for_lower(snap):
                 f"job {j.id} (priority {j.priority}) left out while {lower} nodes went to lower priorities")
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(snapshots())
 def test_no_preemption_within_one_user_and_priority(snap):
     out = plan(snap)
