@@ -10,6 +10,7 @@ runs). ``python -m tests.parallel.harness JOBS.json OUT`` runs the jobs on every
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import sys
@@ -44,8 +45,56 @@ def full_params(engine) -> dict[str, torch.Tensor]:
     return out
 
 
+class ToyModel:
+    """A user model that is not luban's transformer: a stack of Linear+Tanh layers with a
+    HAI-platform-style ``build_stage`` hook (``luban.parallel.pipeline.PipelineModel``)."""
+
+    def __init__(self, width: int = 16, depth: int = 8):
+        torch.manual_seed(0)
+        self.layers = [torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh()) for _ in range(depth)]
+
+    def build_stage(self, stage_id: int, num_stages: int) -> torch.nn.Module:
+        per = len(self.layers) // num_stages
+        return copy.deepcopy(torch.nn.Sequential(*self.layers[stage_id * per:(stage_id + 1) * per]))
+
+
+def run_toy_pipeline(job: dict) -> dict:
+    """Every schedule on a 2-rank pipeline of ``ToyModel``: max |grad - single-process grad|."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from luban.parallel.launch import init_distributed
+    from luban.parallel.pipeline import SCHEDULES, Pipeline
+
+    init_distributed("cpu")
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("pp",))
+    toy, n_micro = ToyModel(), 4
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    y = torch.randn(8, 16, generator=torch.Generator().manual_seed(2))
+    loss_fn = torch.nn.functional.mse_loss
+    full = torch.nn.Sequential(*copy.deepcopy(toy.layers))
+    ref_loss = sum(loss_fn(full(a), b) for a, b in zip(x.chunk(n_micro), y.chunk(n_micro))) / n_micro
+    ref_loss.backward()
+    ref = {f"{i}.{k}": p.grad for i, layer in enumerate(full) for k, p in layer.named_parameters()}
+    diffs = {}
+    for schedule in SCHEDULES:
+        pipe = Pipeline(toy, mesh, schedule, 1 if schedule in ("gpipe", "1f1b") else 2, n_micro, torch.device("cpu"))
+        loss = pipe.forward_backward(x, y, loss_fn)
+        per = len(toy.layers) // pipe.num_stages
+        diff = abs(loss.item() - ref_loss.item())
+        for sid, part in zip(pipe.stage_ids, pipe.parts):
+            for name, p in part.named_parameters():
+                i, rest = name.split(".", 1)
+                diff = max(diff, (p.grad - ref[f"{sid * per + int(i)}.{rest}"]).abs().max().item())
+        diffs[schedule] = diff
+    return {"params": {}, "toy_diffs": diffs}
+
+
 def run_job(job: dict) -> dict:
     import torch.distributed.checkpoint as dcp
+
+    if job.get("kind") == "toy_pipeline":
+        return run_toy_pipeline(job)
 
     cfg = model_cfg(job)
     layout = ParallelLayout.from_dict(job.get("layout", {}))

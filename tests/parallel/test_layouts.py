@@ -63,6 +63,10 @@ RESHARD = [
     ("pp2-tied-to-single", {"pp": 2}, {}, "tiny"),
 ]
 MOMENTUM = {"name": "sgd", "momentum": 0.9}
+ADAMW = {"name": "adamw"}
+# memory accounting: same model, AdamW (two state tensors per parameter), 1 step, 2 ranks
+MEMORY = [{**job(f"memory-zero{z}", dp=2, zero=z), "optim": ADAMW, "steps": 1} for z in (0, 1, 2, 3)]
+TOY = {"name": "toy-pipeline", "kind": "toy_pipeline"}
 
 
 def world(layout: dict) -> int:
@@ -75,6 +79,7 @@ def runs(tmp_path_factory):
     (every loader's checkpoint is written by an earlier phase)."""
     out = tmp_path_factory.mktemp("layouts")
     jobs = {n: list(js) for n, js in MATRIX.items()}
+    jobs[2] += [*MEMORY, TOY]
     for name, save, load, preset in RESHARD:
         common = {"preset": preset, "optim": MOMENTUM, "steps": 2}
         ckpt = str(out / f"ckpt-{name}")
@@ -131,3 +136,28 @@ def test_resharding(runs, name, save, load, preset):
     assert saved[0]["losses"] == pytest.approx(ref["losses"][:2], abs=TOL)
     assert loaded[0]["losses"] == pytest.approx(ref["losses"][2:], abs=TOL)
     assert max_diff(merged_params(loaded), ref["params"]) < TOL
+
+
+@pytest.mark.multirank
+def test_pipeline_of_a_user_model_matches_single_process(runs):
+    """A non-luban model with a ``build_stage`` hook trains under every schedule."""
+    for per_rank in results(TOY["name"], 2, runs["out"]):
+        assert "error" not in per_rank, per_rank.get("error")
+        assert max(per_rank["toy_diffs"].values()) < 1e-6, per_rank["toy_diffs"]
+
+
+@pytest.mark.multirank
+def test_memory_report_shows_zero_sharding(runs):
+    """ZeRO-1 halves optimizer state, ZeRO-2 also gradients, ZeRO-3 also parameters (2 ranks;
+    FSDP2 pads each shard to equal size, hence the small slack). FSDP2 keeps parameters
+    sharded between steps at every stage, so only ZeRO-0 holds them whole."""
+    mem = {z: results(f"memory-zero{z}", 2, runs["out"])[0]["memory"] for z in (0, 1, 2, 3)}
+    full = mem[0]
+    assert full["optimizer_bytes"] == 2 * full["param_bytes"]  # AdamW: exp_avg + exp_avg_sq
+    assert full["grad_bytes"] == full["param_bytes"] and full["activation_bytes"] > 0
+    for z in (1, 2, 3):
+        assert mem[z]["optimizer_bytes"] == pytest.approx(full["optimizer_bytes"] / 2, rel=0.01)
+        assert mem[z]["param_bytes"] == pytest.approx(full["param_bytes"] / 2, rel=0.01)
+    assert mem[1]["grad_bytes"] == pytest.approx(full["grad_bytes"] / 2, rel=0.01)  # after the step's reduce-scatter
+    assert mem[2]["grad_bytes"] == pytest.approx(full["grad_bytes"] / 2, rel=0.01)
+    assert mem[3]["activation_bytes"] == pytest.approx(full["activation_bytes"], rel=0.05)

@@ -1,0 +1,25 @@
+"""A rank process for test_launch: behaviour chosen by argv[1] (env | suspend | fail)."""
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+mode, out = sys.argv[1], Path(sys.argv[2])
+rank = int(os.environ["RANK"])
+if mode == "env":
+    keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    (out / f"env{rank}.json").write_text(json.dumps({k: os.environ[k] for k in keys}))
+    sys.exit(0)
+if mode == "suspend":  # exit 75 on SIGUSR1, like the trainer after saving a checkpoint
+    signal.signal(signal.SIGUSR1, lambda *_: sys.exit(75))
+    (out / f"ready{rank}").touch()
+    time.sleep(60)
+    sys.exit(0)
+if mode == "fail":  # rank 1 crashes, rank 0 would hang forever
+    (out / f"ready{rank}").touch()
+    if rank == 1:
+        sys.exit(3)
+    time.sleep(60)

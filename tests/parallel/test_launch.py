@@ -1,0 +1,60 @@
+"""``luban.parallel.launch``: torchrun-style environment, signal forwarding, failure handling."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from luban.parallel.launch import launch, rank_env, slurm_defaults
+
+CHILD = "tests.parallel._launch_child"
+
+
+def test_children_get_torchrun_environment(tmp_path):
+    assert launch(["env", str(tmp_path)], nproc=2, nnodes=2, node_rank=1, master_port=29555, module=CHILD) == 0
+    envs = [json.loads((tmp_path / f"env{r}.json").read_text()) for r in (2, 3)]
+    assert [(e["RANK"], e["LOCAL_RANK"]) for e in envs] == [("2", "0"), ("3", "1")]
+    assert all(e["WORLD_SIZE"] == "4" and e["LOCAL_WORLD_SIZE"] == "2" and e["MASTER_PORT"] == "29555" for e in envs)
+
+
+def _launch_in_subprocess(mode, tmp_path):
+    code = (f"import sys; from luban.parallel.launch import launch; "
+            f"sys.exit(launch([{mode!r}, {str(tmp_path)!r}], nproc=2, module={CHILD!r}))")
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=os.getcwd())
+    deadline = time.monotonic() + 60
+    while not all((tmp_path / f"ready{r}").exists() for r in (0, 1)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return proc
+
+
+def test_sigusr1_is_forwarded_and_suspension_reported(tmp_path):
+    proc = _launch_in_subprocess("suspend", tmp_path)
+    proc.send_signal(signal.SIGUSR1)
+    assert proc.wait(30) == 75
+
+
+def test_failed_rank_kills_the_others(tmp_path):
+    start = time.monotonic()
+    proc = _launch_in_subprocess("fail", tmp_path)
+    assert proc.wait(40) == 3
+    assert time.monotonic() - start < 40  # rank 0 (sleeping 60 s) was terminated
+
+
+def test_slurm_variables():
+    env = {"SLURM_JOB_ID": "1234", "SLURM_NNODES": "4", "SLURM_NODEID": "2", "SLURM_PROCID": "9",
+           "SLURM_NTASKS": "16", "SLURM_LOCALID": "1"}
+    defaults = slurm_defaults(env)
+    assert (defaults["nnodes"], defaults["node_rank"], defaults["master_port"]) == (4, 2, 21234)
+    assert rank_env(env) == {"RANK": "9", "WORLD_SIZE": "16", "LOCAL_RANK": "1"}
+    assert rank_env({**env, "RANK": "0", "WORLD_SIZE": "2"}) == {"RANK": "0", "WORLD_SIZE": "2"}
+
+
+def test_multinode_needs_a_port():
+    with pytest.raises(ValueError, match="master_port"):
+        launch(["env", "/nonexistent"], nproc=1, nnodes=2, module=CHILD)

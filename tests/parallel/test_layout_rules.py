@@ -1,0 +1,48 @@
+"""The layout rules luban.parallel added to ``check_layout`` (what the PyTorch mechanisms need)."""
+
+from __future__ import annotations
+
+import pytest
+
+from luban.errors import LubanError
+from luban.model.presets import get_preset
+from luban.parallel.layout import ParallelLayout, check_layout
+from luban.parallel.pipeline import split_layers, stage_ids
+
+CFG = get_preset("tiny").replace(seq_len=32)
+
+
+def check(**layout):
+    check_layout(ParallelLayout(**layout), CFG, global_batch=16)
+
+
+def test_tensor_parallel_with_data_parallel_needs_fsdp():
+    with pytest.raises(LubanError, match=r"needs zero >= 1.*nearest: zero = 1"):
+        check(tp=2, dp=2)
+    with pytest.raises(LubanError, match="needs zero >= 1"):
+        check(tp=2, cp=2)
+    check(tp=2, dp=2, zero=1)
+    check(tp=2, pp=2)  # no data parallel: nothing to reduce
+
+
+@pytest.mark.parametrize("schedule", ["zero-bubble", "dualpipev"])
+def test_split_backward_schedules_exclude_context_parallel(schedule):
+    with pytest.raises(LubanError, match="interleaved-1f1b"):
+        check(pp=2, cp=2, schedule=schedule, virtual_stages=2)
+    check(pp=2, cp=2, schedule="interleaved-1f1b", virtual_stages=2)
+
+
+def test_bucket_size_is_a_layout_key():
+    assert ParallelLayout.from_dict({"bucket_mb": 50}).bucket_mb == 50
+
+
+def test_auto_split_balances_cost_and_counts_the_head():
+    big_head = CFG.replace(vocab=50000)  # LM head ~ several layers: the last stage gets fewer layers
+    assert [len(r) for r in split_layers(big_head, 2)] == [3, 1]
+    assert [len(r) for r in split_layers(CFG, 4)] == [1, 1, 1, 1]
+    assert [list(r) for r in split_layers(CFG, 2, (1, 3))] == [[0], [1, 2, 3]]
+
+
+def test_stage_placement():
+    assert stage_ids(0, 2, 2, "loop") == [0, 2] and stage_ids(1, 2, 2, "loop") == [1, 3]
+    assert stage_ids(0, 2, 2, "v") == [0, 3] and stage_ids(1, 2, 2, "v") == [1, 2]
