@@ -19,7 +19,7 @@ CASES = [("gpt3-175b", 64, 64, 2048), ("llama-70b", 1024, 1024, 8192), ("megatro
 
 
 def main() -> None:
-    print(f"load average before: {os.getloadavg()}")
+    print("load average before: " + ", ".join(f"{x:.2f}" for x in os.getloadavg()) + "\n")
     print("| model | GPUs | layouts | valid+fit | wall s | layouts/s (wall) | CPU s | layouts/CPU-s |")
     print("|---|---|---|---|---|---|---|---|")
     for name, gpus, batch, seq in CASES:
@@ -27,7 +27,7 @@ def main() -> None:
         r = search(problem, top=5)
         print(f"| {name} | {gpus} | {r.evaluated:,} | {r.valid:,} | {r.seconds:.2f} | {r.rate:,.0f} | "
               f"{r.cpu_seconds:.2f} | {r.cpu_rate:,.0f} |")
-    print(f"load average after: {os.getloadavg()}")
+    print("\nload average after: " + ", ".join(f"{x:.2f}" for x in os.getloadavg()))
 
 
 if __name__ == "__main__":
