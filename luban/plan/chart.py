@@ -17,7 +17,7 @@ def write_chart(estimates: list, path: "str | Path", title: str = "") -> Path:
 
     labels = [describe(e.layout) for e in estimates][::-1]
     rows = list(reversed(estimates))
-    fig, (ax_mem, ax_time) = plt.subplots(1, 2, figsize=(15, 1.2 + 0.6 * len(rows)), sharey=True)
+    fig, (ax_mem, ax_time) = plt.subplots(1, 2, figsize=(15, 2.2 + 0.6 * len(rows)), sharey=True)
     for ax, keys, values, unit in (
             (ax_mem, MEMORY_KEYS[:-1], lambda e, k: e.memory_bytes[k] / GIB, "GiB per GPU"),
             (ax_time, list(rows[0].time_breakdown_s) if rows else [], lambda e, k: e.time_breakdown_s[k], "seconds per step")):
@@ -28,7 +28,7 @@ def write_chart(estimates: list, path: "str | Path", title: str = "") -> Path:
                 ax.barh(labels, widths, left=left, label=key)
                 left = [a + b for a, b in zip(left, widths)]
         ax.set_xlabel(unit)
-        ax.legend(fontsize=7, loc="lower right")
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12 - 0.3 / max(1, len(rows))), ncol=5)
     if rows:
         ax_mem.axvline(rows[0].hbm_bytes / GIB, color="k", linestyle="--", linewidth=1)
     ax_mem.set_title("memory per GPU (dashed: HBM)")
