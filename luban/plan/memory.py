@@ -11,8 +11,6 @@ import numpy as np
 from luban.plan.grid import DUALPIPEV, FP32, FULL, GPIPE, NO_RECOMPUTE, SELECTIVE, ZERO_BUBBLE, Grid
 from luban.plan.problem import Problem
 
-MIB = 2**20
-
 
 def param_bytes(runtime: str, states: int, precision) -> tuple:
     """Bytes per parameter of (weights, gradients, optimizer state) before sharding.

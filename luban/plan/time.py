@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from luban.parallel.layout import PRECISIONS
 from luban.plan.grid import DUALPIPEV, FULL, GPIPE, INTERLEAVED, ONE_F_ONE_B, SELECTIVE, ZERO_BUBBLE, Grid
 from luban.plan.memory import activation_bytes, param_bytes, rank_layers, recomputed_share
 from luban.plan.problem import Problem
@@ -37,8 +38,7 @@ def compute_seconds(problem: Problem, flops, size, precision_peak):
 
 
 def peak_flops(problem: Problem, g: Grid):
-    from luban.parallel.layout import PRECISIONS
-
+    """Dense FLOP/s per GPU of each layout's precision."""
     peaks = np.array([problem.system.peak(p) for p in PRECISIONS])
     return peaks[g.precision]
 
