@@ -11,6 +11,7 @@ Run: .venv/bin/python bench/cluster_sim.py [--repeats 20] [--load 0.9 1.1]
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import random
 import statistics
@@ -43,21 +44,25 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--load", type=float, nargs="+", default=[0.9, 1.1])
     args = parser.parse_args()
-    print(f"machine: {platform.node()} {platform.machine()} Python {platform.python_version()}")
+    print(f"machine: {platform.node()} {platform.machine()} {os.cpu_count()} CPUs, Python "
+          f"{platform.python_version()}, load average {os.getloadavg()[0]:.1f} (a shared machine)")
     snap = tick_snapshot()
     running = sum(j.state == policy.RUNNING for j in snap.jobs)
-    times = []
+    times, cpu = [], []
     for _ in range(args.repeats):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         result = policy.plan(snap)
         times.append(1e3 * (time.perf_counter() - t0))
-    print(f"tick: 1000 nodes, 10000 jobs ({running} running): median {statistics.median(times):.1f} ms, "
-          f"max {max(times):.1f} ms over {args.repeats} repeats; {len(result.starts)} starts, "
-          f"{len(result.suspends)} suspends")
+        cpu.append(1e3 * (time.process_time() - c0))
+    print(f"tick: 1000 nodes, 10000 jobs ({running} running): wall median {statistics.median(times):.1f} ms, "
+          f"min {min(times):.1f}, max {max(times):.1f}; CPU median {statistics.median(cpu):.1f} ms; "
+          f"{args.repeats} repeats; {len(result.starts)} starts, {len(result.suspends)} suspends, "
+          f"{len(result.waits)} waits")
     for load in args.load:
         jobs = trace.synthetic(trace.TraceConfig(jobs=10_000, days=30, nodes=1000, load=load))
+        c0 = time.process_time()
         r = simulate.run(jobs, simulate.SimConfig(nodes=1000))
-        print(f"\n-- simulate: load {load}\n" + simulate.format_report(r))
+        print(f"\n-- simulate: load {load} (CPU {time.process_time() - c0:.1f} s)\n" + simulate.format_report(r))
 
 
 if __name__ == "__main__":
