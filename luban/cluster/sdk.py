@@ -1,6 +1,6 @@
-"""Calls a running job makes about itself (the executor sets LUBAN_CLUSTER_URL,
-LUBAN_CLUSTER_TOKEN and LUBAN_JOB_ID): poll for a suspend, acknowledge it, and keep an integer
-"whole-life state" that survives suspends and restarts of the chain.
+"""The SDK: ``Client`` for every API operation, and the calls a running job makes about itself
+(the executor sets LUBAN_CLUSTER_URL, LUBAN_CLUSTER_TOKEN and LUBAN_JOB_ID): poll for a suspend,
+acknowledge it, and keep an integer "whole-life state" that survives suspends and restarts.
 """
 
 from __future__ import annotations
@@ -9,6 +9,8 @@ import os
 
 from luban.cluster.client import Client
 from luban.errors import LubanError
+
+__all__ = ["Client", "get_whole_life_state", "go_suspend", "receive_suspend_command", "set_whole_life_state"]
 
 RETRY_FOR = 300.0  # seconds a job keeps retrying while the service restarts
 

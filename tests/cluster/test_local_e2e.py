@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from luban.cluster.sdk import Client
 from tests.cluster.conftest import PYTHON, wait_for
 
 TRAINER = str(Path(__file__).with_name("fake_trainer.py"))
@@ -126,3 +127,33 @@ def test_multi_node_job_gets_rendezvous_variables(service, tmp_path):
     assert len({x["MASTER_PORT"] for x in lines}) == 1 and {x["MASTER_ADDR"] for x in lines} == {"127.0.0.1"}
     assert {x["NPROC_PER_NODE"] for x in lines} == {"8"}
     assert sorted(x["LUBAN_NODE"] for x in lines) == ["node1", "node2", "node3"]
+
+
+def test_admin_cli_yaml_submission_auto_priority_and_drain(service, tmp_path):
+    svc = service("--nodes", "2", "--tick", "0.2")
+    svc.cli("admin", "group", "add", "vision", "--data-dir", str(tmp_path / "shared"))
+    token = svc.cli("admin", "user", "add", "carol", "--group", "vision").stdout.strip()
+    svc.cli("admin", "quota", "set", "user:carol", "HIGH", "1")
+    svc.cli("admin", "quota", "set", "user:carol", "NORMAL", "2")
+    svc.cli("admin", "node", "drain", "node1")
+    spec = tmp_path / "job.yaml"
+    spec.write_text(f"name: yaml-job\ncommand: {PYTHON}\nargs: [-c, \"import os, time; print(os.environ['GREETING'], "
+                    "os.environ['LUBAN_GROUP_DATA_DIR'], os.environ['LUBAN_NODE'], flush=True); time.sleep(600)\"]\n"
+                    "env: {GREETING: hello}\nnodes: 1\npriority: AUTO\n")
+    first = svc.cli("submit", str(spec), token=token).stdout
+    assert "(yaml-job, 1 node(s), HIGH)" in first  # AUTO: the highest level with free quota
+    job = int(re.search(r"submitted job (\d+)", first).group(1))
+    carol = Client(svc.url, token)
+    wait_for(lambda: "hello" in log_text(carol, job), 60, what="yaml job output")
+    assert log_text(carol, job).splitlines()[1] == f"hello {tmp_path / 'shared'} node2"  # node1 is drained
+    second = svc.cli("submit", "-p", "AUTO", "--", "sleep", "600", token=token).stdout
+    assert "(sleep, 1 node(s), NORMAL)" in second  # HIGH quota is in use now
+    nxt = int(re.search(r"submitted job (\d+)", second).group(1))
+    wait_for(lambda: carol.job(nxt)["reason"].startswith("capacity"), 60, what="second job waiting")
+    nodes = svc.cli("nodes").stdout
+    assert re.search(r"node1 .* drain +-", nodes) and re.search(rf"node2 .* up +{job} carol yaml-job \(running\)", nodes)
+    assert re.search(r"user:carol +default +HIGH +1 +1", svc.cli("quota", token=token).stdout)
+    svc.cli("admin", "node", "up", "node1")
+    wait_for(lambda: carol.job(nxt)["nodes"] == ["node1"], 60, what="second job on node1 after 'up'")
+    assert "stop requested" in svc.cli("stop", str(job), str(nxt), token=token).stdout
+    assert [carol.wait(j, timeout=60)["state"] for j in (job, nxt)] == ["stopped", "stopped"]

@@ -1,0 +1,1 @@
+"""Static files of the web dashboard (served by ``luban.cluster.service``)."""

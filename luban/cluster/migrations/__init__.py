@@ -1,0 +1,1 @@
+"""Alembic migrations for the cluster database (run by ``luban.cluster.db.upgrade``)."""
