@@ -150,6 +150,9 @@ def check_layout(layout: ParallelLayout, model: ModelConfig, global_batch: int, 
     if layout.tp not in tp_ok:
         raise bad_value(f"{section}.tp", layout.tp, f"must divide heads={model.heads}, kv_heads={model.kv_heads} "
                         f"and ffn_hidden={model.ffn_hidden}; nearest: {_nearest(tp_ok, layout.tp)}")
+    if layout.cp > 1 and model.dropout > 0:
+        raise bad_value("model.dropout", model.dropout, f"ring attention (cp = {layout.cp}) has no attention "
+                        "dropout; set dropout = 0 or cp = 1")
     shards = layout.cp * (2 if layout.cp > 1 else 1) * (layout.tp if layout.sp else 1)
     if seq % shards:
         ok = [c for c in _divisors(seq) if seq % (c * (2 if c > 1 else 1) * (layout.tp if layout.sp else 1)) == 0]

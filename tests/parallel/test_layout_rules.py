@@ -32,6 +32,11 @@ def test_split_backward_schedules_exclude_context_parallel(schedule):
     check(pp=2, cp=2, schedule="interleaved-1f1b", virtual_stages=2)
 
 
+def test_context_parallel_needs_no_attention_dropout():
+    with pytest.raises(LubanError, match="model.dropout"):
+        check_layout(ParallelLayout(cp=2), CFG.replace(dropout=0.1), global_batch=16)
+
+
 def test_bucket_size_is_a_layout_key():
     assert ParallelLayout.from_dict({"bucket_mb": 50}).bucket_mb == 50
 
