@@ -6,7 +6,7 @@ from __future__ import annotations
 from luban.parallel.layout import ParallelLayout
 from luban.plan.estimate import Estimate
 from luban.plan.grid import Grid
-from luban.plan.memory import activation_bytes, param_bytes, rank_layers
+from luban.plan.memory import activation_bytes, param_bytes, rank_layers, zero_shards
 from luban.plan.problem import Problem
 from luban.plan.search import search
 
@@ -59,25 +59,31 @@ def explain(est: Estimate, problem: Problem) -> str:
     g = Grid.from_layout(lay)
     cfg = problem.model
     wb, gb, ob = (float(x) for x in param_bytes(problem.runtime, problem.optimizer_states, g.precision))
-    shards = lay.dp // lay.dp_replicate
+    shards = int(zero_shards(problem, g))
+    fsdp = problem.runtime == "luban"  # luban's ZeRO >= 1 is FSDP2: weights and gradients sharded at rest
     act = activation_bytes(problem, g)
     tokens = lay.micro_batch * problem.seq / lay.cp
     layers = int(rank_layers(problem, g))
-    params = est.param_bytes / wb * (shards if lay.zero >= 3 else 1)
+    params = est.extra["first_params"] if est.rank == 0 else est.extra["last_params"]
     m = est.memory_bytes
+
+    def sharded(stage):
+        return f" / {shards} (zero >= {stage})" if lay.zero >= stage else ""
+
     out = [f"memory per GPU (pipeline rank {est.rank}, {problem.runtime} runtime):",
            f"  parameters on this rank   {params:,.0f} ({layers} layers of {cfg.layers}, tp={lay.tp})",
-           f"  weights       {m['weights'] / GIB:9.3f} GiB = params x {wb:g} B"
-           + (f" / {shards} (zero 3)" if lay.zero >= 3 else "") + (" (offloaded: 0 on GPU)" if lay.offload == "params" else ""),
-           f"  gradients     {m['gradients'] / GIB:9.3f} GiB = params x {gb:g} B" + (f" / {shards} (zero >= 2)" if lay.zero >= 2 else ""),
+           f"  weights       {m['weights'] / GIB:9.3f} GiB = params x {wb:g} B" + sharded(1 if fsdp else 3)
+           + (" (offloaded: 0 on GPU)" if lay.offload == "params" else ""),
+           f"  gradients     {m['gradients'] / GIB:9.3f} GiB = params x {gb:g} B" + sharded(1 if fsdp else 2),
            f"  optimizer     {m['optimizer'] / GIB:9.3f} GiB = params x {ob:g} B ({problem.optimizer})"
-           + (f" / {shards} (zero >= 1)" if lay.zero >= 1 else "") + (" (offloaded: 0 on GPU)" if lay.offload != "none" else ""),
+           + sharded(1) + (" (offloaded: 0 on GPU)" if lay.offload != "none" else ""),
            f"  activations   {m['activations'] / GIB:9.3f} GiB = {est.in_flight:g} in flight x "
            f"{est.activation_bytes_per_microbatch / GIB:.3f} GiB per micro-batch",
            f"                per micro-batch: {layers} layers x {float(act['per_token']):,.1f} B/token x {tokens:,.0f} tokens"
            f" (+ {float(act['fixed']):,.0f} B autocast weight copies per layer) + embedding/head",
            f"  other         {m['other'] / GIB:9.3f} GiB = framework overhead {problem.system.framework_overhead_bytes / GIB:.2f}"
-           f" GiB + buffers {est.extra['buffers'] / GIB:.3f} GiB",
+           f" GiB + buffers {est.extra['buffers'] / GIB:.3f} GiB (ZeRO-3 prefetch, TP/PP buffers"
+           + (", FSDP2 gathered weights / full gradients" if fsdp else "") + ")",
            f"  total         {m['total'] / GIB:9.3f} GiB of {est.hbm_bytes / GIB:.1f} GiB -> {'fits' if est.fits else 'DOES NOT FIT'}",
            f"  host (offload) {est.host_bytes / GIB:8.3f} GiB",
            f"step time {est.step_time_s * 1e3:,.1f} ms ({est.microbatches} micro-batches per pipeline):"]

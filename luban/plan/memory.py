@@ -24,11 +24,23 @@ def param_bytes(runtime: str, states: int, precision) -> tuple:
     return np.where(half, 2.0, 4.0), np.where(half, 2.0, 4.0), np.where(half, 4.0 + state_b, state_b)
 
 
-def model_state_bytes(params, weight_b, grad_b, optim_b, zero, shards) -> tuple:
-    """ZeRO Sec. 5: stage 1 shards optimizer states, 2 also gradients, 3 also weights over ``shards``."""
-    return (params * weight_b / np.where(zero >= 3, shards, 1),
-            params * grad_b / np.where(zero >= 2, shards, 1),
+def model_state_bytes(params, weight_b, grad_b, optim_b, zero, shards, fsdp: bool = False) -> tuple:
+    """Model states at rest. ZeRO Sec. 5: stage 1 shards optimizer states, 2 also gradients,
+    3 also weights over ``shards``. ``fsdp`` (luban: every stage >= 1 is FSDP2) keeps weights and
+    gradients sharded between steps from stage 1 on; the transient full copies are
+    ``fsdp_transients``."""
+    low = 1 if fsdp else 3
+    return (params * weight_b / np.where(zero >= low, shards, 1),
+            params * grad_b / np.where(zero >= min(low, 2), shards, 1),
             params * optim_b / np.where(zero >= 1, shards, 1))
+
+
+def fsdp_transients(params, weight_b, grad_b, zero, shards):
+    """luban ZeRO-1/2 (FSDP2, ``reshard_after_forward=False``): the gathered weights stay
+    unsharded from forward to backward; ZeRO-1 also accumulates full gradients until the one
+    reduce-scatter of the step (luban/parallel/data_parallel.py)."""
+    rest = params * (1 - 1 / shards)
+    return np.where((zero == 1) | (zero == 2), rest * weight_b, 0.0) + np.where(zero == 1, rest * grad_b, 0.0)
 
 
 def v_shaped(g: Grid):
@@ -89,11 +101,14 @@ def activation_bytes(problem: Problem, g: Grid) -> dict:
         norm_saved = big * h + 8 if cfg.norm == "layernorm" else 2 * big * h + 4
         consumers = 2 if cfg.activation == "swiglu" else 1
         norm_out = np.where(g.precision == FP32, big * h * 2, e * h * (3 + consumers))
-        replicated = 2 * norm_saved + norm_out
+        # luban's sequence parallel all-gathers the norm outputs before the linears, which save
+        # them whole (Megatron instead re-gathers them in backward): only norm inputs shrink
+        replicated = 2 * norm_saved / rep_div + norm_out
         mlp = (4 if cfg.activation == "swiglu" else 2) * e * f
         core_out = e * q
-        none = replicated / rep_div + (e * 3 * q + 4 * a + core_out + mlp) / t
-        selective = replicated / rep_div + (e * (q + 2 * kv) + core_out + mlp) / t
+        core = np.where(g.cp > 1, ring_attention_bytes(problem, g), e * 3 * q + 4 * a)
+        none = replicated + (core + core_out + mlp) / t
+        selective = replicated + (e * (q + 2 * kv) + core_out + mlp) / t
         full = big * h / rep_div
         fixed_none = np.where(g.precision == FP32, 0.0, 2.0 * problem.derived["layer_matmul_weights"] / t)
     share = recomputed_share(problem, g)  # full:k keeps the other layers' activations
@@ -102,6 +117,24 @@ def activation_bytes(problem: Problem, g: Grid) -> dict:
     per_token = np.where(g.recompute == NO_RECOMPUTE, none, np.where(g.recompute == SELECTIVE, selective, full))
     return {"per_token": per_token, "fixed": fixed, "none": none, "selective": selective, "fixed_none": fixed_none,
             "e": e}
+
+
+def ring_attention_bytes(problem: Problem, g: Grid):
+    """Bytes per token (before the tp split) that luban's ring attention saves in one layer
+    (luban/parallel/context_parallel.py: fp32 math-path blocks, no flash kernel).
+
+    Per ring step j of c: the received K/V block (2·4q; step 0 the stacked local one), the
+    masked scores and their softmax (2·4·a·s/c), the block's log-sum-exp (4a) and output (4q);
+    each merge after the first keeps two exp factors (8a), and from the third step on the
+    running output and log-sum-exp (4q + 4a); plus the fp32 query (4q) and the causal mask
+    of each step (c·(s/c)/b bytes per token).
+    """
+    cfg, c = problem.model, g.cp
+    q, a = cfg.q_dim, cfg.heads
+    keys = problem.seq / c
+    per_step = 8 * q + 8 * a * keys + 4 * a + 4 * q
+    merges = (c - 1) * 8 * a + np.maximum(c - 2, 0) * (4 * q + 4 * a)
+    return 4 * q + c * per_step + merges + c * keys / g.micro_batch
 
 
 def recomputed_share(problem: Problem, g: Grid):
@@ -126,7 +159,7 @@ def extra_activation_bytes(problem: Problem, g: Grid, e) -> tuple:
         rope = 8.0 * problem.seq * cfg.head_dim if cfg.position == "rope" else 8.0 * problem.seq
         every_layer_recomputed = (g.recompute == FULL) & (g.recompute_every == 1) & (cfg.position == "rope")
         first_tok, first_fix = 8.0, np.where(every_layer_recomputed, 0.0, rope)
-        last_tok = norm_saved / rep_div + np.where(g.precision == FP32, big, e) * h / rep_div + logits + 8.0
+        last_tok = norm_saved / rep_div + np.where(g.precision == FP32, big, e) * h + logits + 8.0
         last_fix = np.where(g.precision == FP32, 0.0, 2.0 * cfg.vocab * h / t)
     return (first_tok, first_fix), (last_tok, last_fix)
 
@@ -158,12 +191,28 @@ def in_flight(g: Grid, m) -> tuple:
     return np.where(single, 1, np.minimum(first, m)), np.where(single, 1, np.minimum(last, m))
 
 
+def head_grad_excess(problem: Problem, g: Grid, grad_b, shards):
+    """luban, untied LM head under tensor parallel without data-parallel sharding: the head's
+    gradient shard is a view of a full V×h buffer (measured: tests/plan/test_runtime_multirank.py),
+    so the other (t−1)/t of it stays allocated."""
+    cfg = problem.model
+    return np.where((g.tp > 1) & (shards == 1), cfg.vocab * cfg.hidden * (1 - 1 / g.tp) * grad_b, 0.0)
+
+
+def zero_shards(problem: Problem, g: Grid):
+    """Ranks that share one copy of the model states: dp/dp_replicate; luban's context-parallel
+    ranks join the sharding group (``dp_shard_cp``, luban/parallel/data_parallel.py)."""
+    shards = g.dp // g.dp_replicate
+    return shards * g.cp if problem.runtime == "luban" else shards
+
+
 def memory(problem: Problem, g: Grid) -> dict:
     """Per-GPU bytes on the fuller of the first and the last pipeline rank."""
     system = problem.system
     m = microbatches(problem, g)
     tokens = g.micro_batch * problem.seq / g.cp
-    shards = g.dp // g.dp_replicate
+    fsdp = problem.runtime == "luban"
+    shards = zero_shards(problem, g)
     wb, gb, ob = param_bytes(problem.runtime, problem.optimizer_states, g.precision)
     act = activation_bytes(problem, g)
     (f_tok, f_fix), (l_tok, l_fix) = extra_activation_bytes(problem, g, act["e"])
@@ -181,7 +230,10 @@ def memory(problem: Problem, g: Grid) -> dict:
     params_first, params_last = rank_params(problem, g)
     for name, params, per_mb, flight in (("first", params_first, per_mb_first, inflight_first),
                                          ("last", params_last, per_mb_last, inflight_last)):
-        weights, grads, optim = model_state_bytes(params, wb, gb, ob, g.zero, shards)
+        weights, grads, optim = model_state_bytes(params, wb, gb, ob, g.zero, shards, fsdp)
+        if fsdp and not problem.model.tie_embeddings:
+            holds_head = single if name == "first" else True
+            grads = grads + np.where(holds_head, head_grad_excess(problem, g, gb, shards), 0.0)
         host = np.where(offload_opt | offload_params, optim, 0.0) + np.where(offload_params, weights, 0.0)
         optim_gpu = np.where(offload_opt | offload_params, 0.0, optim)
         weights_gpu = np.where(offload_params, 0.0, weights)
@@ -190,6 +242,8 @@ def memory(problem: Problem, g: Grid) -> dict:
         prefetch = np.where(g.zero >= 3, 2 * full_layer, 0.0)  # gathered layer + the next one
         msg = tokens * problem.model.hidden * act["e"]
         buffers = prefetch + np.where(g.tp > 1, msg, 0.0) + np.where(g.pp > 1, 2 * msg / g.tp, 0.0)
+        if fsdp:
+            buffers = buffers + fsdp_transients(params, wb, gb, g.zero, shards)
         other = system.framework_overhead_bytes + buffers
         total = weights_gpu + grads + optim_gpu + activations + other
         ranks[name] = dict(params=params, weights=weights_gpu, gradients=grads, optimizer=optim_gpu,

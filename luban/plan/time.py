@@ -12,7 +12,7 @@ import numpy as np
 
 from luban.parallel.layout import PRECISIONS
 from luban.plan.grid import DUALPIPEV, FULL, GPIPE, INTERLEAVED, ONE_F_ONE_B, SELECTIVE, ZERO_BUBBLE, Grid
-from luban.plan.memory import activation_bytes, param_bytes, rank_layers, recomputed_share
+from luban.plan.memory import activation_bytes, param_bytes, rank_layers, recomputed_share, zero_shards
 from luban.plan.problem import Problem
 
 ALL_REDUCE, GATHER, P2P = "all-reduce", "all-gather", "p2p"
@@ -107,7 +107,7 @@ def step_time(problem: Problem, g: Grid, mem: dict) -> dict:
     dp_total = np.where(g.zero >= 3, zero3, reduce)
 
     # optimizer step: memory-bound over the local shard (on the host when offloaded)
-    shards = dp // g.dp_replicate
+    shards = zero_shards(problem, g)
     shard = params / np.where(g.zero >= 1, shards, 1)
     offloaded = g.offload >= 1
     host_bw = s.host_bandwidth / s.gpus_per_node
