@@ -43,7 +43,8 @@ def cmd_submit(args) -> int:
         raise bad_value("submit", " ".join(rest), "options go before JOB.yaml; a command goes after --")
     command = command[1:] if command[:1] == ["--"] else command
     if file is not None and not file.endswith((".yaml", ".yml", ".json")):
-        raise bad_value("job file", file, "a .yaml/.yml file; put a command after --, e.g. luban submit -- python train.py")
+        raise bad_value("job file", file,
+                        "a .yaml/.yml file; put a command after --, e.g. luban submit -- python train.py")
     data: dict = {}
     if file:
         path = Path(file)

@@ -117,10 +117,13 @@ class Scheduler:
                 if job.state == "queued":
                     self._end(s, job, "stopped", None, job.requested, "stopped while queued")
         for job_id in ids:
-            with self.sessions.begin() as s:
-                job = s.get(Job, job_id, with_for_update=True)
-                if job.state in ACTIVE:
-                    self._observe_one(s, job, now)
+            try:
+                with self.sessions.begin() as s:
+                    job = s.get(Job, job_id, with_for_update=True)
+                    if job.state in ACTIVE:
+                        self._observe_one(s, job, now)
+            except Exception:  # one job's executor trouble must not stop the others; retried next tick
+                log.exception("observing job %s failed", job_id)
 
     def _observe_one(self, s: Session, job: Job, now: float) -> None:
         if job.handle is None:  # being launched, or the service died between claim and launch
@@ -131,7 +134,7 @@ class Scheduler:
         if status.done:
             self._finish(s, job, status.exit_code, status.lost)
             return
-        if job.state == "starting":
+        if job.state == "starting" and status.started:
             job.state = "running"
         stop = job.requested & (StopReason.USER_STOP | StopReason.ADMIN_STOP)
         if stop and not job.stop_reason & stop:
@@ -202,11 +205,14 @@ class Scheduler:
     # -- (3) apply ---------------------------------------------------------------------------
     def apply(self, result: policy.Plan, now: float) -> None:
         for job_id, why, time_share in result.suspends:
-            with self.sessions.begin() as s:
-                job = s.get(Job, job_id, with_for_update=True)
-                if job.state == "running":
-                    flag = StopReason.TIME_SHARE if time_share else StopReason.PREEMPTED
-                    self._suspend(s, job, flag, why, now)
+            try:
+                with self.sessions.begin() as s:
+                    job = s.get(Job, job_id, with_for_update=True)
+                    if job.state == "running":
+                        flag = StopReason.TIME_SHARE if time_share else StopReason.PREEMPTED
+                        self._suspend(s, job, flag, why, now)
+            except Exception:  # rolled back: the policy asks again next tick
+                log.exception("suspending job %s failed", job_id)
         for job_id, nodes, why in result.starts:
             self.launch(job_id, nodes, why)
         if result.waits:
@@ -250,8 +256,9 @@ class Scheduler:
             env = self.job_env(s, job, token, nodes)
         spec = job.spec
         state = Path(self.settings.state_dir)
-        launch = Launch(job_id=job.id, nodes=list(nodes), command=[spec["command"], *spec.get("args", [])],
-                        env=env, run_dir=str(state / "runs" / str(job.id)),
+        launch = Launch(job_id=job.id, name=f"luban-{job.id}-{job.chain_id}", nodes=list(nodes),
+                        command=[spec["command"], *spec.get("args", [])], env=env,
+                        run_dir=str(state / "runs" / str(job.id)),
                         log_pattern=str(state / "logs" / job.chain_id / "rank{rank}.log"),
                         workdir=spec.get("workdir"))
         try:

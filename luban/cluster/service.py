@@ -167,7 +167,8 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
             job = Job(chain_id="c" + secrets.token_hex(6), restart_count=0, whole_life_state=0,
                       user=user.name, group=spec.group, owner=owner, name=spec.name, spec=spec.to_dict(),
                       priority=int(level), node_group=spec.node_group, nnodes=spec.nodes, state="queued",
-                      chain_submitted_at=now, place=now, queued_at=now, nodes=[], requested=0, stop_reason=0, reason="queued")
+                      chain_submitted_at=now, place=now, queued_at=now, nodes=[], requested=0, stop_reason=0,
+                      reason="queued")
             s.add(job)
             s.flush()
             job.first_id = job.id
@@ -314,7 +315,8 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
 
     @app.get("/api/users")
     def users(p: Principal = Depends(admin), s: Session = Depends(db)):
-        return [{"name": u.name, "admin": u.is_admin, "group": u.group} for u in s.scalars(select(User).order_by(User.name))]
+        return [{"name": u.name, "admin": u.is_admin, "group": u.group}
+                for u in s.scalars(select(User).order_by(User.name))]
 
     @app.post("/api/users", status_code=201)
     def add_user(body: dict, p: Principal = Depends(admin)):

@@ -4,7 +4,8 @@ Usage: fake_trainer.py STATE_PREFIX STEPS [--sleep S] [--mode signal|poll|ignore
   signal: SIGUSR1 -> save the step to the state file, record it as whole-life state, exit 75
   poll:   ignore SIGUSR1; poll receive_suspend_command(), save, call go_suspend(), wait
   ignore: ignore SIGUSR1 entirely (the scheduler must kill it after the deadline)
-Rank R keeps its counter in STATE_PREFIX.rankR and resumes from it on start. Every step is printed, so the log shows the resume point.
+Rank R keeps its counter in STATE_PREFIX.rankR and resumes from it on start. Every step is
+printed, so the log shows the resume point.
 """
 
 import argparse

@@ -151,7 +151,8 @@ def test_admin_cli_yaml_submission_auto_priority_and_drain(service, tmp_path):
     nxt = int(re.search(r"submitted job (\d+)", second).group(1))
     wait_for(lambda: carol.job(nxt)["reason"].startswith("capacity"), 60, what="second job waiting")
     nodes = svc.cli("nodes").stdout
-    assert re.search(r"node1 .* drain +-", nodes) and re.search(rf"node2 .* up +{job} carol yaml-job \(running\)", nodes)
+    assert re.search(r"node1 .* drain +-", nodes)
+    assert re.search(rf"node2 .* up +{job} carol yaml-job \(running\)", nodes)
     assert re.search(r"user:carol +default +HIGH +1 +1", svc.cli("quota", token=token).stdout)
     svc.cli("admin", "node", "up", "node1")
     wait_for(lambda: carol.job(nxt)["nodes"] == ["node1"], 60, what="second job on node1 after 'up'")

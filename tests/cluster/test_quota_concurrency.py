@@ -69,7 +69,8 @@ def test_racing_claims_stop_exactly_at_the_quota(cluster):
     a, b = (http.post("/api/jobs", json={"spec": {"name": n, "command": "true"}}, headers=bob).json()["id"]
             for n in ("a", "b"))
     barrier, wins = threading.Barrier(2), []
-    threads = [threading.Thread(target=claim_one, args=(schedulers[k], job, barrier, wins)) for k, job in ((0, a), (1, b))]
+    threads = [threading.Thread(target=claim_one, args=(schedulers[k], job, barrier, wins))
+               for k, job in ((0, a), (1, b))]
     for t in threads:
         t.start()
     for t in threads:

@@ -23,9 +23,8 @@ def slurm_nodes() -> list[str]:
 
 @pytest.fixture
 def slurm(service):
-    nodes = wait_for(lambda: len(slurm_nodes()) >= 4 or None, 30, 1, "4 idle Slurm nodes") \
-        if shutil.which("sinfo") and slurm_nodes() else None
-    require(bool(nodes), "a Slurm cluster with 4 idle nodes (sinfo)")
+    require(bool(shutil.which("sinfo")) and bool(slurm_nodes()), "a Slurm cluster (sinfo lists idle nodes)")
+    wait_for(lambda: len(slurm_nodes()) >= 4, 60, 1, "4 idle Slurm nodes (node1..node4, .ci/services.sh)")
     svc = service("--executor", "slurm", "--tick", "0.3", "--suspend-timeout", "60")
     yield svc
     for line in subprocess.run(["squeue", "-h", "-o", "%i %j"], capture_output=True, text=True).stdout.splitlines():
@@ -56,10 +55,10 @@ def test_preempt_checkpoint_resume_on_slurm(slurm, tmp_path):
     low = int(re.search(r"submitted job (\d+)", out).group(1))
     wait_for(lambda: "step 5\n" in alice.logs(low, 2)["text"], 90, 0.5, "low job progress on Slurm")
     first = alice.job(low)
-    slurm_id = subprocess.run(["squeue", "-h", "-n", f"luban-{low}", "-o", "%i"], capture_output=True,
-                              text=True).stdout.strip()
+    name = f"luban-{low}-{first['chain_id']}"
+    slurm_id = subprocess.run(["squeue", "-h", "-n", name, "-o", "%i"], capture_output=True, text=True).stdout.strip()
     sl = slurm_job(slurm_id)
-    assert sl["JobName"] == f"luban-{low}" and sl["OverSubscribe"] == "NO"  # --exclusive
+    assert sl["JobName"] == name and sl["OverSubscribe"] == "NO"  # --exclusive
     assert sl["NumNodes"] == "3" and sl["JobState"] == "RUNNING"
     high = bob.submit({"name": "high", "command": PYTHON, "args": ["-c", "import time; time.sleep(1)"],
                        "nodes": 2, "priority": "HIGH"})["id"]

@@ -26,6 +26,7 @@ class Launch:
     """Everything needed to start one job attempt: one rank per node, ranks in node order."""
 
     job_id: int
+    name: str  # unique across services sharing an executor: luban-<job id>-<chain id>
     nodes: list[str]
     command: list[str]
     env: dict[str, str]
@@ -36,12 +37,13 @@ class Launch:
 
 @dataclasses.dataclass
 class Status:
-    """``done`` with the job's exit code (75 = suspended), or still running; ``lost`` when the
-    executor can no longer find it."""
+    """``done`` with the job's exit code (75 = suspended), or still running (``started`` false
+    while the executor has not started it yet); ``lost`` when the executor cannot find it."""
 
     done: bool
     exit_code: int | None = None
     lost: bool = False
+    started: bool = True
 
 
 def combine(codes: list[int]) -> int:

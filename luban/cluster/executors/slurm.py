@@ -72,7 +72,7 @@ class SlurmExecutor:
         script.write_text("#!/bin/bash\n# luban job %d\nexec srun --kill-on-bad-exit=0 --ntasks-per-node=1 "
                           "--nodes=%d --ntasks=%d %s\n" % (launch.job_id, len(launch.nodes), len(launch.nodes),
                                                           shlex.join(rank)))
-        args = ["sbatch", "--parsable", f"--job-name=luban-{launch.job_id}", f"--nodelist={','.join(launch.nodes)}",
+        args = ["sbatch", "--parsable", f"--job-name={launch.name}", f"--nodelist={','.join(launch.nodes)}",
                 f"--nodes={len(launch.nodes)}", "--exclusive", "--no-requeue", "--export=ALL",
                 f"--output={run_dir}/slurm-%j.out", f"--chdir={launch.workdir or run_dir}"]
         if self.partition:
@@ -92,7 +92,7 @@ class SlurmExecutor:
             f = {}  # forgotten by slurmctld (MinJobAge): fall back to the launchers' exit files
         state = f.get("JobState", "")
         if state in RUNNING:
-            return Status(done=False)
+            return Status(done=False, started=state not in ("PENDING", "CONFIGURING"))
         run_dir = Path(info["run_dir"])
         files = [launcher.exit_file(run_dir, r) for r in range(info["ranks"])]
         if all(p.exists() for p in files):
