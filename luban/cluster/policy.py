@@ -13,9 +13,9 @@ Rules, in the order they apply (docs/platform.md states them for users):
 2. **Time-sharing.** Within one (node group, priority), when a queued job has waited at least
    ``quantum`` seconds, running jobs of *other* users at that priority that have run at least
    ``quantum`` seconds since their last start yield, longest-running first, until enough nodes
-   would be free for that (oldest such) waiter. Yielding jobs sort after the queued jobs of
-   their priority, and queued jobs of a yielding job's own user sort after it, so a job is
-   never displaced by a job of the same user and priority.
+   would be free for that waiter (the oldest such whose own quota has room). Yielding jobs sort
+   after the queued jobs of their priority, and queued jobs of a yielding job's own user sort
+   after it, so a job is never displaced by a job of the same user and priority.
 3. **Admission.** Walking that order, a job is admitted when its owner's quota in nodes at
    (node group, priority) and the node group's capacity both still have room; a job that does
    not fit is skipped (smaller jobs behind it may still fit), and the reason is recorded.
@@ -85,25 +85,32 @@ class Plan:
 def _yielders(snap: Snapshot, free_count: dict[str, int]) -> set[int]:
     """Running jobs that yield to a long-waiting queued job of another user (rule 2)."""
     cutoff = snap.now - snap.quantum
-    waiter: dict[tuple[str, int], JobView] = {}
+    held: dict[tuple[str, str, int], int] = defaultdict(int)
     running: dict[tuple[str, int], list[JobView]] = defaultdict(list)
+    due: list[JobView] = []
     for job in snap.jobs:
-        if job.since > cutoff:
-            continue
+        if job.state in INCUMBENT:
+            held[(job.owner, job.node_group, job.priority)] += job.nnodes
+            if job.state == RUNNING and job.since <= cutoff:
+                running[(job.node_group, job.priority)].append(job)
+        elif job.state == QUEUED and job.since <= cutoff:
+            due.append(job)
+    waiter: dict[tuple[str, int], JobView] = {}
+    for job in due:  # the oldest place among waiters whose own quota has room
         block = (job.node_group, job.priority)
-        if job.state == QUEUED:
-            best = waiter.get(block)
-            if best is None or (job.place, job.id) < (best.place, best.id):
-                waiter[block] = job
-        elif job.state == RUNNING:
-            running[block].append(job)
+        if block not in running or held[(job.owner, job.node_group, job.priority)] + job.nnodes > snap.quota.get(
+                (job.owner, job.node_group, job.priority), 0):
+            continue
+        best = waiter.get(block)
+        if best is None or (job.place, job.id) < (best.place, best.id):
+            waiter[block] = job
     yielding: set[int] = set()
     for block, first in waiter.items():
         need = first.nnodes - free_count.get(block[0], 0)
         if need <= 0:
             continue
         chosen, freed = [], 0
-        for job in sorted(running.get(block, ()), key=lambda j: (j.since, j.id)):
+        for job in sorted(running[block], key=lambda j: (j.since, j.id)):
             if freed >= need:
                 break
             if job.user != first.user:
