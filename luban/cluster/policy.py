@@ -98,11 +98,13 @@ def _yielders(snap: Snapshot, free_count: dict[str, int]) -> set[int]:
     waiter: dict[tuple[str, int], JobView] = {}
     for job in due:  # the oldest place among waiters whose own quota has room
         block = (job.node_group, job.priority)
-        if block not in running or held[(job.owner, job.node_group, job.priority)] + job.nnodes > snap.quota.get(
-                (job.owner, job.node_group, job.priority), 0):
+        if block not in running:
             continue
         best = waiter.get(block)
-        if best is None or (job.place, job.id) < (best.place, best.id):
+        if best is not None and (job.place, job.id) >= (best.place, best.id):
+            continue
+        key = (job.owner, job.node_group, job.priority)
+        if held.get(key, 0) + job.nnodes <= snap.quota.get(key, 0):
             waiter[block] = job
     yielding: set[int] = set()
     for block, first in waiter.items():
