@@ -29,11 +29,11 @@ import contextlib
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from luban.parallel.layout import ParallelLayout
+from luban.parallel.mesh import LayoutMesh
 from luban.parallel.precision import DTYPES
 
 
@@ -42,13 +42,16 @@ def data_parallel_size(layout: ParallelLayout) -> int:
     return layout.dp * layout.cp
 
 
-def apply_data_parallel(module: nn.Module, layout: ParallelLayout, mesh: DeviceMesh, device: torch.device) -> nn.Module:
+def apply_data_parallel(module: nn.Module, layout: ParallelLayout, mesh: LayoutMesh, device: torch.device) -> nn.Module:
     """Wrap one model part (a whole model or one pipeline stage); returns the module to call."""
     if data_parallel_size(layout) == 1:
         return module
     if layout.zero == 0:
+        # Under pp the schedule runs several backward passes per step (DDP's reducer would
+        # record every micro-batch's gradient order when rebuilding buckets and fail): keep
+        # the initial buckets (no rebuild happens when unused parameters are searched for).
         return DistributedDataParallel(module, process_group=mesh["dp_cp"].get_group(),
-                                       bucket_cap_mb=layout.bucket_mb,
+                                       bucket_cap_mb=layout.bucket_mb, find_unused_parameters=layout.pp > 1,
                                        device_ids=[device.index] if device.type == "cuda" else None)
     dp_mesh = mesh["dp_replicate", "dp_shard_cp"] if layout.dp_replicate > 1 else mesh["dp_shard_cp"]
     compute = DTYPES[layout.precision]

@@ -140,7 +140,8 @@ class Engine:
 
     @torch.no_grad()
     def eval_loss(self, tokens: torch.Tensor, labels: torch.Tensor) -> float:
-        """Mean loss of a batch without touching gradients."""
+        """Global mean loss of a batch (this dp rank's slice) without touching gradients. Under
+        pp the batch must have the training shape: the schedule's micro-batch count is fixed."""
         for part in self.parts:
             part.eval()
         tokens, labels = self._local_batch(tokens, labels)

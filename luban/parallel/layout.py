@@ -130,6 +130,9 @@ class ParallelLayout:
             raise bad_value(f"{section}.virtual_stages", v, f"schedule {self.schedule} uses 1 stage per rank")
         if self.schedule in ("interleaved-1f1b", "zero-bubble") and v < 2:
             raise bad_value(f"{section}.virtual_stages", v, f"schedule {self.schedule} needs >= 2 stages per rank")
+        if self.zero == 0 and self.dp * self.cp > 1 and self.schedule in ("zero-bubble", "dualpipev"):
+            raise bad_value(f"{section}.zero", 0, f"schedule {self.schedule} computes weight gradients after DDP's "
+                            "all-reduce has fired; use FSDP2: nearest: zero = 1")
         if self.cp > 1 and self.schedule in ("zero-bubble", "dualpipev"):
             raise bad_value(f"{section}.schedule", self.schedule, f"splits the backward into input- and weight-gradient "
                             f"passes, which luban's ring attention (cp = {self.cp}) does not support; nearest: "

@@ -27,15 +27,30 @@ def mesh_dims(layout: ParallelLayout) -> list[tuple[str, int]]:
     return [dim for name in layout.mesh_order.split(",") for dim in sizes[name]]
 
 
-def build_mesh(layout: ParallelLayout, device: torch.device) -> DeviceMesh:
-    """The world mesh with the flattened ``dp_cp`` and ``dp_shard_cp`` views registered."""
-    dims = mesh_dims(layout)
-    mesh = init_device_mesh(device.type, tuple(s for _, s in dims), mesh_dim_names=tuple(n for n, _ in dims))
-    mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
-    mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
-    return mesh
+class LayoutMesh:
+    """The world ``DeviceMesh`` plus its flattened views, kept here because slicing a
+    flattened dimension from the root mesh is deprecated. ``mesh[names]`` returns a submesh."""
+
+    def __init__(self, layout: ParallelLayout, device: torch.device):
+        dims = mesh_dims(layout)
+        self.world = init_device_mesh(device.type, tuple(s for _, s in dims), mesh_dim_names=tuple(n for n, _ in dims))
+        self.flat = {"dp_cp": self.world["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp"),
+                     "dp_shard_cp": self.world["dp_shard", "cp"]._flatten("dp_shard_cp")}
+        self.cp = layout.cp
+
+    def __getitem__(self, names) -> DeviceMesh:
+        if names in self.flat:
+            return self.flat[names]
+        if names == ("dp_replicate", "dp_shard_cp") and self.cp == 1:
+            return self.world["dp_replicate", "dp_shard"]
+        return self.world[names]
 
 
-def coordinate(mesh: DeviceMesh, name: str) -> int:
+def build_mesh(layout: ParallelLayout, device: torch.device) -> LayoutMesh:
+    """The world mesh of ``layout`` with the flattened ``dp_cp`` and ``dp_shard_cp`` views."""
+    return LayoutMesh(layout, device)
+
+
+def coordinate(mesh: LayoutMesh, name: str) -> int:
     """This rank's index along a (possibly flattened) mesh dimension."""
     return mesh[name].get_local_rank()

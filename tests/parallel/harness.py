@@ -107,17 +107,20 @@ def run_job(job: dict) -> dict:
         engine.load_state_dict(sd)
     losses, norms = [], []
     per_dp = gb // layout.dp
+    rows = slice(engine.dp_rank * per_dp, (engine.dp_rank + 1) * per_dp)
     for step in range(job.get("offset", 0), job.get("offset", 0) + job.get("steps", 3)):
         tokens, labels = batch(step, gb, cfg)
-        rows = slice(engine.dp_rank * per_dp, (engine.dp_rank + 1) * per_dp)
         losses.append(engine.forward_backward(tokens[rows], labels[rows]))
         norms.append(engine.step(LR, job.get("max_norm", MAX_NORM)))
+    tokens, labels = batch(0, gb, cfg)
+    eval_loss = engine.eval_loss(tokens[rows], labels[rows])
     memory = engine.memory_report()
     if job.get("save"):
         dcp.save(engine.state_dict(), checkpoint_id=job["save"])
     agree = engine.any_rank(engine.rank == engine.world_size - 1)
     engine.barrier()
-    return {"params": full_params(engine), "losses": losses, "norms": norms, "memory": memory, "any_rank": agree}
+    return {"params": full_params(engine), "losses": losses, "norms": norms, "memory": memory, "any_rank": agree,
+            "eval": eval_loss}
 
 
 def main(jobs_file: str, out_dir: str) -> int:

@@ -32,6 +32,13 @@ def test_split_backward_schedules_exclude_context_parallel(schedule):
     check(pp=2, cp=2, schedule="interleaved-1f1b", virtual_stages=2)
 
 
+@pytest.mark.parametrize("schedule", ["zero-bubble", "dualpipev"])
+def test_split_backward_schedules_need_fsdp_for_data_parallel(schedule):
+    with pytest.raises(LubanError, match="nearest: zero = 1"):
+        check(pp=2, dp=2, schedule=schedule, virtual_stages=2)
+    check(pp=2, dp=2, zero=1, schedule=schedule, virtual_stages=2)
+
+
 def test_context_parallel_needs_no_attention_dropout():
     with pytest.raises(LubanError, match="model.dropout"):
         check_layout(ParallelLayout(cp=2), CFG.replace(dropout=0.1), global_batch=16)
