@@ -20,9 +20,12 @@ def _client(args):
 
 
 def _table(rows: list[dict], columns: list[str]) -> None:
-    cells = [[str(r.get(c, "")) if r.get(c) is not None else "-" for c in columns] for r in rows]
-    widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(columns)]
-    for row in [[c.upper() for c in columns]] + cells:
+    """Print ``rows`` as aligned columns; ``key:HEADER`` renames a column."""
+    keys = [c.split(":")[0] for c in columns]
+    heads = [c.split(":")[-1].upper() for c in columns]
+    cells = [["-" if r.get(k) is None else str(r[k]) for k in keys] for r in rows]
+    widths = [max([len(h)] + [len(row[i]) for row in cells]) for i, h in enumerate(heads)]
+    for row in [heads] + cells:
         print("  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip())
 
 
@@ -85,8 +88,9 @@ def cmd_jobs(args) -> int:
         print(json.dumps(rows, indent=1))
         return 0
     for r in rows:
-        r["prio"], r["nodes_"] = r["priority_name"], ",".join(r["nodes"]) or r["nnodes"]
-    _table(rows, ["id", "chain_id", "name", "user", "prio", "nodes_", "state", "restart_count", "reason"])
+        r["where"] = ",".join(r["nodes"]) or r["nnodes"]
+    _table(rows, ["id", "chain_id:chain", "name", "user", "priority_name:priority", "where:nodes", "state",
+                  "restart_count:restarts", "reason"])
     return 0
 
 
@@ -119,13 +123,13 @@ def cmd_nodes(args) -> int:
     rows = _client(args).nodes()
     for r in rows:
         r["zone"] = r["labels"].get("zone", "-")
-        r["job_"] = f"{r['job']['id']} {r['job']['user']} {r['job']['name']} ({r['job']['state']})" if r["job"] else "-"
-    _table(rows, ["name", "node_group", "gpus", "zone", "state", "job_"])
+        r["holder"] = f"{r['job']['id']} {r['job']['user']} {r['job']['name']} ({r['job']['state']})" if r["job"] else "-"
+    _table(rows, ["name", "node_group", "gpus", "zone", "state", "holder:job"])
     return 0
 
 
 def cmd_quota(args) -> int:
-    _table(_client(args).quota(), ["owner", "node_group", "priority_name", "nodes", "used"])
+    _table(_client(args).quota(), ["owner", "node_group", "priority_name:priority", "nodes", "used"])
     return 0
 
 
