@@ -25,6 +25,8 @@ from luban.plan.system import System, load_system
 from luban.plan.time import peak_flops, step_time
 
 MEMORY_KEYS = ("weights", "gradients", "optimizer", "activations", "other", "total")
+STAGE_KEYS = {"param_bytes": "weights_total", "grad_bytes": "gradients", "optimizer_bytes": "optimizer_total",
+              "activation_bytes_per_microbatch": "activation_per_microbatch", "total": "total"}
 
 
 def evaluate(problem: Problem, g: Grid) -> dict:
@@ -72,6 +74,7 @@ class Estimate:
     hfu: float
     tflops_per_gpu: float
     hbm_bytes: float
+    stages: dict = field(default_factory=dict)  # "first"/"last" pipeline rank: bytes by kind
     train_tokens: float = 0.0
     price_per_gpu_hour: float = 0.0
     extra: dict = field(default_factory=dict)
@@ -100,10 +103,17 @@ class Estimate:
             step_time_s=at(times["step"]), time_breakdown_s={k: at(v) for k, v in times["parts"].items()},
             dp_hidden_s=at(times["dp_hidden"]), tokens_per_s=at(results["tokens_per_s"]), mfu=at(results["mfu"]),
             hfu=at(results["hfu"]), tflops_per_gpu=at(results["tflops_per_gpu"]), hbm_bytes=problem.system.hbm_bytes,
+            stages={pos: {kind: at(mem[pos][key]) for kind, key in STAGE_KEYS.items()} for pos in ("first", "last")},
             extra={"buffers": rank("buffers"), "fits_hbm": bool(at(mem["fits_hbm"])),
                    "fits_host": bool(at(mem["fits_host"])), "first_params": at(mem["first"]["params"]),
                    "last_params": at(mem["last"]["params"])},
             **cost)
+
+    def stage_bytes(self, pp_rank: int) -> dict:
+        """Predicted bytes of pipeline rank ``pp_rank``: the first rank's figures for rank 0, the
+        last rank's for pp−1 (middle ranks hold the same layers without embedding or head, so
+        the first rank's figures bound them)."""
+        return self.stages["last" if pp_rank == self.layout.pp - 1 and pp_rank > 0 else "first"]
 
     @property
     def train_time_s(self) -> float:

@@ -26,10 +26,12 @@ REASONS = (
     "offload = optimizer needs zero >= 1",
     "gpipe/1f1b take virtual_stages = 1",
     "interleaved/zero-bubble need virtual_stages >= 2",
+    "zero-bubble/dualpipev with dp*cp > 1 need zero >= 1",
     "zero-bubble/dualpipev do not support cp > 1",
     "dualpipev needs virtual_stages = 2",
     "dp*tp*pp*cp != GPUs",
     "tp must divide heads, kv_heads and ffn_hidden",
+    "cp > 1 needs model.dropout = 0",
     "seq must split into cp (x2) (x tp with sp) chunks",
     "pp * virtual_stages > layers",
     "global batch not divisible by dp * micro_batch",
@@ -50,6 +52,7 @@ def violations(g: Grid, model: ModelConfig, global_batch: int, gpus: int, seq: i
     m = global_batch // per_step
     need = np.where(g.schedule == GPIPE, 1, np.where(g.schedule == DUALPIPEV, 2 * g.pp, g.pp))
     multi_chunk = (g.schedule == INTERLEAVED) | (g.schedule == ZERO_BUBBLE)
+    split_backward = (g.schedule == ZERO_BUBBLE) | (g.schedule == DUALPIPEV)
     return [
         g.dp % g.dp_replicate != 0,
         (g.dp_replicate > 1) & (g.zero < 2),
@@ -60,10 +63,12 @@ def violations(g: Grid, model: ModelConfig, global_batch: int, gpus: int, seq: i
         (g.offload == 1) & (g.zero < 1),
         pp_on & ((g.schedule == GPIPE) | (g.schedule == ONE_F_ONE_B)) & (v != 1),
         pp_on & multi_chunk & (v < 2),
-        pp_on & (g.cp > 1) & ((g.schedule == ZERO_BUBBLE) | (g.schedule == DUALPIPEV)),
+        pp_on & split_backward & (g.zero == 0) & (g.dp * g.cp > 1),
+        pp_on & split_backward & (g.cp > 1),
         pp_on & (g.schedule == DUALPIPEV) & (v != 2),
         g.dp * g.tp * g.pp * g.cp != gpus,
         (model.heads % g.tp != 0) | (model.kv_heads % g.tp != 0) | (model.ffn_hidden % g.tp != 0),
+        (g.cp > 1) & (model.dropout > 0),
         seq % shards != 0,
         g.pp * v > model.layers,
         global_batch % per_step != 0,

@@ -10,7 +10,7 @@ from luban.parallel.layout import OFFLOADS, PRECISIONS, SCHEDULES, ParallelLayou
 from luban.plan.grid import Grid
 from luban.plan.rules import first_violation
 
-MODELS = [get_preset("tiny-llama"), get_preset("megatron-22b"), get_preset("turing-530b")]
+MODELS = [get_preset("tiny-llama"), get_preset("megatron-22b"), get_preset("turing-530b").replace(dropout=0.1)]
 CHOICES = dict(dp=[1, 2, 3, 4, 8, 16], dp_replicate=[1, 2, 4], zero=[0, 1, 2, 3], tp=[1, 2, 3, 4, 8, 16],
                sp=[False, True], pp=[1, 2, 4, 5, 8, 35], schedule=list(SCHEDULES), virtual_stages=[1, 2, 3, 4],
                cp=[1, 2, 4, 3], micro_batch=[1, 2, 3, 4, 8], recompute=["none", "selective", "full", "full:2"],
@@ -23,7 +23,9 @@ def random_layout(rng, gpus: int) -> ParallelLayout:
     raw = {k: v[rng.integers(len(v))] for k, v in CHOICES.items()}
     if rng.random() < 0.5:
         raw.update(dp_replicate=1, loss_scale="dynamic", offload="none", virtual_stages=V_FOR[raw["schedule"]],
-                   zero=max(raw["zero"], 1), sp=raw["sp"] and raw["tp"] > 1)
+                   zero=max(raw["zero"], 1), tp=int(rng.choice([1, 2, 4])), pp=int(rng.choice([1, 2, 4])),
+                   cp=int(rng.choice([1, 2])), micro_batch=int(rng.choice([1, 2])))
+        raw["sp"] = raw["sp"] and raw["tp"] > 1
         inner = raw["tp"] * raw["pp"] * raw["cp"]
         if gpus % inner == 0:
             raw["dp"] = gpus // inner

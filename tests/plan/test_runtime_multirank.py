@@ -3,7 +3,7 @@
 Each job trains one AdamW step under a layout (ZeRO, TP, TP+SP, PP, CP); every rank reports
 its bytes of parameters, gradients and optimizer state (storages of its local shards) and the
 activations autograd saved per micro-batch. The planner's per-pipeline-rank figures must match
-within 2% (model states) and 10% (activations). Uses the parallel package's test harness.
+within 2% (model states) and 10% (activations). The ranks run ``tests/plan/plan_rank_job.py``.
 
 The vocabulary is 256 (even): with an odd one DTensor shards unevenly and the measured LM-head
 gradient is a view whose storage is the whole padded buffer, which storage counting cannot
@@ -12,18 +12,23 @@ over the whole schedule by the micro-batch count, and the allocator reuses freed
 between micro-batches, so that figure undercounts (by up to ~45% on the last stage).
 """
 
+import json
+import os
+
 import numpy as np
 import pytest
 
+from luban.model.presets import get_preset
+from luban.parallel.launch import launch
 from luban.parallel.layout import ParallelLayout
 from luban.plan.grid import Grid
 from luban.plan.memory import memory
 from luban.plan.problem import Problem
 from luban.plan.system import load_system
-from tests.parallel.harness import model_cfg, results, spawn
 
 GLOBAL_BATCH = 4
 VOCAB = 256
+SEQ = 32
 LAYOUTS = {
     "zero0-dp2": dict(dp=2), "zero1-dp2": dict(dp=2, zero=1), "zero2-dp2": dict(dp=2, zero=2),
     "zero3-dp2": dict(dp=2, zero=3), "tp2": dict(tp=2), "tp2-sp": dict(tp=2, sp=True),
@@ -35,9 +40,11 @@ PRESETS = ("tiny", "tiny-llama")
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("plan-multirank")
-    jobs = [{"name": f"{name}-{preset}", "preset": preset, "layout": layout, "optim": {"name": "adamw"}, "steps": 1,
-             "global_batch": GLOBAL_BATCH, "vocab": VOCAB} for name, layout in LAYOUTS.items() for preset in PRESETS]
-    assert spawn(jobs, 2, out) == 0
+    jobs = [{"name": f"{name}-{preset}", "preset": preset, "layout": layout, "global_batch": GLOBAL_BATCH,
+             "vocab": VOCAB, "seq": SEQ} for name, layout in LAYOUTS.items() for preset in PRESETS]
+    (out / "jobs.json").write_text(json.dumps(jobs))
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    assert launch([str(out / "jobs.json"), str(out)], nproc=2, module="tests.plan.plan_rank_job") == 0
     return out
 
 
@@ -46,14 +53,13 @@ def runs(tmp_path_factory):
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_per_rank_memory_matches_engine(runs, name, preset):
     layout = ParallelLayout(**LAYOUTS[name])
-    cfg = model_cfg({"preset": preset, "vocab": VOCAB})
+    cfg = get_preset(preset).replace(seq_len=SEQ, vocab=VOCAB)
     problem = Problem(cfg, load_system("dgx-a100-80g"), 2, cfg.seq_len, GLOBAL_BATCH, runtime="luban")
     with np.errstate(all="ignore"):
         mem = memory(problem, Grid.from_layout(layout))
-    for rank, report in enumerate(results(f"{name}-{preset}", 2, runs)):
-        assert "error" not in report, report.get("error")
+    for rank in range(2):
+        measured = json.loads((runs / f"{name}-{preset}.rank{rank}.json").read_text())
         stage = mem["last"] if layout.pp > 1 and rank == 1 else mem["first"]
-        measured = report["memory"]
         assert float(stage["weights_total"]) == pytest.approx(measured["param_bytes"], rel=0.02), rank
         assert float(stage["gradients"]) == pytest.approx(measured["grad_bytes"], rel=0.02), rank
         assert float(stage["optimizer_total"]) == pytest.approx(measured["optimizer_bytes"], rel=0.02), rank
