@@ -52,7 +52,7 @@ def apply_data_parallel(module: nn.Module, layout: ParallelLayout, mesh: LayoutM
         # the initial buckets (no rebuild happens when unused parameters are searched for).
         return DistributedDataParallel(module, process_group=mesh["dp_cp"].get_group(),
                                        bucket_cap_mb=layout.bucket_mb, find_unused_parameters=layout.pp > 1,
-                                       device_ids=[device.index] if device.type == "cuda" else None)
+                                       device_ids=[torch.cuda.current_device()] if device.type == "cuda" else None)
     dp_mesh = mesh["dp_replicate", "dp_shard_cp"] if layout.dp_replicate > 1 else mesh["dp_shard_cp"]
     compute = DTYPES[layout.precision]
     options = dict(mesh=dp_mesh, reshard_after_forward=layout.zero == 3,

@@ -140,8 +140,7 @@ class Engine:
 
     @torch.no_grad()
     def eval_loss(self, tokens: torch.Tensor, labels: torch.Tensor) -> float:
-        """Global mean loss of a batch (this dp rank's slice) without touching gradients. Under
-        pp the batch must have the training shape: the schedule's micro-batch count is fixed."""
+        """Global mean loss of a batch (this dp rank's slice) without touching gradients."""
         for part in self.parts:
             part.eval()
         tokens, labels = self._local_batch(tokens, labels)
@@ -341,7 +340,7 @@ class DistributedEngine(Engine):
     def _eval(self, tokens, labels) -> torch.Tensor:
         if self.layout.pp == 1:
             return super()._eval(tokens, labels)
-        return self.pipeline.forward_backward(tokens, labels, self.loss_fn, train=False)
+        return self.pipeline.evaluate(tokens, labels, self.loss_fn)
 
     def _global_mean(self, loss: torch.Tensor) -> float:
         """Every dp x cp rank holds the mean of its share (pp and tp ranks agree already)."""

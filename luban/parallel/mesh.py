@@ -33,10 +33,15 @@ class LayoutMesh:
 
     def __init__(self, layout: ParallelLayout, device: torch.device):
         dims = mesh_dims(layout)
-        self.world = init_device_mesh(device.type, tuple(s for _, s in dims), mesh_dim_names=tuple(n for n, _ in dims))
-        self.flat = {"dp_cp": self.world["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp"),
-                     "dp_shard_cp": self.world["dp_shard", "cp"]._flatten("dp_shard_cp")}
+        self.order = [n for n, _ in dims]
+        self.world = init_device_mesh(device.type, tuple(s for _, s in dims), mesh_dim_names=tuple(self.order))
+        self.flat = {"dp_cp": self.world[self._ordered("dp_replicate", "dp_shard", "cp")]._flatten("dp_cp"),
+                     "dp_shard_cp": self.world[self._ordered("dp_shard", "cp")]._flatten("dp_shard_cp")}
         self.cp = layout.cp
+
+    def _ordered(self, *names: str) -> tuple[str, ...]:
+        """Submesh dimension names in mesh order (a slice must follow the mesh's order)."""
+        return tuple(sorted(names, key=self.order.index))
 
     def __getitem__(self, names) -> DeviceMesh:
         if names in self.flat:

@@ -142,7 +142,7 @@ class Pipeline:
                  prepare: Callable[[nn.Module, int], nn.Module] | None = None):
         cls_name, style = SCHEDULES[schedule]
         pp, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
-        self.group, self.n_microbatches = pp_mesh.get_group(), n_microbatches
+        self.group, self.n_microbatches, self.style = pp_mesh.get_group(), n_microbatches, style
         self.num_stages = pp * (2 if style == "v" else virtual_stages)
         self.stage_ids = stage_ids(pp_rank, pp, virtual_stages, style)
         self.parts, self.stages = [], []
@@ -163,16 +163,54 @@ class Pipeline:
             self._schedules[id(loss_fn)] = (self.schedule_cls(stages, self.n_microbatches, loss_fn=loss_fn), loss_fn)
         return self._schedules[id(loss_fn)][0]
 
-    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, loss_fn: Callable,
-                         train: bool = True) -> torch.Tensor:
-        """Run all micro-batches of ``inputs`` (forward and, if ``train``, backward; gradients
-        accumulate as the mean over micro-batches); return the mean loss on every pp rank."""
-        schedule = self._schedule(loss_fn)
+    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, loss_fn: Callable) -> torch.Tensor:
+        """Run all micro-batches of ``inputs`` forward and backward (gradients accumulate as the
+        mean over micro-batches); return the mean loss on every pp rank."""
         losses: list = []
         args = (inputs,) if self.has_first else ()
-        target = labels if self.has_last else None
-        (schedule.step if train else schedule.eval)(*args, target=target, losses=losses)
-        device = inputs.device
+        self._schedule(loss_fn).step(*args, target=labels if self.has_last else None, losses=losses)
+        return self._mean_loss(losses, inputs.device)
+
+    @torch.no_grad()
+    def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor, loss_fn: Callable) -> torch.Tensor:
+        """Forward only, stage after stage, micro-batch after micro-batch (blocking p2p); the
+        split-backward schedules have no forward-only mode. Mean loss on every pp rank."""
+        modules = dict(zip(self.stage_ids, self.parts))
+        losses = []
+        for x, y in zip(inputs.tensor_split(self.n_microbatches), labels.tensor_split(self.n_microbatches)):
+            for sid in range(self.num_stages):
+                if sid not in modules:
+                    continue
+                if sid > 0 and sid - 1 not in modules:
+                    x = self._recv(sid - 1, inputs.device)
+                x = modules[sid](x)
+                if sid == self.num_stages - 1:
+                    losses.append(loss_fn(x, y))
+                elif sid + 1 not in modules:
+                    self._send(x, sid + 1)
+        return self._mean_loss(losses, inputs.device)
+
+    def _peer(self, stage: int) -> int:
+        """Global rank holding ``stage``."""
+        pp = dist.get_world_size(self.group)
+        pp_rank = stage % pp if self.style == "loop" else min(stage, self.num_stages - 1 - stage)
+        return dist.get_global_rank(self.group, pp_rank)
+
+    def _send(self, x: torch.Tensor, stage: int) -> None:
+        x = x.float().contiguous()
+        header = torch.zeros(8, dtype=torch.int64, device=x.device)
+        header[0], header[1:1 + x.ndim] = x.ndim, torch.tensor(x.shape)
+        dist.send(header, self._peer(stage), group=self.group)
+        dist.send(x, self._peer(stage), group=self.group)
+
+    def _recv(self, stage: int, device) -> torch.Tensor:
+        header = torch.zeros(8, dtype=torch.int64, device=device)
+        dist.recv(header, self._peer(stage), group=self.group)
+        x = torch.empty(header[1:1 + int(header[0])].tolist(), device=device)
+        dist.recv(x, self._peer(stage), group=self.group)
+        return x
+
+    def _mean_loss(self, losses: list, device) -> torch.Tensor:
         local = torch.stack([l.detach().float() for l in losses]).mean() if self.has_last else torch.zeros((), device=device)
         if hasattr(local, "full_tensor"):
             local = local.full_tensor()

@@ -117,7 +117,7 @@ def run_job(job: dict) -> dict:
     memory = engine.memory_report()
     if job.get("save"):
         dcp.save(engine.state_dict(), checkpoint_id=job["save"])
-    agree = engine.any_rank(engine.rank == engine.world_size - 1)
+    agree = engine.any_rank(engine.rank == engine.world_size - 1) and not engine.any_rank(False)
     engine.barrier()
     return {"params": full_params(engine), "losses": losses, "norms": norms, "memory": memory, "any_rank": agree,
             "eval": eval_loss}

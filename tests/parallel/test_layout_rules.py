@@ -28,8 +28,8 @@ def test_tensor_parallel_with_data_parallel_needs_fsdp():
 @pytest.mark.parametrize("schedule", ["zero-bubble", "dualpipev"])
 def test_split_backward_schedules_exclude_context_parallel(schedule):
     with pytest.raises(LubanError, match="interleaved-1f1b"):
-        check(pp=2, cp=2, schedule=schedule, virtual_stages=2)
-    check(pp=2, cp=2, schedule="interleaved-1f1b", virtual_stages=2)
+        check(pp=2, cp=2, zero=1, schedule=schedule, virtual_stages=2)
+    check(pp=2, cp=2, zero=1, schedule="interleaved-1f1b", virtual_stages=2)
 
 
 @pytest.mark.parametrize("schedule", ["zero-bubble", "dualpipev"])

@@ -44,6 +44,7 @@ MATRIX = {
         job("tp2-dp2-zero1", dp=2, tp=2, zero=1), {**job("tp2-dp2-zero1-v256", dp=2, tp=2, zero=1), "vocab": 256}, job("tp2-sp-dp2-zero3-llama", "tiny-llama", dp=2, tp=2, sp=True, zero=3),
         job("pp2-tp2", pp=2, tp=2, micro_batch=2), job("pp2-tp2-sp-llama-interleaved", "tiny-llama", pp=2, tp=2, sp=True,
                                                        schedule="interleaved-1f1b", virtual_stages=2, micro_batch=2),
+        job("pp2-dp2-zero1-mesh-dp-outer", pp=2, dp=2, zero=1, mesh_order="dp,pp,cp,tp"),
         job("pp2-dp2-ddp", pp=2, dp=2), job("pp2-dp2-ddp-gpipe", pp=2, dp=2, schedule="gpipe"),
         job("pp2-dp2-zero1-dualpipev", pp=2, dp=2, zero=1, schedule="dualpipev", virtual_stages=2), job("pp2-dp2-zero1-zb", pp=2, dp=2, zero=1, schedule="zero-bubble",
                                             virtual_stages=2),
