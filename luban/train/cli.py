@@ -20,9 +20,11 @@ def register(sub) -> None:
                    help="TOML config ([model] [data] [train] [parallel] [run]); omitted: the defaults (docs/training.md)")
     p.set_defaults(func=cmd_train)
 
-    p = sub.add_parser("demo", help="train the demo model on the embedded corpus, then print samples")
+    p = sub.add_parser("demo", help="train the demo model on the embedded corpus, then print samples",
+                       description="luban train on the packaged demo config with 4 CPU ranks and a planned layout "
+                                   "(--nproc 4 --parallel auto), then three samples.")
     _train_args(p)
-    p.set_defaults(func=cmd_demo, config=str(DEMO_CONFIG))
+    p.set_defaults(func=cmd_demo, config=str(DEMO_CONFIG), nproc=4, parallel="auto")
 
     p = sub.add_parser("sample", help="generate text from a checkpoint or run directory")
     p.add_argument("checkpoint", help="checkpoint directory, or a run directory (newest valid checkpoint)")
