@@ -175,6 +175,7 @@ def cmd_search(args) -> int:
     for i, e in enumerate(result.best, 1):
         print(f"{i:>2} {describe(e.layout):58s} {e.step_time_s:8.3f} {e.tokens_per_s:10,.0f} {e.mfu:6.1%} "
               f"{e.memory_bytes['total'] / GIB:8.1f}")
+        print("     " + _summary(e).replace("\n", "\n     "))
     print("rejected:")
     for reason, count in sorted(result.rejected.items(), key=lambda kv: -kv[1]):
         print(f"  {count:>10,}  {reason}")

@@ -106,11 +106,10 @@ def search(problem: Problem, top: int = 5, chunk: int = 1 << 16, score=None, **g
         value = results["tokens_per_s"] if score is None else score(part, results)
         value = np.broadcast_to(value, part.shape).ravel()
         valid = np.flatnonzero(codes == 0)
-        if len(valid) > top:
-            valid = valid[np.argpartition(-value[valid], top)[:top]]
-        best += [(value[i], lo, np.unravel_index(i, part.shape)) for i in valid]
-    best = sorted(best, key=lambda item: -item[0])[:top]
-    best = [_estimate_one(problem, _rows(g, slice(lo, lo + step)).layout(index)) for _, lo, index in best]
+        keep = valid[np.lexsort((valid, -value[valid]))[:top]]  # ties: the simpler layout (lower knobs) first
+        best += [(-value[i], lo, i, np.unravel_index(i, part.shape)) for i in keep]
+    best = sorted(best, key=lambda item: item[:3])[:top]
+    best = [_estimate_one(problem, _rows(g, slice(lo, lo + step)).layout(index)) for _, lo, _, index in best]
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     rejected = {REASONS[k]: int(c) for k, c in enumerate(counts) if k and c}
     return SearchResult(problem, int(counts.sum()), seconds, cpu_seconds, rejected, int(counts[0]), best)
