@@ -202,8 +202,9 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
     def request_flag(job_id: int, p: Principal, flag: StopReason) -> dict:
         with sessions.begin() as s:
             job = get_job(s, p, job_id, latest=True)
-            if job.state not in ("queued",) + ACTIVE:
-                raise bad_value("job", job_id, f"is {job.state}; only queued or running jobs can be changed")
+            allowed = ("starting", "running") if flag == StopReason.USER_SUSPEND else ("queued",) + ACTIVE
+            if job.state not in allowed:
+                raise bad_value("job", job_id, f"is {job.state}; this needs a job that is {' or '.join(allowed)}")
             job.requested |= flag
             record(s, "request", f"{flag.name} by {p.user.name}", job.id)
             return job_dict(job)

@@ -52,6 +52,8 @@ def test_users_see_and_control_only_their_own_jobs(svc):
     assert svc.admin().job(job)["user"] == "alice"  # admins see everything
     alice.stop(job)
     assert alice.wait(job, timeout=60)["state"] == "stopped"
+    with pytest.raises(LubanError, match=r"job = \d+: is stopped; this needs a job that is starting or running"):
+        alice.suspend(job)
 
 
 def test_admin_only_operations(svc):
