@@ -172,14 +172,15 @@ def plan(snap: Snapshot) -> Plan:
     result = Plan()
     waits, admitted = result.waits, result.admitted
     used_capacity: dict[str, int] = defaultdict(int)
-    used_quota: dict[tuple[str, str, int], int] = defaultdict(int)
+    used_quota: dict[tuple[str, str, int], int] = {}
     displaced: set[tuple[str, str, int]] = set()  # (node group, user, priority) losing a running job
     reasons: dict[tuple, str] = {}  # one string per distinct reason: ticks stay fast with deep queues
     quota = snap.quota
-    for *_, job in keyed:
+    for entry in keyed:
+        job = entry[4]
         group, n, queued = job.node_group, job.nnodes, job.state == QUEUED
         key = (job.owner, group, job.priority)
-        held_quota = used_quota[key]
+        held_quota = used_quota.get(key, 0)
         if queued and displaced and (group, job.user, job.priority) in displaced:
             why = "a running job of the same user and priority is being suspended; it keeps its place"
         elif held_quota + n > quota.get(key, 0):
