@@ -75,6 +75,14 @@ def set_gradient_sync(module: nn.Module, layout: ParallelLayout, sync: bool):
     return contextlib.nullcontext()
 
 
+def reshard(module: nn.Module) -> None:
+    """Free the parameters FSDP2 gathered for a forward without backward (evaluation under
+    ZeRO-1/2 would otherwise keep them whole until the next backward)."""
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
 def uses_autocast(layout: ParallelLayout) -> bool:
     """FSDP2 casts parameters itself (``MixedPrecisionPolicy``); everything else uses autocast."""
     return layout.zero == 0 or data_parallel_size(layout) == 1

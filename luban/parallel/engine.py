@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor
 
 from luban.model.config import ModelConfig
 from luban.model.transformer import lm_loss
-from luban.parallel.data_parallel import apply_data_parallel, set_gradient_sync, uses_autocast
+from luban.parallel.data_parallel import apply_data_parallel, reshard, set_gradient_sync, uses_autocast
 from luban.parallel.layout import ParallelLayout, check_layout
 from luban.parallel.memory import ActivationCounter, optimizer_tensors, tensor_bytes
 from luban.parallel.pipeline import Pipeline, TransformerPipeline
@@ -145,7 +145,10 @@ class Engine:
             part.eval()
         tokens, labels = self._local_batch(tokens, labels)
         with self._loss_context(), self._autocast():
-            return self._global_mean(_local(self._eval(tokens, labels)))
+            loss = _local(self._eval(tokens, labels))
+        for part in self.parts:
+            reshard(part)
+        return self._global_mean(loss)
 
     def _eval(self, tokens, labels) -> torch.Tensor:
         return self.loss_fn(self.parts[0](tokens), labels)

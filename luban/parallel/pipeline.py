@@ -102,7 +102,7 @@ def _balanced_counts(costs: list[float], n: int, last_extra: float) -> list[int]
 class TransformerPipeline:
     """luban's transformer as a ``PipelineModel``: stage ``i`` holds its layer range, the first
     stage the embeddings, the last the final norm and LM head (a tied head on another stage
-    than the embedding is a second copy whose gradient ``tie_groups`` sums)."""
+    than the embedding is a second copy whose gradient the engine sums with the first)."""
 
     def __init__(self, cfg: ModelConfig, seed: int, recompute: str, device: torch.device, pp_split=()):
         self.cfg, self.seed, self.recompute, self.device, self.pp_split = cfg, seed, recompute, device, pp_split
