@@ -19,17 +19,17 @@ MATMUL_SIZES = (64, 128, 256, 512, 1024)
 MESSAGE_SIZES = (2**10, 2**14, 2**17, 2**20, 2**22)
 
 
-def _best_seconds(fn, budget: float, min_reps: int = 3) -> float:
-    """Best time of ``fn`` over at least ``min_reps`` runs and ``budget`` seconds (``budget`` 0:
-    exactly ``min_reps`` runs, as collectives need the same count on every rank)."""
+def _best_seconds(fn, budget: float, min_reps: int = 3, stat=min) -> float:
+    """Best time (or ``stat`` of the times) of ``fn`` over at least ``min_reps`` runs and
+    ``budget`` seconds (``budget`` 0: exactly ``min_reps`` runs, as collectives need the same
+    count on every rank)."""
     fn()  # warm-up
-    best, start, reps = float("inf"), time.perf_counter(), 0
-    while reps < min_reps or (budget and time.perf_counter() - start < budget):
+    times, start = [], time.perf_counter()
+    while len(times) < min_reps or (budget and time.perf_counter() - start < budget):
         t0 = time.perf_counter()
         fn()
-        best = min(best, time.perf_counter() - t0)
-        reps += 1
-    return best
+        times.append(time.perf_counter() - t0)
+    return stat(times)
 
 
 def matmul_flops(n: int, dtype=None, budget: float = 0.2) -> float:
@@ -56,6 +56,40 @@ def memory_bandwidth(nbytes: int = 2**27, budget: float = 0.3) -> float:
     src = torch.empty(nbytes // 4, dtype=torch.float32).fill_(1.0)
     dst = torch.empty_like(src)
     return 2 * nbytes / _best_seconds(lambda: dst.copy_(src), budget)
+
+
+def framework_overhead(budget: float = 1.5) -> dict:
+    """Seconds per ATen operation of luban's forward + backward and per parameter tensor of its
+    optimizer step (gradient norm, AdamW, zero_grad as ``Engine.step`` does them), on a 4-layer
+    GPT at tiny widths where fixed costs are all there is (``luban.plan.overhead``). Medians,
+    with this process's thread count: the trainer reports median step times, and its ranks
+    inherit the same environment (``luban.parallel.launch``)."""
+    import statistics
+
+    import torch
+
+    from luban.model.presets import get_preset
+    from luban.model.transformer import build_model, lm_loss
+    from luban.plan.overhead import count_ops, shrink
+
+    cfg = shrink(get_preset("tiny"), 4)
+    model = build_model(cfg)
+    x = torch.randint(0, cfg.vocab, (1, cfg.seq_len))
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(params, lr=1e-3, fused=True)
+
+    def fwd_bwd():
+        lm_loss(model(x), x).backward()
+
+    def step():
+        float(sum(p.grad.double().pow(2).sum() for p in params))
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+
+    fwd_bwd()
+    op = _best_seconds(fwd_bwd, budget / 2, min_reps=5, stat=statistics.median) / count_ops(cfg)
+    tensor = _best_seconds(step, budget / 2, min_reps=5, stat=statistics.median) / len(params)
+    return {"op_overhead_s": op, "tensor_overhead_s": tensor}
 
 
 def _collective_worker(rank: int, world: int, port: int, out: str) -> None:
@@ -125,6 +159,7 @@ def probe_system(world: int = 2) -> dict:
     bf16 = matmul_flops(256, torch.bfloat16)  # one size: CPUs without bf16 units are very slow here
     hbm = memory_bandwidth()
     coll = fit_collectives(collective_times(world), world)
+    overhead = framework_overhead()
     sizes = [2.0 * n**3 for n in MATMUL_SIZES]
     return {
         "name": f"probe-{socket.gethostname()}",
@@ -135,6 +170,7 @@ def probe_system(world: int = 2) -> dict:
         "internode_bandwidth": coll["bandwidth"], "internode_latency": coll["latency"],
         "host_bytes": mem_total, "host_bandwidth": hbm, "host_link_bandwidth": hbm,
         "framework_overhead_bytes": 512 * 2**20,
+        "cpu": {"cores": len(os.sched_getaffinity(0)), "threads": torch.get_num_threads(), **overhead},
         "peak_flops": {"fp32": peak32, "bf16": bf16, "fp16": bf16},
         "efficiency": {"matmul_size": sizes, "matmul": [fp32[n] / peak32 for n in MATMUL_SIZES],
                        "collective_size": coll["sizes"], "collective": coll["efficiency"],
@@ -183,10 +219,13 @@ def cache_path() -> Path:
 
 
 def cached_profile() -> dict:
-    """This machine's probe, measured once and kept in ``cache_path()``."""
+    """This machine's probe, measured once and kept in ``cache_path()`` (measured again when the
+    cached one predates the ``cpu`` terms)."""
     path = cache_path()
     if path.is_file():
-        return json.loads(path.read_text())
+        cached = json.loads(path.read_text())
+        if "cpu" in cached:
+            return cached
     profile = probe_system()
     path.parent.mkdir(parents=True, exist_ok=True)
     write_profile(profile, path)

@@ -5,14 +5,16 @@ its datasheet sources). Bandwidths are bytes/s, latencies seconds, capacities by
 ``[peak_flops]`` gives dense FLOP/s per GPU for each precision; ``[efficiency]`` holds the
 calibration: matmul efficiency vs GEMM FLOPs and collective efficiency vs message bytes
 (piece-wise linear in log10 of the size), the HBM traffic factor of memory-bound kernels and
-the overlap shares. ``luban plan probe`` writes a profile of the machine it runs on.
+the overlap shares. ``luban plan probe`` writes a profile of the machine it runs on, with a
+``[cpu]`` table (cores, torch threads per process, seconds per ATen op and per parameter tensor)
+that turns on the CPU terms of the time model (``luban.plan.time.cpu_terms``).
 """
 
 from __future__ import annotations
 
 import json
 import tomllib
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +25,7 @@ SYSTEMS_DIR = Path(__file__).with_name("systems")
 EFFICIENCY_KEYS = {"matmul_size": None, "matmul": None, "collective_size": None, "collective": None,
                    "elementwise_traffic": 2.0, "hbm_efficiency": 0.8, "dp_overlap": 0.0, "zero3_overlap": 0.8,
                    "pp_overlap": 0.0}
+CPU_KEYS = ("cores", "threads", "op_overhead_s", "tensor_overhead_s")
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,7 @@ class System:
     framework_overhead_bytes: float
     peak_flops: dict
     efficiency: dict
+    cpu: dict = field(default_factory=dict)  # CPU terms of a probed profile (docs/planner.md); empty on GPUs
 
     @classmethod
     def from_dict(cls, raw: dict, source: str = "system") -> "System":
@@ -50,7 +54,7 @@ class System:
         unknown = sorted(set(raw) - set(names))
         if unknown:
             raise LubanError(f"{source}: unknown key {unknown[0]!r}; allowed: {', '.join(names)}")
-        missing = [n for n in names if n not in raw and n not in ("description", "efficiency")]
+        missing = [n for n in names if n not in raw and n not in ("description", "efficiency", "cpu")]
         if missing:
             raise LubanError(f"{source}: missing key {missing[0]!r} (a profile needs {', '.join(names)})")
         values = dict(raw)
@@ -63,7 +67,10 @@ class System:
             if len(eff[a]) != len(eff[b]) or len(eff[a]) < 2 or list(eff[a]) != sorted(eff[a]):
                 raise bad_value(f"{source}.efficiency.{a}", eff[a], f"ascending sizes, as many as efficiency.{b}")
         values["efficiency"] = eff
-        for key in names[2:-2]:
+        cpu = values.get("cpu", {})
+        if cpu and (sorted(cpu) != sorted(CPU_KEYS) or any(v <= 0 for v in cpu.values())):
+            raise bad_value(f"{source}.cpu", cpu, f"positive {', '.join(CPU_KEYS)}")
+        for key in names[2:-3]:
             if not isinstance(values[key], (int, float)) or values[key] <= 0:
                 raise bad_value(f"{source}.{key}", values[key], "must be a positive number")
         if not values["peak_flops"] or any(v <= 0 for v in values["peak_flops"].values()):

@@ -43,6 +43,29 @@ def peak_flops(problem: Problem, g: Grid):
     return peaks[g.precision]
 
 
+def cpu_terms(problem: Problem) -> dict:
+    """What a CPU run of luban costs beyond FLOPs and bytes (profile ``[cpu]``; docs/planner.md).
+
+    ``slow``: 1/share of the probed process's CPU a rank gets, share = min(1, cores/(ranks·threads))
+    (every rank of ``luban train --nproc N`` runs on this host with the probe's torch threads);
+    ``layer``/``rest``: framework seconds of one forward + backward per layer and for the rest of
+    the model per micro-batch (ATen ops × seconds per op, ``luban.plan.overhead``); ``tensor``:
+    seconds per parameter tensor of the optimizer step. GPU profiles and ``runtime="megatron"``:
+    slow 1, no overheads.
+    """
+    cpu = problem.system.cpu
+    if not cpu or problem.runtime != "luban":
+        return {"slow": 1.0, "layer": 0.0, "rest": 0.0, "layer_tensors": 0.0, "rest_tensors": 0.0, "tensor": 0.0}
+    from luban.plan.overhead import model_overhead_counts
+
+    counts = model_overhead_counts(problem.model)
+    op = cpu["op_overhead_s"]
+    return {"slow": 1.0 / min(1.0, cpu["cores"] / (problem.gpus * cpu["threads"])),
+            "layer": counts["layer_ops"] * op, "rest": counts["rest_ops"] * op,
+            "layer_tensors": counts["layer_tensors"], "rest_tensors": counts["rest_tensors"],
+            "tensor": cpu["tensor_overhead_s"]}
+
+
 def step_time(problem: Problem, g: Grid, mem: dict) -> dict:
     s, d, cfg = problem.system, problem.derived, problem.model
     t, c, p, v, dp = g.tp, g.cp, g.pp, g.virtual_stages, g.dp
@@ -53,16 +76,21 @@ def step_time(problem: Problem, g: Grid, mem: dict) -> dict:
     traffic = s.efficiency["elementwise_traffic"]
     act = activation_bytes(problem, g)
     n = rank_layers(problem, g)
+    cpu = cpu_terms(problem)
+    slow = cpu["slow"]
 
-    # one layer, one micro-batch, forward (backward = 2x: input and weight gradients)
+    # one layer, one micro-batch, forward (backward = 2x: input and weight gradients); on a CPU
+    # the rank's share of the cores slows everything, and a third of the fwd+bwd framework
+    # overhead is counted here (the backward's 2x carries the rest)
     mm_flops = tokens * d["layer_matmul_flops"] / t
-    mm = compute_seconds(problem, mm_flops, mm_flops / 4, peak)
+    mm = slow * compute_seconds(problem, mm_flops, mm_flops / 4, peak)
     attn_flops = tokens * d["attention_flops"] / t
-    attn = compute_seconds(problem, attn_flops, attn_flops / 2, peak)
-    elementwise = traffic * act["none"] * tokens / hbm
-    layer_fwd = mm + attn + elementwise
+    attn = slow * compute_seconds(problem, attn_flops, attn_flops / 2, peak)
+    elementwise = slow * traffic * act["none"] * tokens / hbm
+    layer_fwd = mm + attn + elementwise + slow * cpu["layer"] / 3
     head_flops = tokens * d["head_flops"] / t
-    head_fwd = compute_seconds(problem, head_flops, head_flops, peak) + traffic * 4.0 * cfg.vocab / t * tokens / hbm
+    head_fwd = slow * (compute_seconds(problem, head_flops, head_flops, peak) + traffic * 4.0 * cfg.vocab / t * tokens / hbm
+                       + cpu["rest"] / 3)
 
     # tensor (+ sequence) parallel: 2 all-reduces (or all-gather + reduce-scatter pairs) each way
     msg = tokens * cfg.hidden * act["e"]
@@ -98,20 +126,25 @@ def step_time(problem: Problem, g: Grid, mem: dict) -> dict:
     params = mem["params"]
     dp_intra = t * c * dp <= s.nvlink_domain
     grads = params * gb
-    reduce = np.where(g.zero == 0, collective(problem, grads, dp, dp_intra, ALL_REDUCE),
-                      collective(problem, grads, dp, dp_intra, GATHER) + collective(problem, params * wb, dp, dp_intra, GATHER))
-    zero3 = m * (2 * collective(problem, params * wb, dp, dp_intra, GATHER) + collective(problem, grads, dp, dp_intra, GATHER))
+    gathers, reductions, groups = dp_collective_counts(problem, g, m, n)
+    sharded = (gathers * collective(problem, params * wb / groups, dp, dp_intra, GATHER)
+               + reductions * collective(problem, grads / groups, dp, dp_intra, GATHER))
+    dp_total = np.where(g.zero == 0, collective(problem, grads, dp, dp_intra, ALL_REDUCE), sharded)
     busy = m * (F + B)
-    hidden = np.where(g.zero >= 3, np.minimum(zero3, s.efficiency["zero3_overlap"] * busy),
-                      np.minimum(reduce, s.efficiency["dp_overlap"] * B))
-    dp_total = np.where(g.zero >= 3, zero3, reduce)
+    hidden = np.where(g.zero >= 3, np.minimum(dp_total, s.efficiency["zero3_overlap"] * busy),
+                      np.minimum(dp_total, s.efficiency["dp_overlap"] * B))
+    if problem.runtime == "luban":  # per step: loss, gradient-norm and suspend-flag all-reduces of a scalar
+        world = np.asarray(problem.gpus)
+        dp_total = dp_total + 3 * collective(problem, 8.0, world, world <= s.nvlink_domain, ALL_REDUCE)
 
     # optimizer step: memory-bound over the local shard (on the host when offloaded)
     shards = zero_shards(problem, g)
     shard = params / np.where(g.zero >= 1, shards, 1)
     offloaded = g.offload >= 1
     host_bw = s.host_bandwidth / s.gpus_per_node
-    optimizer = np.where(offloaded, 2 * shard * (ob + gb) / host_bw, 2 * shard * (wb + gb + ob) / hbm)
+    tensors = n * cpu["layer_tensors"] + cpu["rest_tensors"]
+    optimizer = slow * (np.where(offloaded, 2 * shard * (ob + gb) / host_bw, 2 * shard * (wb + gb + ob) / hbm)
+                        + tensors * cpu["tensor"])
     link = s.host_link_bandwidth
     fetch = np.where(g.offload == 2, m * 2 * params / shards * wb / link, 0.0)
     offload = np.where(offloaded, shard * (gb + wb) / link, 0.0) + np.maximum(0.0, fetch - s.efficiency["zero3_overlap"] * busy)
@@ -121,6 +154,23 @@ def step_time(problem: Problem, g: Grid, mem: dict) -> dict:
              "offload": offload}
     step = sum(parts.values())
     return {"parts": parts, "step": step, "dp_hidden": hidden, "F": F, "B": B, "W": W}
+
+
+def dp_collective_counts(problem: Problem, g: Grid, m, n):
+    """(all-gathers of weights, reduce-scatters of gradients per step, groups each is split into)
+    for ZeRO stages >= 1 on the busiest rank.
+
+    megatron (ZeRO Sec. 7): stages 1-2 one reduce-scatter and one all-gather per step, stage 3
+    two all-gathers and one reduce-scatter per micro-batch, each over the whole model. luban
+    (``luban.parallel.data_parallel``): FSDP2 groups, one per block and one for the rest of the
+    stage, each issuing its own collectives; every micro-batch's forward gathers each group
+    (backward again at stage 3), and the gradients are reduce-scattered per micro-batch at stages
+    2-3, once per step at stage 1.
+    """
+    if problem.runtime == "luban":
+        groups = n + 1
+        return m * groups * np.where(g.zero >= 3, 2, 1), groups * np.where(g.zero >= 2, m, 1), groups
+    return np.where(g.zero >= 3, 2 * m, 1), np.where(g.zero >= 3, m, 1), 1
 
 
 def pipeline_bubble(g: Grid, F, B, W):
