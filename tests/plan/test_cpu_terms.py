@@ -1,0 +1,91 @@
+"""The CPU terms of the time model (docs/planner.md, "CPU runs"): present, and scaling as
+they should. No timings are asserted; the measured comparison is bench/plan_cpu_steptime.py."""
+
+import json
+
+import numpy as np
+import pytest
+
+from luban.errors import LubanError
+from luban.model.presets import get_preset
+from luban.parallel.layout import ParallelLayout
+from luban.plan.grid import Grid
+from luban.plan.memory import memory
+from luban.plan.overhead import count_ops, model_overhead_counts, shrink
+from luban.plan.problem import Problem
+from luban.plan.system import System, load_system
+from luban.plan.time import cpu_terms, dp_collective_counts, step_time
+
+CPU = {"cores": 2, "threads": 1, "op_overhead_s": 1e-5, "tensor_overhead_s": 2e-5}
+
+
+def cpu_system(**cpu) -> System:
+    raw = json.loads(json.dumps(load_system("dgx-a100-80g").to_dict()))
+    raw.update(name="probe-test", cpu={**CPU, **cpu})
+    return System.from_dict(raw)
+
+
+def step(model="tiny", gpus=1, layout=None, runtime="luban", **cpu):
+    problem = Problem(get_preset(model), cpu_system(**cpu), gpus, 128, 16, runtime=runtime)
+    g = Grid.from_layout(layout or ParallelLayout())
+    return step_time(problem, g, memory(problem, g))
+
+
+def test_op_counts_are_linear_in_layers_and_follow_the_architecture():
+    cfg = get_preset("tiny")
+    counts = model_overhead_counts(cfg)
+    assert count_ops(shrink(cfg, 3)) == 3 * counts["layer_ops"] + counts["rest_ops"]
+    llama = model_overhead_counts(get_preset("tiny-llama"))
+    assert llama["layer_ops"] > counts["layer_ops"]  # RoPE, SwiGLU, GQA repeat
+    assert (counts["layer_tensors"], llama["layer_tensors"]) == (16, 9)  # biases and LayerNorm vs none and RMSNorm
+
+
+@pytest.mark.parametrize("micro_batch", [1, 4])
+def test_framework_overhead_is_ops_times_layers_times_microbatches(micro_batch):
+    layout = ParallelLayout(micro_batch=micro_batch)
+    base, more = step(layout=layout), step(layout=layout, op_overhead_s=3e-5)
+    counts = model_overhead_counts(get_preset("tiny"))
+    m = 16 // micro_batch
+    extra = m * (4 * counts["layer_ops"] + counts["rest_ops"]) * 2e-5  # forward + backward
+    assert float(more["step"] - base["step"]) == pytest.approx(extra)
+
+
+def test_tensor_overhead_is_per_parameter_tensor_per_step():
+    base, more = step(), step(tensor_overhead_s=1e-4)
+    counts = model_overhead_counts(get_preset("tiny"))
+    tensors = 4 * counts["layer_tensors"] + counts["rest_tensors"]
+    assert float(more["parts"]["optimizer"] - base["parts"]["optimizer"]) == pytest.approx(tensors * 8e-5)
+
+
+def test_oversubscription_kicks_in_when_rank_threads_exceed_cores():
+    def slow(gpus, threads):
+        problem = Problem(get_preset("tiny"), cpu_system(threads=threads), gpus, 128, 16, runtime="luban")
+        return cpu_terms(problem)["slow"]
+
+    assert slow(1, 1) == slow(2, 1) == 1.0  # one thread per rank, a core each
+    assert slow(4, 1) == 2.0 and slow(1, 2) == 1.0 and slow(2, 2) == 2.0 and slow(4, 2) == 4.0
+    one = step(gpus=2, layout=ParallelLayout(tp=2))
+    two = step(gpus=2, layout=ParallelLayout(tp=2), threads=2)
+    assert float(two["parts"]["forward"]) == pytest.approx(2 * float(one["parts"]["forward"]))
+
+
+def test_no_cpu_terms_on_gpu_profiles_or_for_megatron():
+    gpu = Problem(get_preset("tiny"), load_system("dgx-a100-80g"), 4, 128, 16, runtime="luban")
+    assert cpu_terms(gpu) == cpu_terms(Problem(get_preset("tiny"), cpu_system(), 4, 128, 16))
+    assert cpu_terms(gpu)["slow"] == 1.0 and cpu_terms(gpu)["layer"] == 0.0
+
+
+def test_luban_fsdp_issues_collectives_per_block_and_microbatch():
+    problem = Problem(get_preset("tiny"), cpu_system(), 4, 128, 16, runtime="luban")
+    m, n = np.array(2), np.array(4)
+    for zero, gathers, reductions in ((1, 10, 5), (2, 10, 10), (3, 20, 10)):
+        g = Grid.from_layout(ParallelLayout(dp=4, zero=zero, micro_batch=2))
+        assert [int(x) for x in dp_collective_counts(problem, g, m, n)] == [gathers, reductions, 5]
+    megatron = Problem(get_preset("tiny"), cpu_system(), 4, 128, 16)
+    g = Grid.from_layout(ParallelLayout(dp=4, zero=2, micro_batch=2))
+    assert [int(x) for x in dp_collective_counts(megatron, g, m, n)] == [1, 1, 1]
+
+
+def test_bad_cpu_table_is_a_one_line_error():
+    with pytest.raises(LubanError, match="cpu"):
+        cpu_system(cores=0)
