@@ -61,7 +61,8 @@ def main() -> None:
     torch.set_num_threads(2)
     overrides = [f'model.preset="{args.preset}"', f"model.seq_len={args.seq}", f"train.steps={args.steps}",
                  f"train.global_batch={args.batch}", "train.eval_every=0", "train.checkpoint_every=0",
-                 "run.tensorboard=false", 'run.progress="none"', f'data.path="{args.data}"', "train.warmup_steps=0"]
+                 "run.tensorboard=false", 'run.progress="none"', f'data.path="{args.data}"', "train.warmup_steps=0",
+                 f"parallel.micro_batch={args.batch}"]  # one micro-batch: the bare loop does no accumulation
     cfg = load_config(None, overrides)
     from luban.data.loader import TokenLoader
     from luban.train.trainer import dataset_path

@@ -36,7 +36,9 @@ def register(sub) -> None:
 
     est = cmds.add_parser("estimate", parents=[common], help="memory, time, MFU and cost of one layout")
     for key, typ in LAYOUT_FLAGS.items():
-        est.add_argument("--" + key.replace("_", "-"), type=typ, default=None, help=f"[parallel] {key}")
+        est.add_argument("--" + key.replace("_", "-"), type=typ, default=None,
+                         help=f"[parallel] {key}" + (" (default: bf16 where the system is faster in it, else fp32)"
+                                                     if key == "precision" else ""))
     est.add_argument("--sp", action="store_true", default=None, help="[parallel] sp (sequence parallel)")
     est.add_argument("--price-per-gpu-hour", type=float, default=0.0)
     est.add_argument("--train-tokens", type=float, default=0.0, help="tokens to train (for time, GPU-hours, cost)")
@@ -109,6 +111,9 @@ def cmd_estimate(args) -> int:
 
     problem = _problem(args)
     layout = _layout(args, problem.gpus)
+    if args.precision is None:  # as the search and choose_layout do: the system's faster of bf16 and fp32
+        system = problem.system
+        layout = layout.replace(precision="bf16" if system.peak("bf16") > system.peak("fp32") else "fp32")
     check_layout(layout, problem.model, problem.global_batch, problem.gpus, problem.seq)
     g = Grid.from_layout(layout)
     est = Estimate.from_results(problem, g, evaluate(problem, g), train_tokens=args.train_tokens,
