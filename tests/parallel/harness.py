@@ -28,7 +28,7 @@ LR, MAX_NORM = 0.1, 1.0
 
 
 def model_cfg(job):
-    return get_preset(job.get("preset", "tiny")).replace(seq_len=job.get("seq", 32), vocab=job.get("vocab", 257))
+    return get_preset(job.get("preset", "tiny")).replace(seq_len=job.get("seq", 32))
 
 
 def batch(step: int, global_batch: int, cfg):
@@ -108,7 +108,7 @@ def run_job(job: dict) -> dict:
     losses, norms = [], []
     per_dp = gb // layout.dp
     rows = slice(engine.dp_rank * per_dp, (engine.dp_rank + 1) * per_dp)
-    for step in range(job.get("offset", 0), job.get("offset", 0) + job.get("steps", 3)):
+    for step in range(job.get("offset", 0), job.get("offset", 0) + job.get("steps", 2)):
         tokens, labels = batch(step, gb, cfg)
         losses.append(engine.forward_backward(tokens[rows], labels[rows]))
         norms.append(engine.step(LR, job.get("max_norm", MAX_NORM)))
