@@ -114,13 +114,16 @@ def _collective_worker(rank: int, world: int, port: int, out: str) -> None:
                 results.setdefault(name, {})[size] = _best_seconds(op, 0, min_reps=5)
             except (RuntimeError, NotImplementedError):  # gloo lacks some collectives in some builds
                 results.setdefault(name, {})[size] = None
+    dist.barrier()  # every rank measures the framework overhead at once, as luban's ranks run
+    results["overhead"] = framework_overhead()
     if rank == 0:
         Path(out).write_text(json.dumps(results))
     dist.destroy_process_group()
 
 
 def collective_times(world: int = 2) -> dict:
-    """Seconds per collective and message size between ``world`` local gloo processes."""
+    """Seconds per collective and message size between ``world`` local gloo processes, and
+    (``"overhead"``) ``framework_overhead()`` of one of them while all ``world`` run it."""
     import tempfile
 
     import torch.multiprocessing as mp
@@ -132,7 +135,8 @@ def collective_times(world: int = 2) -> dict:
         out = os.path.join(tmp, "collectives.json")
         mp.spawn(_collective_worker, args=(world, port, out), nprocs=world, join=True)
         raw = json.loads(Path(out).read_text())
-    return {name: {int(k): v for k, v in sizes.items()} for name, sizes in raw.items()}
+    overhead = raw.pop("overhead")
+    return {"overhead": overhead, **{name: {int(k): v for k, v in sizes.items()} for name, sizes in raw.items()}}
 
 
 def fit_collectives(times: dict, world: int) -> dict:
@@ -154,12 +158,13 @@ def probe_system(world: int = 2) -> dict:
 
     cores = os.cpu_count() or 1
     mem_total = _mem_total()
-    fp32 = {n: matmul_flops(n) for n in MATMUL_SIZES}
+    fp32 = {n: matmul_flops(n, budget=0.1) for n in MATMUL_SIZES}
     peak32 = max(fp32.values())
     bf16 = matmul_flops(256, torch.bfloat16)  # one size: CPUs without bf16 units are very slow here
     hbm = memory_bandwidth()
-    coll = fit_collectives(collective_times(world), world)
-    overhead = framework_overhead()
+    times = collective_times(world)
+    coll = fit_collectives(times, world)
+    cpu = cpu_profile(framework_overhead(), times["overhead"], world)
     sizes = [2.0 * n**3 for n in MATMUL_SIZES]
     return {
         "name": f"probe-{socket.gethostname()}",
@@ -170,13 +175,34 @@ def probe_system(world: int = 2) -> dict:
         "internode_bandwidth": coll["bandwidth"], "internode_latency": coll["latency"],
         "host_bytes": mem_total, "host_bandwidth": hbm, "host_link_bandwidth": hbm,
         "framework_overhead_bytes": 512 * 2**20,
-        "cpu": {"cores": len(os.sched_getaffinity(0)), "threads": torch.get_num_threads(), **overhead},
+        "cpu": cpu,
         "peak_flops": {"fp32": peak32, "bf16": bf16, "fp16": bf16},
         "efficiency": {"matmul_size": sizes, "matmul": [fp32[n] / peak32 for n in MATMUL_SIZES],
                        "collective_size": coll["sizes"], "collective": coll["efficiency"],
                        "elementwise_traffic": 2.0, "hbm_efficiency": 1.0, "dp_overlap": 0.0,
                        "zero3_overlap": 0.0, "pp_overlap": 0.0},
     }
+
+
+def cpu_profile(alone: dict, together: dict, world: int) -> dict:
+    """The profile's ``[cpu]`` table from ``framework_overhead()`` of one process (``alone``) and of
+    one of ``world`` processes running it at once (``together``).
+
+    A rank of N, each with ``threads`` torch threads on ``cores`` cores, runs
+    max(1, N·threads/cores)^γ times slower than one process alone; γ is fitted to the two
+    measurements (γ = 1: a fair share of the cores; more when OpenMP threads stall each other),
+    and is 1 when ``world`` processes do not oversubscribe the cores."""
+    import math
+
+    import torch
+
+    cores, threads = len(os.sched_getaffinity(0)), torch.get_num_threads()
+    over = world * threads / cores
+    gamma = 1.0
+    if over > 1:
+        ratio = together["op_overhead_s"] / alone["op_overhead_s"]
+        gamma = max(1.0, math.log(ratio) / math.log(over))
+    return {"cores": cores, "threads": threads, "oversubscription_exponent": gamma, **alone}
 
 
 def _mem_total() -> float:

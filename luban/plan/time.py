@@ -46,8 +46,9 @@ def peak_flops(problem: Problem, g: Grid):
 def cpu_terms(problem: Problem) -> dict:
     """What a CPU run of luban costs beyond FLOPs and bytes (profile ``[cpu]``; docs/planner.md).
 
-    ``slow``: 1/share of the probed process's CPU a rank gets, share = min(1, cores/(ranks·threads))
-    (every rank of ``luban train --nproc N`` runs on this host with the probe's torch threads);
+    ``slow``: how much slower a rank runs than the probe's single process,
+    max(1, ranks·threads/cores)^γ (every rank of ``luban train --nproc N`` runs on this host with
+    the probe's torch threads; γ, ``oversubscription_exponent``, is measured by the probe);
     ``layer``/``rest``: framework seconds of one forward + backward per layer and for the rest of
     the model per micro-batch (ATen ops × seconds per op, ``luban.plan.overhead``); ``tensor``:
     seconds per parameter tensor of the optimizer step. GPU profiles and ``runtime="megatron"``:
@@ -60,7 +61,8 @@ def cpu_terms(problem: Problem) -> dict:
 
     counts = model_overhead_counts(problem.model)
     op = cpu["op_overhead_s"]
-    return {"slow": 1.0 / min(1.0, cpu["cores"] / (problem.gpus * cpu["threads"])),
+    over = max(1.0, problem.gpus * cpu["threads"] / cpu["cores"])
+    return {"slow": over ** cpu["oversubscription_exponent"],
             "layer": counts["layer_ops"] * op, "rest": counts["rest_ops"] * op,
             "layer_tensors": counts["layer_tensors"], "rest_tensors": counts["rest_tensors"],
             "tensor": cpu["tensor_overhead_s"]}

@@ -11,12 +11,13 @@ from luban.model.presets import get_preset
 from luban.parallel.layout import ParallelLayout
 from luban.plan.grid import Grid
 from luban.plan.memory import memory
+from luban.plan import probe
 from luban.plan.overhead import count_ops, model_overhead_counts, shrink
 from luban.plan.problem import Problem
 from luban.plan.system import System, load_system
 from luban.plan.time import cpu_terms, dp_collective_counts, step_time
 
-CPU = {"cores": 2, "threads": 1, "op_overhead_s": 1e-5, "tensor_overhead_s": 2e-5}
+CPU = {"cores": 2, "threads": 1, "oversubscription_exponent": 1.0, "op_overhead_s": 1e-5, "tensor_overhead_s": 2e-5}
 
 
 def cpu_system(**cpu) -> System:
@@ -58,15 +59,27 @@ def test_tensor_overhead_is_per_parameter_tensor_per_step():
 
 
 def test_oversubscription_kicks_in_when_rank_threads_exceed_cores():
-    def slow(gpus, threads):
-        problem = Problem(get_preset("tiny"), cpu_system(threads=threads), gpus, 128, 16, runtime="luban")
+    def slow(gpus, threads, gamma=1.0):
+        problem = Problem(get_preset("tiny"), cpu_system(threads=threads, oversubscription_exponent=gamma), gpus,
+                          128, 16, runtime="luban")
         return cpu_terms(problem)["slow"]
 
     assert slow(1, 1) == slow(2, 1) == 1.0  # one thread per rank, a core each
     assert slow(4, 1) == 2.0 and slow(1, 2) == 1.0 and slow(2, 2) == 2.0 and slow(4, 2) == 4.0
+    assert slow(2, 2, gamma=2.5) == pytest.approx(2**2.5) and slow(1, 2, gamma=2.5) == 1.0
     one = step(gpus=2, layout=ParallelLayout(tp=2))
     two = step(gpus=2, layout=ParallelLayout(tp=2), threads=2)
     assert float(two["parts"]["forward"]) == pytest.approx(2 * float(one["parts"]["forward"]))
+
+
+def test_probe_fits_the_oversubscription_exponent(monkeypatch):
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr("torch.get_num_threads", lambda: 2)
+    alone = {"op_overhead_s": 1e-5, "tensor_overhead_s": 1e-5}
+    cpu = probe.cpu_profile(alone, {"op_overhead_s": 8e-5, "tensor_overhead_s": 1e-5}, world=2)
+    assert cpu["oversubscription_exponent"] == pytest.approx(3.0)  # 2 ranks x 2 threads on 2 cores: 2^3 = 8
+    assert probe.cpu_profile(alone, alone, world=2)["oversubscription_exponent"] == 1.0  # never below a fair share
+    System.from_dict({**json.loads(json.dumps(load_system("dgx-a100-80g").to_dict())), "cpu": cpu})
 
 
 def test_no_cpu_terms_on_gpu_profiles_or_for_megatron():
