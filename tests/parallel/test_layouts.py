@@ -54,7 +54,8 @@ MATRIX = {
     8: [job("pp2-zero3-dp2-tp2", pp=2, dp=2, tp=2, zero=3),
         job("pp2-zero3-dp2-tp2-sp-llama", "tiny-llama", pp=2, dp=2, tp=2, sp=True, zero=3, schedule="interleaved-1f1b",
             virtual_stages=2),
-        job("cp2-tp2-dp2-zero2-llama", "tiny-llama", cp=2, tp=2, dp=2, zero=2)],
+        job("cp2-tp2-dp2-zero2-llama", "tiny-llama", cp=2, tp=2, dp=2, zero=2),
+        job("hybrid-2x2-zero3-cp2-llama", "tiny-llama", dp=4, dp_replicate=2, zero=3, cp=2)],
 }
 SMOKE = {"zero3-dp2-bf16-smoke", "zero2-dp2-fp16-smoke", "dp2-fp16-smoke"}  # low precision: close, not 1e-5
 
