@@ -17,6 +17,7 @@ from pathlib import Path
 
 MATMUL_SIZES = (64, 128, 256, 512, 1024)
 MESSAGE_SIZES = (2**10, 2**14, 2**17, 2**20, 2**22)
+REFERENCE_BATCH = 4  # the "tiny" preset at 4 x 128 tokens: framework_overhead's reference_s
 
 
 def _best_seconds(fn, budget: float, min_reps: int = 3, stat=min) -> float:
@@ -61,9 +62,11 @@ def memory_bandwidth(nbytes: int = 2**27, budget: float = 0.3) -> float:
 def framework_overhead(budget: float = 1.5) -> dict:
     """Seconds per ATen operation of luban's forward + backward and per parameter tensor of its
     optimizer step (gradient norm, AdamW, zero_grad as ``Engine.step`` does them), on a 4-layer
-    GPT at tiny widths where fixed costs are all there is (``luban.plan.overhead``). Medians,
-    with this process's thread count: the trainer reports median step times, and its ranks
-    inherit the same environment (``luban.parallel.launch``)."""
+    GPT at tiny widths where fixed costs are all there is (``luban.plan.overhead``); and
+    ``reference_s``, one forward + backward of the "tiny" preset at micro-batch
+    ``REFERENCE_BATCH``, wide enough for the kernels to use every thread. Medians, with this
+    process's thread count: the trainer reports median step times, and its ranks inherit the same
+    environment (``luban.parallel.launch``)."""
     import statistics
 
     import torch
@@ -72,24 +75,27 @@ def framework_overhead(budget: float = 1.5) -> dict:
     from luban.model.transformer import build_model, lm_loss
     from luban.plan.overhead import count_ops, shrink
 
-    cfg = shrink(get_preset("tiny"), 4)
+    def median_seconds(fn):
+        return _best_seconds(fn, budget / 3, min_reps=5, stat=statistics.median)
+
+    tiny = get_preset("tiny")
+    reference, ref_x = build_model(tiny), torch.randint(0, tiny.vocab, (REFERENCE_BATCH, tiny.seq_len))
+    cfg = shrink(tiny, 4)
     model = build_model(cfg)
     x = torch.randint(0, cfg.vocab, (1, cfg.seq_len))
     params = list(model.parameters())
     opt = torch.optim.AdamW(params, lr=1e-3, fused=True)
 
-    def fwd_bwd():
-        lm_loss(model(x), x).backward()
-
     def step():
+        lm_loss(model(x), x).backward()
         float(sum(p.grad.double().pow(2).sum() for p in params))
         opt.step()
         opt.zero_grad(set_to_none=False)
 
-    fwd_bwd()
-    op = _best_seconds(fwd_bwd, budget / 2, min_reps=5, stat=statistics.median) / count_ops(cfg)
-    tensor = _best_seconds(step, budget / 2, min_reps=5, stat=statistics.median) / len(params)
-    return {"op_overhead_s": op, "tensor_overhead_s": tensor}
+    op = median_seconds(lambda: lm_loss(model(x), x).backward()) / count_ops(cfg)
+    tensor = max(1e-9, median_seconds(step) - op * count_ops(cfg)) / len(params)
+    return {"op_overhead_s": op, "tensor_overhead_s": tensor,
+            "reference_s": median_seconds(lambda: lm_loss(reference(ref_x), ref_x).backward())}
 
 
 def _collective_worker(rank: int, world: int, port: int, out: str) -> None:
@@ -166,7 +172,7 @@ def probe_system(world: int = 2) -> dict:
     coll = fit_collectives(times, world)
     cpu = cpu_profile(framework_overhead(), times["overhead"], world)
     sizes = [2.0 * n**3 for n in MATMUL_SIZES]
-    return {
+    profile = {
         "name": f"probe-{socket.gethostname()}",
         "description": f"measured by luban plan probe: {platform.processor() or platform.machine()}, {cores} cores, "
                        f"torch {torch.__version__}, {torch.get_num_threads()} threads; one process = one 'GPU'",
@@ -182,6 +188,34 @@ def probe_system(world: int = 2) -> dict:
                        "elementwise_traffic": 2.0, "hbm_efficiency": 1.0, "dp_overlap": 0.0,
                        "zero3_overlap": 0.0, "pp_overlap": 0.0},
     }
+    profile["efficiency"]["elementwise_traffic"] = fit_elementwise_traffic(profile)
+    return profile
+
+
+
+def fit_elementwise_traffic(profile: dict) -> float:
+    """``elementwise_traffic`` that makes the planner's one-micro-batch forward + backward of the
+    "tiny" preset (one process, ``micro_batch`` 4) equal its measured median (``[cpu]
+    reference_s``): the memory-bound
+    term absorbs what the matmul and overhead terms miss at real widths (CPU attention, norms,
+    GELU and their backward). The time model is linear in it: two estimates fix the line."""
+    from luban.model.presets import get_preset
+    from luban.parallel.layout import ParallelLayout
+    from luban.plan.estimate import estimate
+    from luban.plan.system import System
+
+    cfg = get_preset("tiny")
+    measured = profile["cpu"]["reference_s"]
+
+    def predicted(traffic: float) -> float:
+        raw = json.loads(json.dumps(profile))
+        raw["efficiency"]["elementwise_traffic"] = traffic
+        est = estimate(cfg, System.from_dict(raw), ParallelLayout(micro_batch=REFERENCE_BATCH),
+                       global_batch=REFERENCE_BATCH, runtime="luban")
+        return est.time_breakdown_s["forward"] + est.time_breakdown_s["backward"]
+
+    base = predicted(0.0)
+    return max(0.0, (measured - base) / (predicted(1.0) - base))
 
 
 def cpu_profile(alone: dict, together: dict, world: int) -> dict:
@@ -190,7 +224,7 @@ def cpu_profile(alone: dict, together: dict, world: int) -> dict:
 
     A rank of N, each with ``threads`` torch threads on ``cores`` cores, runs
     max(1, N·threads/cores)^γ times slower than one process alone; γ is fitted to the two
-    measurements (γ = 1: a fair share of the cores; more when OpenMP threads stall each other),
+    ``reference_s`` measurements (the tiny-width ops do not use the threads) (γ = 1: a fair share of the cores; more when OpenMP threads stall each other),
     and is 1 when ``world`` processes do not oversubscribe the cores."""
     import math
 
@@ -200,7 +234,7 @@ def cpu_profile(alone: dict, together: dict, world: int) -> dict:
     over = world * threads / cores
     gamma = 1.0
     if over > 1:
-        ratio = together["op_overhead_s"] / alone["op_overhead_s"]
+        ratio = together["reference_s"] / alone["reference_s"]
         gamma = max(1.0, math.log(ratio) / math.log(over))
     return {"cores": cores, "threads": threads, "oversubscription_exponent": gamma, **alone}
 

@@ -17,7 +17,8 @@ from luban.plan.problem import Problem
 from luban.plan.system import System, load_system
 from luban.plan.time import cpu_terms, dp_collective_counts, step_time
 
-CPU = {"cores": 2, "threads": 1, "oversubscription_exponent": 1.0, "op_overhead_s": 1e-5, "tensor_overhead_s": 2e-5}
+CPU = {"cores": 2, "threads": 1, "oversubscription_exponent": 1.0, "op_overhead_s": 1e-5, "tensor_overhead_s": 2e-5,
+       "reference_s": 0.1}
 
 
 def cpu_system(**cpu) -> System:
@@ -75,8 +76,8 @@ def test_oversubscription_kicks_in_when_rank_threads_exceed_cores():
 def test_probe_fits_the_oversubscription_exponent(monkeypatch):
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
     monkeypatch.setattr("torch.get_num_threads", lambda: 2)
-    alone = {"op_overhead_s": 1e-5, "tensor_overhead_s": 1e-5}
-    cpu = probe.cpu_profile(alone, {"op_overhead_s": 8e-5, "tensor_overhead_s": 1e-5}, world=2)
+    alone = {"op_overhead_s": 1e-5, "tensor_overhead_s": 1e-5, "reference_s": 0.1}
+    cpu = probe.cpu_profile(alone, {**alone, "reference_s": 0.8}, world=2)
     assert cpu["oversubscription_exponent"] == pytest.approx(3.0)  # 2 ranks x 2 threads on 2 cores: 2^3 = 8
     assert probe.cpu_profile(alone, alone, world=2)["oversubscription_exponent"] == 1.0  # never below a fair share
     System.from_dict({**json.loads(json.dumps(load_system("dgx-a100-80g").to_dict())), "cpu": cpu})

@@ -81,7 +81,7 @@ def test_gloo_collectives_between_two_processes():
 def test_probe_system_writes_a_loadable_profile(tmp_path, monkeypatch):
     """The whole probe with the 2-process collective timing replaced by a ring-model fake."""
     fake = {name: {m: 1e-4 + m / 1e9 for m in probe.MESSAGE_SIZES} for name in ("all-reduce", "all-gather")}
-    fake["overhead"] = {"op_overhead_s": 1e-3, "tensor_overhead_s": 1e-3}
+    fake["overhead"] = {"op_overhead_s": 1e-3, "tensor_overhead_s": 1e-3, "reference_s": 1.0}
     monkeypatch.setattr(probe, "collective_times", lambda world=2: fake)
     monkeypatch.setattr(probe, "MATMUL_SIZES", (32, 64))
     profile = probe.probe_system()
