@@ -64,19 +64,18 @@ def framework_overhead(budget: float = 1.5) -> dict:
     optimizer step (gradient norm, AdamW, zero_grad as ``Engine.step`` does them), on a 4-layer
     GPT at tiny widths where fixed costs are all there is (``luban.plan.overhead``); and
     ``reference_s``, one forward + backward of the "tiny" preset at micro-batch
-    ``REFERENCE_BATCH``, wide enough for the kernels to use every thread. Medians, with this
-    process's thread count: the trainer reports median step times, and its ranks inherit the same
-    environment (``luban.parallel.launch``)."""
-    import statistics
-
+    ``REFERENCE_BATCH``, wide enough for the kernels to use every thread. Best of repeated runs,
+    like the matmul and bandwidth figures: what the machine does when other processes leave it
+    alone (on a shared host a median moves tenfold with their load), with this process's thread
+    count, which the trainer's ranks inherit (``luban.parallel.launch`` passes the environment on)."""
     import torch
 
     from luban.model.presets import get_preset
     from luban.model.transformer import build_model, lm_loss
     from luban.plan.overhead import count_ops, shrink
 
-    def median_seconds(fn):
-        return _best_seconds(fn, budget / 3, min_reps=5, stat=statistics.median)
+    def best(fn):
+        return _best_seconds(fn, budget / 3, min_reps=5)
 
     tiny = get_preset("tiny")
     reference, ref_x = build_model(tiny), torch.randint(0, tiny.vocab, (REFERENCE_BATCH, tiny.seq_len))
@@ -92,10 +91,10 @@ def framework_overhead(budget: float = 1.5) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=False)
 
-    op = median_seconds(lambda: lm_loss(model(x), x).backward()) / count_ops(cfg)
-    tensor = max(1e-9, median_seconds(step) - op * count_ops(cfg)) / len(params)
+    op = best(lambda: lm_loss(model(x), x).backward()) / count_ops(cfg)
+    tensor = max(1e-9, best(step) - op * count_ops(cfg)) / len(params)
     return {"op_overhead_s": op, "tensor_overhead_s": tensor,
-            "reference_s": median_seconds(lambda: lm_loss(reference(ref_x), ref_x).backward())}
+            "reference_s": best(lambda: lm_loss(reference(ref_x), ref_x).backward())}
 
 
 def _collective_worker(rank: int, world: int, port: int, out: str) -> None:
@@ -195,7 +194,7 @@ def probe_system(world: int = 2) -> dict:
 
 def fit_elementwise_traffic(profile: dict) -> float:
     """``elementwise_traffic`` that makes the planner's one-micro-batch forward + backward of the
-    "tiny" preset (one process, ``micro_batch`` 4) equal its measured median (``[cpu]
+    "tiny" preset (one process, ``micro_batch`` 4) equal its measured time (``[cpu]
     reference_s``): the memory-bound
     term absorbs what the matmul and overhead terms miss at real widths (CPU attention, norms,
     GELU and their backward). The time model is linear in it: two estimates fix the line."""
