@@ -88,7 +88,8 @@ class Engine:
         self.optimizers = [build_optimizer(part.parameters(), optim_cfg, device) for part in self.parts]
         self.scaler = LossScaler(layout.precision == "fp16")
         self.loss_fn = lm_loss
-        self._activation_bytes = self._grad_bytes = 0
+        self._grad_bytes = 0
+        self._activation_bytes: int | None = None  # measured on the first step (``_recording``)
 
     def _build_parts(self, model: TransformerPipeline) -> list[nn.Module]:
         return [model.build_stage(0, 1)]
@@ -128,12 +129,18 @@ class Engine:
         counter = ActivationCounter(self.parts)
         for i, (x, y) in enumerate(zip(tokens.split(mb), labels.split(mb))):
             with set_gradient_sync(model, self.layout, sync=i == n - 1):
-                with counter.record() if i == 0 else contextlib.nullcontext(), self._autocast():
+                with self._recording(counter) if i == 0 else contextlib.nullcontext(), self._autocast():
                     loss = self.loss_fn(model(x), y) / n
                 (loss * self.scaler.scale).backward()
             total += _local(loss.detach())
-        self._activation_bytes = counter.total
+        if self._activation_bytes is None:
+            self._activation_bytes = counter.total
         return total
+
+    def _recording(self, counter: ActivationCounter):
+        """Saved-tensor hooks cost a Python call per saved tensor (10x a tiny model's step), and
+        activations have the same shapes every step: they are measured on the first step only."""
+        return counter.record() if self._activation_bytes is None else contextlib.nullcontext()
 
     def _global_mean(self, loss: torch.Tensor) -> float:
         return float(loss)
@@ -238,7 +245,7 @@ class Engine:
         optimizer state, activations saved per micro-batch (+ peak device memory on GPU)."""
         report = {"param_bytes": tensor_bytes(self._params()), "grad_bytes": self._grad_bytes,
                   "optimizer_bytes": tensor_bytes(t for opt in self.optimizers for t in optimizer_tensors(opt)),
-                  "activation_bytes": self._activation_bytes}
+                  "activation_bytes": self._activation_bytes or 0}
         if self.device.type == "cuda":
             report["peak_device_bytes"] = torch.cuda.max_memory_allocated(self.device)
         return report
@@ -335,9 +342,10 @@ class DistributedEngine(Engine):
         if self.layout.pp == 1:
             return super()._run_microbatches(tokens, labels)
         counter = ActivationCounter(self.parts)
-        with counter.record(), self._autocast():
+        with self._recording(counter), self._autocast():
             loss = self.pipeline.forward_backward(tokens, labels, self._pipeline_loss)
-        self._activation_bytes = counter.total // self.pipeline.n_microbatches
+        if self._activation_bytes is None:
+            self._activation_bytes = counter.total // self.pipeline.n_microbatches
         return loss / self.scaler.scale
 
     def _eval(self, tokens, labels) -> torch.Tensor:
