@@ -22,7 +22,8 @@ SUBCOMMAND_MODULES = [
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="luban", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="luban", description="Train language models with composable parallelism, "
+                                     "plan their layouts, and time-share the cluster that runs them.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in SUBCOMMAND_MODULES:
         importlib.import_module(name).register(sub)
