@@ -1,7 +1,9 @@
 """``luban plan probe``: measure this machine and describe it as a system profile.
 
 Measures matmul FLOP/s vs size (fp32, and bf16), memory bandwidth (a large copy), and gloo
-all-reduce / all-gather / reduce-scatter time vs message size between 2 local processes. A
+all-reduce / all-gather / reduce-scatter time vs message size between 2 local processes, and
+the CPU terms (``[cpu]``: per-op and per-tensor framework overhead, a reference micro-batch alone
+and in 2 processes at once, hence the oversubscription exponent; docs/planner.md). A
 "GPU" of the profile is one training process; the planner's ``runtime="luban"`` estimates
 then describe luban's CPU runs. ``cached_profile()`` keeps one probe per host and torch version.
 """
