@@ -78,8 +78,8 @@ def main() -> None:
     t0 = time.perf_counter()
     system = System.from_dict(probe.cached_profile(), source="probe")
     print(f"probe: {time.perf_counter() - t0:.1f} s; load average {os.getloadavg()}")
-    print(f"| model | layout | ranks | predicted s | measured s | error | measured fwd+bwd / optimizer s | "
-          f"predicted optimizer s |\n|---|---|---|---|---|---|---|---|")
+    print("| model | layout | ranks | predicted s | measured s | error | measured fwd+bwd / optimizer s | "
+          "predicted optimizer s |\n|---|---|---|---|---|---|---|---|")
     errors = []
     for model in args.only:
         cfg = model_config(model)

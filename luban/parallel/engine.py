@@ -176,9 +176,12 @@ class Engine:
 
     def grad_norm(self) -> float:
         """Global L2 norm of all gradients, each element counted once across all ranks."""
+        terms = self._norm_terms()
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
-        for g, copies in self._norm_terms():
-            sq += _local(g).double().pow(2).sum() / copies
+        if terms:  # one fused kernel for the per-tensor norms; their squares summed in float64
+            norms = torch.stack(torch._foreach_norm([_local(g) for g, _ in terms])).double()
+            copies = torch.tensor([c for _, c in terms], dtype=torch.float64, device=self.device)
+            sq = (norms.pow(2) / copies).sum()
         return math.sqrt(float(self._all_reduce(sq)))
 
     def step(self, lr: float, max_norm: float) -> float:

@@ -48,8 +48,7 @@ def test_tied_embeddings_share_storage_and_positions_matter():
 
 
 def test_gqa_matches_explicitly_repeated_heads():
-    cfg = get_preset("tiny-llama")  # 4 heads, 2 kv heads
-    q = torch.randn(1, 4, 6, 32)
+    q = torch.randn(1, 4, 6, 32)  # 4 heads sharing 2 kv heads, as tiny-llama
     k, v = torch.randn(1, 2, 6, 32), torch.randn(1, 2, 6, 32)
     from luban.model.transformer import causal_attention
 
