@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from luban.model.presets import get_preset
+from luban.model.config import ModelConfig
 from luban.parallel.layout import ParallelLayout
 from luban.plan.estimate import estimate
 from luban.plan.system import System
@@ -41,8 +41,9 @@ MODELS = {"tiny": ("tiny", {}), "tiny-llama": ("tiny-llama", {}), "gpt-h256": ("
 
 
 def model_config(name: str):
+    """The model exactly as the trainer builds it from ``--set model.…`` (derived widths re-derived)."""
     preset, changes = MODELS[name]
-    return get_preset(preset).replace(**changes)
+    return ModelConfig.from_dict({"preset": preset, **changes})
 
 
 def measure(model: str, ranks: int, layout: dict, steps: int) -> dict:

@@ -6,6 +6,11 @@ SIGUSR1/SIGTERM/SIGINT to every child, kills the others when one fails, and retu
 (suspended) only when every rank exited with 75. Under Slurm the node count, node rank and
 master address default to SLURM_NNODES/SLURM_NODEID/SLURM_JOB_NODELIST, and a process
 started directly by ``srun`` (one task per rank) takes its rank from SLURM_PROCID.
+
+Each rank gets ``OMP_NUM_THREADS = rank_threads(cores, nproc)`` unless the caller set it: N ranks
+each running the default one-thread-per-core pool on the same cores oversubscribe them N-fold,
+and OpenMP regions then wait on descheduled threads (torchrun sets 1; luban shares the cores out).
+The planner's CPU model (``luban.plan.time.cpu_terms``) assumes the same rule.
 """
 
 from __future__ import annotations
@@ -26,6 +31,15 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def rank_threads(cores: int, nproc: int) -> int:
+    """Torch (OpenMP) threads of each of ``nproc`` ranks sharing ``cores`` cores: a fair share, at least 1."""
+    return max(1, cores // nproc)
+
+
+def host_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def slurm_defaults(env=os.environ) -> dict:
@@ -59,9 +73,10 @@ def launch(argv: list[str], nproc: int, nnodes: int = 1, node_rank: int = 0, mas
             raise ValueError("a multi-node launch needs an agreed master_port")
         master_port = free_port()
     world = nproc * nnodes
+    threads = os.environ.get("OMP_NUM_THREADS") or str(rank_threads(host_cores(), nproc))
     children = []
     for local in range(nproc):
-        env = dict(os.environ, RANK=str(node_rank * nproc + local), LOCAL_RANK=str(local), WORLD_SIZE=str(world),
+        env = dict(os.environ, OMP_NUM_THREADS=threads, RANK=str(node_rank * nproc + local), LOCAL_RANK=str(local), WORLD_SIZE=str(world),
                    LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK=str(node_rank), MASTER_ADDR=master_addr,
                    MASTER_PORT=str(master_port))
         # own session: a terminal's Ctrl-C reaches the children once, through us

@@ -22,11 +22,12 @@ MESSAGE_SIZES = (2**10, 2**14, 2**17, 2**20, 2**22)
 REFERENCE_BATCH = 4  # the "tiny" preset at 4 x 128 tokens: framework_overhead's reference_s
 
 
-def _best_seconds(fn, budget: float, min_reps: int = 3, stat=min) -> float:
+def _best_seconds(fn, budget: float, min_reps: int = 3, stat=min, warmup: int = 1) -> float:
     """Best time (or ``stat`` of the times) of ``fn`` over at least ``min_reps`` runs and
     ``budget`` seconds (``budget`` 0: exactly ``min_reps`` runs, as collectives need the same
-    count on every rank)."""
-    fn()  # warm-up
+    count on every rank), after ``warmup`` untimed runs."""
+    for _ in range(warmup):
+        fn()
     times, start = [], time.perf_counter()
     while len(times) < min_reps or (budget and time.perf_counter() - start < budget):
         t0 = time.perf_counter()
@@ -66,18 +67,20 @@ def framework_overhead(budget: float = 1.5) -> dict:
     optimizer step (gradient norm, AdamW, zero_grad as ``Engine.step`` does them), on a 4-layer
     GPT at tiny widths where fixed costs are all there is (``luban.plan.overhead``); and
     ``reference_s``, one forward + backward of the "tiny" preset at micro-batch
-    ``REFERENCE_BATCH``, wide enough for the kernels to use every thread. Best of repeated runs,
-    like the matmul and bandwidth figures: what the machine does when other processes leave it
-    alone (on a shared host a median moves tenfold with their load), with this process's thread
-    count, which the trainer's ranks inherit (``luban.parallel.launch`` passes the environment on)."""
+    ``REFERENCE_BATCH``, wide enough for the kernels to use every thread, and
+    ``reference_one_thread_s``, the same on one thread (how kernels scale with threads). The
+    first few passes of a fresh model run 2-5x slower (the allocator grows its pools), so the
+    reference is warmed up 3 times. Each is the median of repeated runs, as the trainer reports
+    the median step (with this process's thread count; ``cpu_profile`` relates it to a launched
+    rank's)."""
     import torch
 
     from luban.model.presets import get_preset
     from luban.model.transformer import build_model, lm_loss
     from luban.plan.overhead import count_ops, shrink
 
-    def best(fn):
-        return _best_seconds(fn, budget / 3, min_reps=5)
+    def best(fn, warmup=1):
+        return _best_seconds(fn, budget / 4, min_reps=5, warmup=warmup, stat=sorted_median)
 
     tiny = get_preset("tiny")
     reference, ref_x = build_model(tiny), torch.randint(0, tiny.vocab, (REFERENCE_BATCH, tiny.seq_len))
@@ -95,8 +98,87 @@ def framework_overhead(budget: float = 1.5) -> dict:
 
     op = best(lambda: lm_loss(model(x), x).backward()) / count_ops(cfg)
     tensor = max(1e-9, best(step) - op * count_ops(cfg)) / len(params)
-    return {"op_overhead_s": op, "tensor_overhead_s": tensor,
-            "reference_s": best(lambda: lm_loss(reference(ref_x), ref_x).backward())}
+    def reference_step():
+        lm_loss(reference(ref_x), ref_x).backward()
+
+    threads = torch.get_num_threads()
+    reference_s = best(reference_step, warmup=3)
+    torch.set_num_threads(1)
+    try:
+        one_thread_s = best(reference_step)
+    finally:
+        torch.set_num_threads(threads)
+    return {"op_overhead_s": op, "tensor_overhead_s": tensor, "reference_s": reference_s,
+            "reference_one_thread_s": max(one_thread_s, reference_s)}
+
+
+def parallel_overhead(world: int, latency: dict, budget: float = 1.0) -> dict:
+    """Seconds per ATen operation of luban's forward + backward under tensor parallelism over
+    ``world`` ranks (``tp_op_overhead_s``: DTensor dispatch and sharding propagation instead of
+    the plain op's cost), and per FSDP2 group per micro-batch (``fsdp_group_overhead_s``: its
+    pre-/post-forward and backward hooks, ZeRO-2 wrapping as ``luban.parallel.data_parallel``
+    does), on the 4-layer tiny-width GPT of ``framework_overhead``, where fixed costs are all
+    there is. The collectives the time model counts separately are taken out at the
+    smallest-message times in ``latency`` (per kind): 4 all-reduces per layer under tp (2 forward,
+    2 backward), one all-gather and one reduce-scatter per FSDP group. And
+    ``dtensor_tensor_overhead_s``: seconds per parameter tensor of the optimizer step (norm,
+    foreach AdamW, zero_grad) when the parameters are DTensors, as under FSDP2 or tp. Called by
+    every rank of a gloo group at once."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from luban.model.presets import get_preset
+    from luban.model.transformer import build_model, lm_loss
+    from luban.parallel.tensor_parallel import apply_tensor_parallel, loss_parallel, vocab_parallel_loss
+    from luban.plan.overhead import count_ops, shrink
+
+    cfg = shrink(get_preset("tiny"), 4)
+    x = torch.randint(0, cfg.vocab, (1, cfg.seq_len))
+    mesh = init_device_mesh("cpu", (world,))
+
+    def timed(step) -> float:
+        dist.barrier()  # the same number of runs on every rank: their collectives must pair up
+        return _best_seconds(step, 0, min_reps=max(5, int(budget / 3 / 0.01)), stat=sorted_median)
+
+    plain = build_model(cfg)
+    base = timed(lambda: lm_loss(plain(x), x).backward())
+    tp = build_model(cfg)
+    apply_tensor_parallel(tp, mesh, sp=False)
+    tp_loss = vocab_parallel_loss(mesh, cfg.vocab)
+
+    def tp_step():
+        with loss_parallel():
+            tp_loss(tp(x), x).backward()
+
+    tp_s = timed(tp_step)
+    fsdp = build_model(cfg)
+    for block in fsdp.layers.values():
+        fully_shard(block, mesh=mesh, reshard_after_forward=False)
+    fully_shard(fsdp, mesh=mesh, reshard_after_forward=False)
+    fsdp_s = timed(lambda: lm_loss(fsdp(x), x).backward())
+    params = list(fsdp.parameters())
+    opt = torch.optim.AdamW(params, lr=1e-3, foreach=True)  # DTensor parameters: no fused kernel
+
+    def fsdp_step():  # as Engine.step: gradient norm, AdamW, zero_grad
+        lm_loss(fsdp(x), x).backward()
+        torch._foreach_norm([p.grad.to_local() for p in params])
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+
+    optimizer_s = timed(fsdp_step) - fsdp_s
+    ops = count_ops(cfg)
+    tp_comm = 4 * cfg.layers * latency["all-reduce"]
+    fsdp_comm = latency["all-gather"] + latency["reduce-scatter"]
+    return {"tp_op_overhead_s": max(base / ops, (tp_s - tp_comm) / ops),
+            "fsdp_group_overhead_s": max(1e-9, (fsdp_s - base) / (cfg.layers + 1) - fsdp_comm),
+            "dtensor_tensor_overhead_s": max(1e-9, optimizer_s / len(params))}
+
+
+def sorted_median(times: list[float]) -> float:
+    """The median: collectives pair up ranks, so one rank's best run is not the other's."""
+    return sorted(times)[len(times) // 2]
 
 
 def _collective_worker(rank: int, world: int, port: int, out: str) -> None:
@@ -105,7 +187,10 @@ def _collective_worker(rank: int, world: int, port: int, out: str) -> None:
     import torch
     import torch.distributed as dist
 
+    from luban.parallel.launch import host_cores, rank_threads
+
     warnings.filterwarnings("ignore", category=FutureWarning)
+    torch.set_num_threads(rank_threads(host_cores(), world))  # as luban.parallel.launch sets its ranks
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     results = {}
     for size in MESSAGE_SIZES:
@@ -122,7 +207,8 @@ def _collective_worker(rank: int, world: int, port: int, out: str) -> None:
             except (RuntimeError, NotImplementedError):  # gloo lacks some collectives in some builds
                 results.setdefault(name, {})[size] = None
     dist.barrier()  # every rank measures the framework overhead at once, as luban's ranks run
-    results["overhead"] = framework_overhead()
+    smallest = {name: times[MESSAGE_SIZES[0]] or 0.0 for name, times in results.items()}
+    results["overhead"] = {**framework_overhead(), **parallel_overhead(world, smallest)}
     if rank == 0:
         Path(out).write_text(json.dumps(results))
     dist.destroy_process_group()
@@ -220,24 +306,33 @@ def fit_elementwise_traffic(profile: dict) -> float:
 
 
 def cpu_profile(alone: dict, together: dict, world: int) -> dict:
-    """The profile's ``[cpu]`` table from ``framework_overhead()`` of one process (``alone``) and of
-    one of ``world`` processes running it at once (``together``).
+    """The profile's ``[cpu]`` table from ``framework_overhead()`` of one process (``alone``, this
+    process's ``threads``) and of one of ``world`` processes running it at once (``together``, each
+    with ``rank_threads(cores, world)`` threads, as launched ranks have), which also holds their
+    ``parallel_overhead()``.
 
-    A rank of N, each with ``threads`` torch threads on ``cores`` cores, runs
-    max(1, N·threads/cores)^γ times slower than one process alone; γ is fitted to the two
-    ``reference_s`` measurements (the tiny-width ops do not use the threads) (γ = 1: a fair share of the cores; more when OpenMP threads stall each other),
-    and is 1 when ``world`` processes do not oversubscribe the cores."""
+    Ranks that together run more threads than there are cores contend for them: a rank's
+    framework overhead runs max(1, N·t/cores)^γ times slower than alone. γ is fitted to the two
+    ``reference_s`` measurements after taking out the threads the ranks have fewer of than this
+    process (``luban.plan.time.thread_slowdown``) (γ = 1: a fair share of the cores; more when OpenMP threads stall each other); it is 1
+    when ``world`` processes do not oversubscribe the cores."""
     import math
 
     import torch
 
-    cores, threads = len(os.sched_getaffinity(0)), torch.get_num_threads()
-    over = world * threads / cores
+    from luban.parallel.launch import host_cores, rank_threads
+    from luban.plan.time import thread_slowdown
+
+    cores, threads = host_cores(), torch.get_num_threads()
+    each = rank_threads(cores, world)
+    over = world * each / cores
     gamma = 1.0
     if over > 1:
-        ratio = together["reference_s"] / alone["reference_s"]
-        gamma = max(1.0, math.log(ratio) / math.log(over))
-    return {"cores": cores, "threads": threads, "oversubscription_exponent": gamma, **alone}
+        fewer_threads = thread_slowdown({**alone, "threads": threads}, each)
+        ratio = together["reference_s"] / alone["reference_s"] / fewer_threads
+        gamma = max(1.0, math.log(ratio) / math.log(over)) if ratio > 1 else 1.0
+    return {"cores": cores, "threads": threads, "oversubscription_exponent": gamma, **alone,
+            **{k: together[k] for k in ("tp_op_overhead_s", "fsdp_group_overhead_s", "dtensor_tensor_overhead_s")}}
 
 
 def _mem_total() -> float:
@@ -281,11 +376,13 @@ def cache_path() -> Path:
 
 def cached_profile() -> dict:
     """This machine's probe, measured once and kept in ``cache_path()`` (measured again when the
-    cached one predates the ``cpu`` terms)."""
+    cached one predates any of the ``cpu`` terms)."""
+    from luban.plan.system import CPU_KEYS
+
     path = cache_path()
     if path.is_file():
         cached = json.loads(path.read_text())
-        if "cpu" in cached:
+        if set(CPU_KEYS) <= set(cached.get("cpu", {})):
             return cached
     profile = probe_system()
     path.parent.mkdir(parents=True, exist_ok=True)

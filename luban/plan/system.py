@@ -6,7 +6,9 @@ its datasheet sources). Bandwidths are bytes/s, latencies seconds, capacities by
 calibration: matmul efficiency vs GEMM FLOPs and collective efficiency vs message bytes
 (piece-wise linear in log10 of the size), the HBM traffic factor of memory-bound kernels and
 the overlap shares. ``luban plan probe`` writes a profile of the machine it runs on, with a
-``[cpu]`` table (cores, torch threads per process, seconds per ATen op and per parameter tensor)
+``[cpu]`` table (cores, torch threads per process, seconds per ATen op plain and under tensor
+parallelism, per parameter tensor (plain and DTensor) and per FSDP2 group, a reference micro-batch on all threads and
+on one)
 that turns on the CPU terms of the time model (``luban.plan.time.cpu_terms``).
 """
 
@@ -25,7 +27,9 @@ SYSTEMS_DIR = Path(__file__).with_name("systems")
 EFFICIENCY_KEYS = {"matmul_size": None, "matmul": None, "collective_size": None, "collective": None,
                    "elementwise_traffic": 2.0, "hbm_efficiency": 0.8, "dp_overlap": 0.0, "zero3_overlap": 0.8,
                    "pp_overlap": 0.0}
-CPU_KEYS = ("cores", "threads", "oversubscription_exponent", "op_overhead_s", "tensor_overhead_s", "reference_s")
+CPU_KEYS = ("cores", "threads", "oversubscription_exponent", "op_overhead_s", "tensor_overhead_s", "reference_s",
+            "reference_one_thread_s", "tp_op_overhead_s", "fsdp_group_overhead_s",
+            "dtensor_tensor_overhead_s")
 
 
 @dataclass(frozen=True)

@@ -46,26 +46,47 @@ def peak_flops(problem: Problem, g: Grid):
 def cpu_terms(problem: Problem) -> dict:
     """What a CPU run of luban costs beyond FLOPs and bytes (profile ``[cpu]``; docs/planner.md).
 
-    ``slow``: how much slower a rank runs than the probe's single process,
-    max(1, ranks·threads/cores)^γ (every rank of ``luban train --nproc N`` runs on this host with
-    the probe's torch threads; γ, ``oversubscription_exponent``, is measured by the probe);
-    ``layer``/``rest``: framework seconds of one forward + backward per layer and for the rest of
-    the model per micro-batch (ATen ops × seconds per op, ``luban.plan.overhead``); ``tensor``:
-    seconds per parameter tensor of the optimizer step. GPU profiles and ``runtime="megatron"``:
-    slow 1, no overheads.
+    Every rank of ``luban train --nproc N`` runs on this host with ``t = rank_threads(cores, N)``
+    torch threads (``luban.parallel.launch``). ``contend``: how much slower its framework
+    overheads run than in the probe's single process, max(1, N·t/cores)^γ (γ,
+    ``oversubscription_exponent``, measured by the probe); ``slow``: the same for its kernels,
+    which also run on fewer threads than the probe's T: Amdahl's law fitted to the reference
+    micro-batch on T threads and on one, time(t) = serial + parallel/t; ``layer``/``rest``: framework seconds of one forward + backward per
+    layer and for the rest of the model per micro-batch (ATen ops × seconds per op,
+    ``luban.plan.overhead``), ``tp_layer``/``tp_rest`` the same under tensor parallelism (DTensor
+    dispatch); ``tensor``/``dtensor``: seconds per parameter tensor of the optimizer step, plain
+    or DTensor (FSDP2 or tp parameters); ``fsdp_group``:
+    seconds of FSDP2's hooks per group and micro-batch.
+    GPU profiles and ``runtime="megatron"``: slow 1, no overheads.
     """
+    from luban.parallel.launch import rank_threads
+
     cpu = problem.system.cpu
     if not cpu or problem.runtime != "luban":
-        return {"slow": 1.0, "layer": 0.0, "rest": 0.0, "layer_tensors": 0.0, "rest_tensors": 0.0, "tensor": 0.0}
+        return {"slow": 1.0, "contend": 1.0, "layer": 0.0, "rest": 0.0, "tp_layer": 0.0, "tp_rest": 0.0,
+                "layer_tensors": 0.0, "rest_tensors": 0.0, "tensor": 0.0, "dtensor": 0.0, "fsdp_group": 0.0}
     from luban.plan.overhead import model_overhead_counts
 
     counts = model_overhead_counts(problem.model)
     op = cpu["op_overhead_s"]
-    over = max(1.0, problem.gpus * cpu["threads"] / cpu["cores"])
-    return {"slow": over ** cpu["oversubscription_exponent"],
+    threads = rank_threads(int(cpu["cores"]), problem.gpus)
+    contend = max(1.0, problem.gpus * threads / cpu["cores"]) ** cpu["oversubscription_exponent"]
+    return {"slow": contend * thread_slowdown(cpu, threads), "contend": contend,
             "layer": counts["layer_ops"] * op, "rest": counts["rest_ops"] * op,
+            "tp_layer": counts["layer_ops"] * cpu["tp_op_overhead_s"], "tp_rest": counts["rest_ops"] * cpu["tp_op_overhead_s"],
             "layer_tensors": counts["layer_tensors"], "rest_tensors": counts["rest_tensors"],
-            "tensor": cpu["tensor_overhead_s"]}
+            "tensor": cpu["tensor_overhead_s"], "dtensor": cpu["dtensor_tensor_overhead_s"],
+            "fsdp_group": cpu["fsdp_group_overhead_s"]}
+
+
+def thread_slowdown(cpu: dict, threads: int) -> float:
+    """time(threads) / time(T) of the probe's reference micro-batch under Amdahl's law, from its
+    times on T = ``cpu["threads"]`` threads and on one (1 when T = 1)."""
+    many, one, big = cpu["reference_s"], cpu["reference_one_thread_s"], cpu["threads"]
+    if big <= 1 or threads >= big:
+        return 1.0
+    parallel = (one - many) / (1 - 1 / big)
+    return (one - parallel + parallel / threads) / many
 
 
 def step_time(problem: Problem, g: Grid, mem: dict) -> dict:
@@ -79,7 +100,7 @@ def step_time(problem: Problem, g: Grid, mem: dict) -> dict:
     act = activation_bytes(problem, g)
     n = rank_layers(problem, g)
     cpu = cpu_terms(problem)
-    slow = cpu["slow"]
+    slow, contend = cpu["slow"], cpu["contend"]
 
     # one layer, one micro-batch, forward (backward = 2x: input and weight gradients); on a CPU
     # the rank's share of the cores slows everything, and a third of the fwd+bwd framework
@@ -89,10 +110,10 @@ def step_time(problem: Problem, g: Grid, mem: dict) -> dict:
     attn_flops = tokens * d["attention_flops"] / t
     attn = slow * compute_seconds(problem, attn_flops, attn_flops / 2, peak)
     elementwise = slow * traffic * act["none"] * tokens / hbm
-    layer_fwd = mm + attn + elementwise + slow * cpu["layer"] / 3
+    layer_fwd = mm + attn + elementwise + contend * np.where(t > 1, cpu["tp_layer"], cpu["layer"]) / 3
     head_flops = tokens * d["head_flops"] / t
-    head_fwd = slow * (compute_seconds(problem, head_flops, head_flops, peak) + traffic * 4.0 * cfg.vocab / t * tokens / hbm
-                       + cpu["rest"] / 3)
+    head_fwd = (slow * (compute_seconds(problem, head_flops, head_flops, peak) + traffic * 4.0 * cfg.vocab / t * tokens / hbm)
+                + contend * np.where(t > 1, cpu["tp_rest"], cpu["rest"]) / 3)
 
     # tensor (+ sequence) parallel: 2 all-reduces (or all-gather + reduce-scatter pairs) each way
     msg = tokens * cfg.hidden * act["e"]
@@ -131,7 +152,8 @@ def step_time(problem: Problem, g: Grid, mem: dict) -> dict:
     gathers, reductions, groups = dp_collective_counts(problem, g, m, n)
     sharded = (gathers * collective(problem, params * wb / groups, dp, dp_intra, GATHER)
                + reductions * collective(problem, grads / groups, dp, dp_intra, GATHER))
-    dp_total = np.where(g.zero == 0, collective(problem, grads, dp, dp_intra, ALL_REDUCE), sharded)
+    hooks = np.where(dp > 1, cpu["contend"] * m * groups * cpu["fsdp_group"], 0.0)  # FSDP2 on a CPU
+    dp_total = np.where(g.zero == 0, collective(problem, grads, dp, dp_intra, ALL_REDUCE), sharded + hooks)
     busy = m * (F + B)
     hidden = np.where(g.zero >= 3, np.minimum(dp_total, s.efficiency["zero3_overlap"] * busy),
                       np.minimum(dp_total, s.efficiency["dp_overlap"] * B))
@@ -145,8 +167,8 @@ def step_time(problem: Problem, g: Grid, mem: dict) -> dict:
     offloaded = g.offload >= 1
     host_bw = s.host_bandwidth / s.gpus_per_node
     tensors = n * cpu["layer_tensors"] + cpu["rest_tensors"]
-    optimizer = slow * (np.where(offloaded, 2 * shard * (ob + gb) / host_bw, 2 * shard * (wb + gb + ob) / hbm)
-                        + tensors * cpu["tensor"])
+    optimizer = (slow * np.where(offloaded, 2 * shard * (ob + gb) / host_bw, 2 * shard * (wb + gb + ob) / hbm)
+                 + contend * tensors * np.where((t > 1) | ((dp * c > 1) & (g.zero >= 1)), cpu["dtensor"], cpu["tensor"]))
     link = s.host_link_bandwidth
     fetch = np.where(g.offload == 2, m * 2 * params / shards * wb / link, 0.0)
     offload = np.where(offloaded, shard * (gb + wb) / link, 0.0) + np.maximum(0.0, fetch - s.efficiency["zero3_overlap"] * busy)

@@ -10,7 +10,7 @@ from pathlib import Path
 mode, out = sys.argv[1], Path(sys.argv[2])
 rank = int(os.environ["RANK"])
 if mode == "env":
-    keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS")
     (out / f"env{rank}.json").write_text(json.dumps({k: os.environ[k] for k in keys}))
     sys.exit(0)
 if mode == "suspend":  # exit 75 on SIGUSR1, like the trainer after saving a checkpoint

@@ -11,16 +11,26 @@ import time
 
 import pytest
 
-from luban.parallel.launch import launch, rank_env, slurm_defaults
+from luban.parallel.launch import host_cores, launch, rank_env, rank_threads, slurm_defaults
 
 CHILD = "tests.parallel._launch_child"
 
 
-def test_children_get_torchrun_environment(tmp_path):
+def test_children_get_torchrun_environment(tmp_path, monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     assert launch(["env", str(tmp_path)], nproc=2, nnodes=2, node_rank=1, master_port=29555, module=CHILD) == 0
     envs = [json.loads((tmp_path / f"env{r}.json").read_text()) for r in (2, 3)]
     assert [(e["RANK"], e["LOCAL_RANK"]) for e in envs] == [("2", "0"), ("3", "1")]
     assert all(e["WORLD_SIZE"] == "4" and e["LOCAL_WORLD_SIZE"] == "2" and e["MASTER_PORT"] == "29555" for e in envs)
+    assert all(e["OMP_NUM_THREADS"] == str(rank_threads(host_cores(), 2)) for e in envs)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the caller's choice wins
+    assert launch(["env", str(tmp_path)], nproc=2, module=CHILD) == 0
+    assert json.loads((tmp_path / "env0.json").read_text())["OMP_NUM_THREADS"] == "3"
+
+
+def test_rank_threads_share_the_cores():
+    assert [rank_threads(16, n) for n in (1, 2, 4, 8, 32)] == [16, 8, 4, 2, 1]
+    assert rank_threads(2, 4) == 1 and rank_threads(3, 2) == 1
 
 
 def _launch_in_subprocess(mode, tmp_path):

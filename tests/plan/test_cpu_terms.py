@@ -15,10 +15,11 @@ from luban.plan import probe
 from luban.plan.overhead import count_ops, model_overhead_counts, shrink
 from luban.plan.problem import Problem
 from luban.plan.system import System, load_system
-from luban.plan.time import cpu_terms, dp_collective_counts, step_time
+from luban.plan.time import cpu_terms, dp_collective_counts, step_time, thread_slowdown
 
 CPU = {"cores": 2, "threads": 1, "oversubscription_exponent": 1.0, "op_overhead_s": 1e-5, "tensor_overhead_s": 2e-5,
-       "reference_s": 0.1}
+       "reference_s": 0.1, "reference_one_thread_s": 0.2,
+       "tp_op_overhead_s": 1e-4, "fsdp_group_overhead_s": 1e-3, "dtensor_tensor_overhead_s": 5e-5}
 
 
 def cpu_system(**cpu) -> System:
@@ -57,29 +58,70 @@ def test_tensor_overhead_is_per_parameter_tensor_per_step():
     counts = model_overhead_counts(get_preset("tiny"))
     tensors = 4 * counts["layer_tensors"] + counts["rest_tensors"]
     assert float(more["parts"]["optimizer"] - base["parts"]["optimizer"]) == pytest.approx(tensors * 8e-5)
+    for layout in (ParallelLayout(dp=2, zero=1), ParallelLayout(tp=2)):  # DTensor parameters
+        base, more = step(gpus=2, layout=layout), step(gpus=2, layout=layout, dtensor_tensor_overhead_s=1e-4)
+        assert float(more["parts"]["optimizer"] - base["parts"]["optimizer"]) > 0
 
 
-def test_oversubscription_kicks_in_when_rank_threads_exceed_cores():
-    def slow(gpus, threads, gamma=1.0):
+def test_ranks_share_the_cores_and_contend_beyond_them():
+    def terms(gpus, threads=2, gamma=1.0):
         problem = Problem(get_preset("tiny"), cpu_system(threads=threads, oversubscription_exponent=gamma), gpus,
                           128, 16, runtime="luban")
-        return cpu_terms(problem)["slow"]
+        got = cpu_terms(problem)
+        return got["slow"], got["contend"]
 
-    assert slow(1, 1) == slow(2, 1) == 1.0  # one thread per rank, a core each
-    assert slow(4, 1) == 2.0 and slow(1, 2) == 1.0 and slow(2, 2) == 2.0 and slow(4, 2) == 4.0
-    assert slow(2, 2, gamma=2.5) == pytest.approx(2**2.5) and slow(1, 2, gamma=2.5) == 1.0
-    one = step(gpus=2, layout=ParallelLayout(tp=2))
-    two = step(gpus=2, layout=ParallelLayout(tp=2), threads=2)
-    assert float(two["parts"]["forward"]) == pytest.approx(2 * float(one["parts"]["forward"]))
+    # 2 cores, probe process with 2 threads twice as fast as one (reference 0.1 s vs 0.2 s):
+    # 1 rank keeps both threads, 2 ranks get one core each (kernels at half speed, overheads
+    # unaffected), 4 ranks of one thread share 2 cores
+    assert terms(1) == (1.0, 1.0) and terms(2) == (2.0, 1.0) and terms(4) == (4.0, 2.0)
+    assert terms(1, threads=1) == (1.0, 1.0) and terms(4, threads=1) == (2.0, 2.0)
+    assert terms(4, gamma=2.5) == pytest.approx((2 * 2**2.5, 2**2.5)) and terms(2, gamma=2.5) == (2.0, 1.0)
+    one = step(gpus=2, layout=ParallelLayout(dp=2), threads=1)
+    two = step(gpus=2, layout=ParallelLayout(dp=2), threads=2, op_overhead_s=1e-15)
+    base = step(gpus=2, layout=ParallelLayout(dp=2), threads=1, op_overhead_s=1e-15)
+    assert float(two["parts"]["forward"]) == pytest.approx(2 * float(base["parts"]["forward"]))
+    assert float(one["parts"]["forward"] - base["parts"]["forward"]) > 0  # overheads, not slowed by threads
+
+
+def test_tensor_parallel_ops_and_fsdp_groups_cost_their_measured_overheads():
+    counts = model_overhead_counts(get_preset("tiny"))
+    m, layers = 16 // 4, 4
+    tp = ParallelLayout(tp=2, micro_batch=4)
+    base, more = step(gpus=2, layout=tp), step(gpus=2, layout=tp, tp_op_overhead_s=2e-4)
+    extra = m * (layers * counts["layer_ops"] + counts["rest_ops"]) * 1e-4  # forward + backward
+    assert float(more["step"] - base["step"]) == pytest.approx(extra)
+    assert float(step(gpus=2, layout=ParallelLayout(dp=2, micro_batch=4), op_overhead_s=1e-3)["step"]) > float(
+        step(gpus=2, layout=ParallelLayout(dp=2, micro_batch=4))["step"])  # plain ops: op_overhead_s
+    for zero in (1, 2, 3):  # (zero 3's may partly hide behind compute: the profile's zero3_overlap)
+        dp = ParallelLayout(dp=2, zero=zero, micro_batch=4)
+        base, more = step(gpus=2, layout=dp), step(gpus=2, layout=dp, fsdp_group_overhead_s=3e-3)
+        per_rank = m // 2  # micro-batches of each dp rank
+        hooks = per_rank * (layers + 1) * 2e-3
+        assert float(more["dp_hidden"] - base["dp_hidden"]) + float(more["parts"]["dp_comm"] - base["parts"]["dp_comm"]) \
+            == pytest.approx(hooks)
+    ddp = ParallelLayout(dp=2, micro_batch=4)
+    assert float(step(gpus=2, layout=ddp, fsdp_group_overhead_s=3e-3)["step"]) == float(step(gpus=2, layout=ddp)["step"])
+
+
+def test_thread_scaling_follows_amdahl():
+    cpu = {"threads": 4, "reference_s": 0.4, "reference_one_thread_s": 1.0}  # serial 0.2 s, parallel 0.8 s
+    assert [thread_slowdown(cpu, t) for t in (4, 8)] == [1.0, 1.0]
+    assert thread_slowdown(cpu, 2) == pytest.approx((0.2 + 0.4) / 0.4)
+    assert thread_slowdown(cpu, 1) == pytest.approx(2.5)
+    assert thread_slowdown({**cpu, "reference_one_thread_s": 0.4}, 1) == pytest.approx(1.0)  # no thread scaling
 
 
 def test_probe_fits_the_oversubscription_exponent(monkeypatch):
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0})
+    monkeypatch.setattr("torch.get_num_threads", lambda: 1)
+    alone = {"op_overhead_s": 1e-5, "tensor_overhead_s": 1e-5, "reference_s": 0.1, "reference_one_thread_s": 0.1}
+    together = {**alone, "tp_op_overhead_s": 1e-4, "fsdp_group_overhead_s": 1e-3, "dtensor_tensor_overhead_s": 5e-5}
+    cpu = probe.cpu_profile(alone, {**together, "reference_s": 0.8}, world=2)
+    assert cpu["oversubscription_exponent"] == pytest.approx(3.0)  # 2 one-thread ranks on 1 core: 2^3 = 8
+    assert probe.cpu_profile(alone, together, world=2)["oversubscription_exponent"] == 1.0  # never below a fair share
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
-    monkeypatch.setattr("torch.get_num_threads", lambda: 2)
-    alone = {"op_overhead_s": 1e-5, "tensor_overhead_s": 1e-5, "reference_s": 0.1}
-    cpu = probe.cpu_profile(alone, {**alone, "reference_s": 0.8}, world=2)
-    assert cpu["oversubscription_exponent"] == pytest.approx(3.0)  # 2 ranks x 2 threads on 2 cores: 2^3 = 8
-    assert probe.cpu_profile(alone, alone, world=2)["oversubscription_exponent"] == 1.0  # never below a fair share
+    monkeypatch.setattr("torch.get_num_threads", lambda: 2)  # 2 ranks of 1 thread on 2 cores: no contention
+    assert probe.cpu_profile(alone, {**together, "reference_s": 0.8}, world=2)["oversubscription_exponent"] == 1.0
     System.from_dict({**json.loads(json.dumps(load_system("dgx-a100-80g").to_dict())), "cpu": cpu})
 
 
