@@ -58,7 +58,7 @@ def apply_data_parallel(module: nn.Module, layout: ParallelLayout, mesh: LayoutM
     options = dict(mesh=dp_mesh, reshard_after_forward=layout.zero == 3,
                    mp_policy=MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32),
                    offload_policy=(CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
-                                   if layout.offload != "none" else OffloadPolicy()))
+                                   if layout.offload == "params" else OffloadPolicy()))
     layers = getattr(module, "layers", None)
     for block in (layers.values() if isinstance(layers, nn.ModuleDict) else ()):
         fully_shard(block, **options)

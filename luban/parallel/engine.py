@@ -36,6 +36,7 @@ from luban.model.transformer import lm_loss
 from luban.parallel.data_parallel import apply_data_parallel, reshard, set_gradient_sync, uses_autocast
 from luban.parallel.layout import ParallelLayout, check_layout
 from luban.parallel.memory import ActivationCounter, optimizer_tensors, tensor_bytes
+from luban.parallel.offload import OffloadedOptimizer
 from luban.parallel.pipeline import Pipeline, TransformerPipeline
 from luban.parallel.precision import LossScaler, autocast
 
@@ -51,16 +52,24 @@ class OptimizerConfig:
     momentum: float = 0.0
 
 
-def build_optimizer(params, cfg: OptimizerConfig, device: torch.device) -> torch.optim.Optimizer:
-    """AdamW (fused kernel where the device has one; foreach for DTensor parameters) or SGD;
-    lr is set every step by the trainer."""
+def build_optimizer(params, cfg: OptimizerConfig, device: torch.device, offload: bool = False) -> torch.optim.Optimizer:
+    """AdamW (weight decay on matrices only) or SGD over ``params``; lr is set every step by the
+    trainer. ``offload``: states and update on the host (``luban.parallel.offload``)."""
     params = list(params)
+    groups = ([{"params": params, "weight_decay": cfg.weight_decay}] if cfg.name == "sgd" else
+              [{"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
+               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}])
+    if offload:
+        return OffloadedOptimizer(groups, lambda host_groups: _optimizer(host_groups, cfg, torch.device("cpu")))
+    return _optimizer(groups, cfg, device)
+
+
+def _optimizer(groups: list[dict], cfg: OptimizerConfig, device: torch.device) -> torch.optim.Optimizer:
+    """The torch optimizer: AdamW with the fused kernel where the device has one (foreach for
+    DTensor parameters), or SGD."""
     if cfg.name == "sgd":
-        return torch.optim.SGD(params, lr=0.0, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
-    decay = [p for p in params if p.ndim >= 2]
-    no_decay = [p for p in params if p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    fused = device.type in ("cuda", "cpu") and not any(isinstance(p, DTensor) for p in params)
+        return torch.optim.SGD(groups, lr=0.0, momentum=cfg.momentum)
+    fused = device.type in ("cuda", "cpu") and not any(isinstance(p, DTensor) for g in groups for p in g["params"])
     return torch.optim.AdamW(groups, lr=0.0, betas=cfg.betas, eps=cfg.eps, fused=fused)
 
 
@@ -85,7 +94,8 @@ class Engine:
                  global_batch: int, seed: int, device: torch.device):
         self.model_cfg, self.layout, self.device, self.global_batch = model_cfg, layout, device, global_batch
         self.parts = self._build_parts(TransformerPipeline(model_cfg, seed, layout.recompute, device, layout.pp_split))
-        self.optimizers = [build_optimizer(part.parameters(), optim_cfg, device) for part in self.parts]
+        self.optimizers = [build_optimizer(part.parameters(), optim_cfg, device, offload=layout.offload == "optimizer")
+                           for part in self.parts]
         self.scaler = LossScaler(layout.precision == "fp16")
         self.loss_fn = lm_loss
         self._grad_bytes = 0
@@ -245,10 +255,16 @@ class Engine:
 
     def memory_report(self) -> dict:
         """This rank's bytes: parameters, gradients (after the last ``forward_backward``),
-        optimizer state, activations saved per micro-batch (+ peak device memory on GPU)."""
+        optimizer state on the device, activations saved per micro-batch (+ peak device memory on
+        GPU, + ``host_optimizer_bytes`` of an offloaded optimizer: states and its copies of the
+        parameter and gradient shards)."""
+        on_device = [opt for opt in self.optimizers if not isinstance(opt, OffloadedOptimizer)]
         report = {"param_bytes": tensor_bytes(self._params()), "grad_bytes": self._grad_bytes,
-                  "optimizer_bytes": tensor_bytes(t for opt in self.optimizers for t in optimizer_tensors(opt)),
+                  "optimizer_bytes": tensor_bytes(t for opt in on_device for t in optimizer_tensors(opt)),
                   "activation_bytes": self._activation_bytes or 0}
+        if len(on_device) < len(self.optimizers):
+            report["host_optimizer_bytes"] = sum(opt.host_bytes() for opt in self.optimizers
+                                                 if isinstance(opt, OffloadedOptimizer))
         if self.device.type == "cuda":
             report["peak_device_bytes"] = torch.cuda.max_memory_allocated(self.device)
         return report

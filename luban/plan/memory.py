@@ -235,6 +235,8 @@ def memory(problem: Problem, g: Grid) -> dict:
             holds_head = single if name == "first" else True
             grads = grads + np.where(holds_head, head_grad_excess(problem, g, gb, shards), 0.0)
         host = np.where(offload_opt | offload_params, optim, 0.0) + np.where(offload_params, weights, 0.0)
+        if fsdp:  # luban's optimizer offload also keeps host copies of the weight and gradient shards
+            host = host + np.where(offload_opt, weights + grads, 0.0)
         optim_gpu = np.where(offload_opt | offload_params, 0.0, optim)
         weights_gpu = np.where(offload_params, 0.0, weights)
         activations = flight * per_mb + working

@@ -4,7 +4,8 @@ Each line of metrics.jsonl is one JSON object. Fields (docs/training.md):
   step, tokens (cumulative), loss, lr, grad_norm, tokens_per_s, tflops (achieved model
   TFLOP/s over all ranks), mfu, hfu, time_data_s, time_fwd_bwd_s, time_optimizer_s,
   time_step_s, peak_memory_bytes, param_bytes, grad_bytes, optimizer_bytes,
-  activation_bytes (this rank, from tensor storages), val_loss (on eval steps only).
+  activation_bytes (this rank, from tensor storages), host_optimizer_bytes (optimizer offload
+  only), val_loss (on eval steps only).
 MFU = tokens/s · model FLOPs per token / (world size · peak FLOP/s); HFU uses hardware
 FLOPs (recompute included). FLOPs per token come from ``luban.model.flops``.
 """

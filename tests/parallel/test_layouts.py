@@ -1,7 +1,8 @@
 """Every parallel dimension alone and combined trains like the single-process engine.
 
-(CPU offload runs here too, but on a CPU-only machine it moves nothing: it checks that the
-FSDP2 offload path composes, not that it saves device memory.)
+(CPU offload runs here too, but on a CPU-only machine "device" and host are the same memory: it
+checks that both offload paths compose and keep the numerics, and that the optimizer-offload
+accounting moves the states off the device, not that device memory shrinks.)
 
 All multi-rank jobs run in three spawns (2, 4 and 8 gloo ranks, built once per session by
 the ``runs`` fixture); each job trains 2 SGD steps (lr 0.1, global-norm clipping at 1.0,
@@ -35,7 +36,7 @@ MATRIX = {
         job("pp2-1f1b-llama", "tiny-llama", pp=2, micro_batch=1), job("pp2-split-3-1", pp=2, pp_split=[3, 1]),
         job("cp2", cp=2), job("cp2-llama", "tiny-llama", cp=2),
         job("zero3-dp2-offload-params", dp=2, zero=3, offload="params"),
-        job("zero1-dp2-offload-optimizer", dp=2, zero=1, offload="optimizer"),
+        *[job(f"zero{z}-dp2-offload-optimizer", dp=2, zero=z, offload="optimizer") for z in (1, 2, 3)],
         job("zero3-dp2-bf16-smoke", dp=2, zero=3, precision="bf16"),
         job("zero2-dp2-fp16-smoke", dp=2, zero=2, precision="fp16"), job("dp2-fp16-smoke", dp=2, precision="fp16")],
     4: [*[job(f"zero{z}-dp4", dp=4, zero=z) for z in (0, 1, 2, 3)],
@@ -70,11 +71,16 @@ RESHARD = [
     ("pp2-dp2-zero1-to-single", {"pp": 2, "dp": 2, "zero": 1}, {}, "tiny-llama"),
     ("zero2-dp4-to-single", {"dp": 4, "zero": 2}, {}, "tiny"),
     ("pp2-tied-to-single", {"pp": 2}, {}, "tiny"),
+    ("zero2-dp2-offload-optimizer-to-zero1-dp4", {"dp": 2, "zero": 2, "offload": "optimizer"}, {"dp": 4, "zero": 1},
+     "tiny"),
+    ("zero3-dp2-to-zero3-dp4-offload-optimizer", {"dp": 2, "zero": 3}, {"dp": 4, "zero": 3, "offload": "optimizer"},
+     "tiny-llama"),
 ]
 MOMENTUM = {"name": "sgd", "momentum": 0.9}
 ADAMW = {"name": "adamw"}
 # memory accounting: same model, AdamW (two state tensors per parameter), 1 step, 2 ranks
 MEMORY = [{**job(f"memory-zero{z}", dp=2, zero=z), "optim": ADAMW, "steps": 1} for z in (0, 1, 2, 3)]
+MEMORY.append({**job("memory-zero2-offload-optimizer", dp=2, zero=2, offload="optimizer"), "optim": ADAMW, "steps": 1})
 TOY = {"name": "toy-pipeline", "kind": "toy_pipeline"}
 
 
@@ -171,3 +177,14 @@ def test_memory_report_shows_zero_sharding(runs):
     assert mem[1]["grad_bytes"] == pytest.approx(full["grad_bytes"] / 2, rel=0.01)  # after the step's reduce-scatter
     assert mem[2]["grad_bytes"] == pytest.approx(full["grad_bytes"] / 2, rel=0.01)
     assert mem[3]["activation_bytes"] == pytest.approx(full["activation_bytes"], rel=0.05)
+
+
+@pytest.mark.multirank
+def test_optimizer_offload_keeps_states_off_the_device(runs):
+    """offload = "optimizer": no optimizer state on the device; the host holds the two AdamW
+    states of this rank's shard plus its copies of the parameter and gradient shards."""
+    on = results("memory-zero2", 2, runs["out"])[0]["memory"]
+    off = results("memory-zero2-offload-optimizer", 2, runs["out"])[0]["memory"]
+    assert off["optimizer_bytes"] == 0 and "host_optimizer_bytes" not in on
+    assert off["host_optimizer_bytes"] == on["optimizer_bytes"] + on["param_bytes"] + on["grad_bytes"]
+    assert (off["param_bytes"], off["grad_bytes"]) == (on["param_bytes"], on["grad_bytes"])
