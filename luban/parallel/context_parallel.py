@@ -46,11 +46,13 @@ def _ring_shift(x: torch.Tensor, mesh: DeviceMesh, rank: int, cp: int) -> torch.
 
 
 def _block(q, k, v, mask, scale):
-    """Attention of q against one K/V block: (output, log-sum-exp), in fp32."""
-    scores = (q @ k.transpose(-1, -2)) * scale
-    scores = scores.masked_fill(~mask, MASKED)
-    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
-    return torch.exp(scores - lse) @ v, lse
+    """Attention of q against one K/V block: (output, log-sum-exp), in fp32 (autocast off: under
+    fp16 autocast the scores would be half precision and ``MASKED`` would not fit)."""
+    with torch.autocast(q.device.type, enabled=False):
+        scores = (q @ k.transpose(-1, -2)) * scale
+        scores = scores.masked_fill(~mask, MASKED)
+        lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+        return torch.exp(scores - lse) @ v, lse
 
 
 class RingAttention:

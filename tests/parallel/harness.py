@@ -101,6 +101,8 @@ def run_job(job: dict) -> dict:
     optim = OptimizerConfig(**{"name": "sgd", "weight_decay": 0.0, **job.get("optim", {})})
     gb = job.get("global_batch", 8)
     engine = build_engine(cfg, layout, optim, gb, seed=0, device=torch.device("cpu"))
+    if job.get("init_scale"):  # fp16: a loss scale that overflows the first backward
+        engine.scaler.scale = job["init_scale"]
     if job.get("load"):
         sd = engine.state_dict()
         dcp.load(sd, checkpoint_id=job["load"])
@@ -120,7 +122,7 @@ def run_job(job: dict) -> dict:
     agree = engine.any_rank(engine.rank == engine.world_size - 1) and not engine.any_rank(False)
     engine.barrier()
     return {"params": full_params(engine), "losses": losses, "norms": norms, "memory": memory, "any_rank": agree,
-            "eval": eval_loss}
+            "eval": eval_loss, "scale": engine.scaler.scale}
 
 
 def main(jobs_file: str, out_dir: str) -> int:

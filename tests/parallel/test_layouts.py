@@ -36,9 +36,7 @@ MATRIX = {
         job("pp2-1f1b-llama", "tiny-llama", pp=2, micro_batch=1), job("pp2-split-3-1", pp=2, pp_split=[3, 1]),
         job("cp2", cp=2), job("cp2-llama", "tiny-llama", cp=2),
         job("zero3-dp2-offload-params", dp=2, zero=3, offload="params"),
-        *[job(f"zero{z}-dp2-offload-optimizer", dp=2, zero=z, offload="optimizer") for z in (1, 2, 3)],
-        job("zero3-dp2-bf16-smoke", dp=2, zero=3, precision="bf16"),
-        job("zero2-dp2-fp16-smoke", dp=2, zero=2, precision="fp16"), job("dp2-fp16-smoke", dp=2, precision="fp16")],
+        *[job(f"zero{z}-dp2-offload-optimizer", dp=2, zero=z, offload="optimizer") for z in (1, 2, 3)]],
     4: [*[job(f"zero{z}-dp4", dp=4, zero=z) for z in (0, 1, 2, 3)],
         job("hybrid-2x2-zero3", dp=4, dp_replicate=2, zero=3), job("hybrid-2x2-zero2-llama", "tiny-llama", dp=4,
                                                                    dp_replicate=2, zero=2),
@@ -58,7 +56,6 @@ MATRIX = {
         job("cp2-tp2-dp2-zero2-llama", "tiny-llama", cp=2, tp=2, dp=2, zero=2),
         job("hybrid-2x2-zero3-cp2-llama", "tiny-llama", dp=4, dp_replicate=2, zero=3, cp=2)],
 }
-SMOKE = {"zero3-dp2-bf16-smoke", "zero2-dp2-fp16-smoke", "dp2-fp16-smoke"}  # low precision: close, not 1e-5
 
 # resharding: (name, save layout, load layout, preset); world size 1 = single-process Engine
 RESHARD = [
@@ -133,9 +130,6 @@ def test_layout_matches_single_process(runs, nproc, spec):
     losses = per_rank[0]["losses"]
     assert all(r["losses"] == losses for r in per_rank), "ranks disagree on the global loss"
     assert all(r["any_rank"] for r in per_rank)
-    if spec["name"] in SMOKE:
-        assert all(torch.isfinite(torch.tensor(losses))) and max_diff(params, ref["params"]) < 5e-2
-        return
     assert max_diff(params, ref["params"]) < TOL
     assert losses == pytest.approx(ref["losses"], abs=TOL)
     assert per_rank[0]["norms"] == pytest.approx(ref["norms"], abs=TOL)
