@@ -20,8 +20,9 @@ def register(sub) -> None:
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("demo", help="train the demo model on the embedded corpus, then print samples",
-                       description="luban train on the packaged demo config with 4 CPU ranks and a planned layout "
-                                   "(--nproc 4 --parallel auto), then three samples.")
+                       description="luban train on the packaged demo config with 4 CPU ranks: the first half of "
+                                   "the steps on the planner's layout (--nproc 4 --parallel auto), the second half "
+                                   "resumed on pp=2 x dp=2 (ZeRO-1), then three samples.")
     _train_args(p)
     p.set_defaults(func=cmd_demo, config=str(DEMO_CONFIG), nproc=4, parallel="auto")
 
@@ -99,14 +100,29 @@ def cmd_train(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    rc = _run_training(args)
-    if rc or os.environ.get("RANK", "0") != "0":
-        return rc
+    """The first half of the steps on the planner's layout, the second half resumed from its
+    checkpoint on another one (pipeline x data parallel): a run moves between layouts."""
     from luban.config import load_config
 
-    run_dir = load_config(args.config, args.set).run.dir
-    print(f"\nSamples from {run_dir}:")
-    return cmd_sample(argparse.Namespace(checkpoint=run_dir, prompt="def ", tokens=160, samples=3,
+    cfg = load_config(args.config, args.set)
+    world, half = args.nproc * args.nnodes, cfg.train.steps // 2
+    if world % 2 or "WORLD_SIZE" in os.environ:  # no second layout to move to (or already a rank)
+        rc = _run_training(args)
+    else:
+        first = argparse.Namespace(**{**vars(args), "set": [*args.set, f"train.steps={half}"]})
+        rc = _run_training(first)
+        if rc == 0:
+            dp = world // 2
+            layout = {"pp": 2, "dp": dp, "zero": 1 if dp > 1 else 0, "schedule": '"1f1b"', "micro_batch": 2}
+            print(f"\nsteps {half + 1}-{cfg.train.steps}: resuming step {half}'s checkpoint on another layout: "
+                  + ", ".join(f"{k}={v}" for k, v in layout.items()).replace('"', ""), flush=True)
+            second = argparse.Namespace(**{**vars(args), "parallel": "config", "resume": "auto",
+                                           "set": [*args.set, *(f"parallel.{k}={v}" for k, v in layout.items())]})
+            rc = _run_training(second)
+    if rc or os.environ.get("RANK", "0") != "0":
+        return rc
+    print(f"\nSamples from {cfg.run.dir}:")
+    return cmd_sample(argparse.Namespace(checkpoint=cfg.run.dir, prompt="def ", tokens=160, samples=3,
                                          temperature=0.8, top_k=40, seed=0, data=None))
 
 

@@ -75,3 +75,16 @@ def test_every_command_has_help():
     for cmd in ("train", "demo", "sample", "export", "import", "data"):
         proc = luban(cmd, "--help", check=0)
         assert "usage: luban" in proc.stdout
+
+
+@pytest.mark.multirank
+def test_demo_plans_then_moves_the_run_to_another_layout(tiny, tmp_path):
+    """The README's ``luban demo`` path, shortened: 4 ranks, planned layout for the first half,
+    resumed on pp=2 x dp=2 for the second, then samples."""
+    proc = luban("demo", *_sets(tiny(**{"train.steps": 10, "train.global_batch": 8, "train.eval_every": 0})),
+                 check=0, timeout=600)
+    assert proc.stdout.count("plan: ") == 1 and "plan vs measured: step_time_s" in proc.stdout
+    assert "steps 6-10: resuming step 5's checkpoint on another layout: pp=2, dp=2, zero=1" in proc.stdout
+    assert "resumed from" in proc.stdout and "Samples from" in proc.stdout
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    assert [r["step"] for r in records] == list(range(1, 11))
