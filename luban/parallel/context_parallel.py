@@ -11,6 +11,16 @@ Llama 3). Each attention layer computes its queries against its own key/value bl
 passes the K/V block round the ring cp-1 times (``all_to_all_single_autograd`` with a single
 peer: the backward sends gradients the other way). Partial results are merged exactly with
 the online-softmax rule: out = Σ_j exp(lse_j - lse)·out_j, lse = logsumexp_j lse_j.
+
+This composes with the split-backward pipeline schedules (zero-bubble, dualpipev), which
+run ``torch.autograd.grad`` towards the stage inputs first (dI) and from the saved
+"intermediates" to the weights later (dW): K and V are functions of the stage input, so
+every ring shift's backward (the all-to-all in the other direction) lies on the dI path and
+runs once, in the same order on every cp rank; the dW pass starts where the parameters meet
+the input path (the projections' matmuls, the norms' products) and reaches no collective.
+(The first stage's input, tokens, has no gradient: it skips dI and runs one full backward in
+its dW slot, identically on every cp rank.) Data parallelism over the cp ranks must then be
+FSDP2 with zero 1 or 2 (see ``ParallelLayout.check_keys``), as for dp.
 """
 
 from __future__ import annotations

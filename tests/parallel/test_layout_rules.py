@@ -26,10 +26,20 @@ def test_tensor_parallel_with_data_parallel_needs_fsdp():
 
 
 @pytest.mark.parametrize("schedule", ["zero-bubble", "dualpipev"])
-def test_split_backward_schedules_exclude_context_parallel(schedule):
-    with pytest.raises(LubanError, match="interleaved-1f1b"):
-        check(pp=2, cp=2, zero=1, schedule=schedule, virtual_stages=2)
-    check(pp=2, cp=2, zero=1, schedule="interleaved-1f1b", virtual_stages=2)
+def test_split_backward_schedules_allow_context_parallel(schedule):
+    """The ring shift's backward always lies on the input-gradient path (numerics: test_layouts)."""
+    check(pp=2, cp=2, zero=1, schedule=schedule, virtual_stages=2)
+    check(pp=2, cp=2, zero=2, schedule=schedule, virtual_stages=2)
+    with pytest.raises(LubanError, match="nearest: zero = 1"):  # DDP over the cp ranks
+        check(pp=2, cp=2, schedule=schedule, virtual_stages=2)
+
+
+@pytest.mark.parametrize("schedule", ["zero-bubble", "dualpipev"])
+def test_split_backward_schedules_exclude_zero3(schedule):
+    for layout in ({"dp": 2}, {"cp": 2}):
+        with pytest.raises(LubanError, match="nearest: zero = 2"):
+            check(pp=2, zero=3, schedule=schedule, virtual_stages=2, **layout)
+    check(pp=2, zero=3, schedule=schedule, virtual_stages=2)  # no data parallel: no FSDP2 wrapper
 
 
 @pytest.mark.parametrize("schedule", ["zero-bubble", "dualpipev"])
