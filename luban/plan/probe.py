@@ -2,8 +2,9 @@
 
 Measures matmul FLOP/s vs size (fp32, and bf16), memory bandwidth (a large copy), and gloo
 all-reduce / all-gather / reduce-scatter time vs message size between 2 local processes, and
-the CPU terms (``[cpu]``: per-op and per-tensor framework overhead, a reference micro-batch alone
-and in 2 processes at once, hence the oversubscription exponent; docs/planner.md). A
+the CPU terms (``[cpu]``: per-op and per-tensor framework overhead, plain and under tensor
+parallelism / FSDP2, a reference micro-batch on all threads and on one, and what ranks that
+outnumber the cores cost: 2·cores processes at once; docs/planner.md). A
 "GPU" of the profile is one training process; the planner's ``runtime="luban"`` estimates
 then describe luban's CPU runs. ``cached_profile()`` keeps one probe per host and torch version.
 """
@@ -20,6 +21,7 @@ from pathlib import Path
 MATMUL_SIZES = (64, 128, 256, 512, 1024)
 MESSAGE_SIZES = (2**10, 2**14, 2**17, 2**20, 2**22)
 REFERENCE_BATCH = 4  # the "tiny" preset at 4 x 128 tokens: framework_overhead's reference_s
+OVERSUBSCRIBED_MAX = 8  # processes the oversubscription probe may start
 
 
 def _best_seconds(fn, budget: float, min_reps: int = 3, stat=min, warmup: int = 1) -> float:
@@ -62,15 +64,28 @@ def memory_bandwidth(nbytes: int = 2**27, budget: float = 0.3) -> float:
     return 2 * nbytes / _best_seconds(lambda: dst.copy_(src), budget)
 
 
+def reference_seconds(budget: float) -> float:
+    """Median seconds of one forward + backward of the "tiny" preset at micro-batch
+    ``REFERENCE_BATCH`` on this process's threads, after 3 warm-up passes (the first passes of a
+    fresh model run 2-5x slower while the allocator grows its pools)."""
+    import torch
+
+    from luban.model.presets import get_preset
+    from luban.model.transformer import build_model, lm_loss
+
+    tiny = get_preset("tiny")
+    model, x = build_model(tiny), torch.randint(0, tiny.vocab, (REFERENCE_BATCH, tiny.seq_len))
+    return _best_seconds(lambda: lm_loss(model(x), x).backward(), budget, min_reps=5, warmup=3, stat=sorted_median)
+
+
 def framework_overhead(budget: float = 1.5) -> dict:
     """Seconds per ATen operation of luban's forward + backward and per parameter tensor of its
     optimizer step (gradient norm, AdamW, zero_grad as ``Engine.step`` does them), on a 4-layer
     GPT at tiny widths where fixed costs are all there is (``luban.plan.overhead``); and
     ``reference_s``, one forward + backward of the "tiny" preset at micro-batch
     ``REFERENCE_BATCH``, wide enough for the kernels to use every thread, and
-    ``reference_one_thread_s``, the same on one thread (how kernels scale with threads). The
-    first few passes of a fresh model run 2-5x slower (the allocator grows its pools), so the
-    reference is warmed up 3 times. Each is the median of repeated runs, as the trainer reports
+    ``reference_one_thread_s``, the same on one thread (how kernels scale with threads;
+    ``reference_seconds``). Each is the median of repeated runs, as the trainer reports
     the median step (with this process's thread count; ``cpu_profile`` relates it to a launched
     rank's)."""
     import torch
@@ -82,9 +97,7 @@ def framework_overhead(budget: float = 1.5) -> dict:
     def best(fn, warmup=1):
         return _best_seconds(fn, budget / 4, min_reps=5, warmup=warmup, stat=sorted_median)
 
-    tiny = get_preset("tiny")
-    reference, ref_x = build_model(tiny), torch.randint(0, tiny.vocab, (REFERENCE_BATCH, tiny.seq_len))
-    cfg = shrink(tiny, 4)
+    cfg = shrink(get_preset("tiny"), 4)
     model = build_model(cfg)
     x = torch.randint(0, cfg.vocab, (1, cfg.seq_len))
     params = list(model.parameters())
@@ -98,14 +111,11 @@ def framework_overhead(budget: float = 1.5) -> dict:
 
     op = best(lambda: lm_loss(model(x), x).backward()) / count_ops(cfg)
     tensor = max(1e-9, best(step) - op * count_ops(cfg)) / len(params)
-    def reference_step():
-        lm_loss(reference(ref_x), ref_x).backward()
-
     threads = torch.get_num_threads()
-    reference_s = best(reference_step, warmup=3)
+    reference_s = reference_seconds(budget / 4)
     torch.set_num_threads(1)
     try:
-        one_thread_s = best(reference_step)
+        one_thread_s = reference_seconds(budget / 4)
     finally:
         torch.set_num_threads(threads)
     return {"op_overhead_s": op, "tensor_overhead_s": tensor, "reference_s": reference_s,
@@ -214,9 +224,8 @@ def _collective_worker(rank: int, world: int, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
-def collective_times(world: int = 2) -> dict:
-    """Seconds per collective and message size between ``world`` local gloo processes, and
-    (``"overhead"``) ``framework_overhead()`` of one of them while all ``world`` run it."""
+def _spawn(worker, world: int) -> dict:
+    """Run ``worker(rank, world, port, out)`` on ``world`` local processes; rank 0's JSON result."""
     import tempfile
 
     import torch.multiprocessing as mp
@@ -225,11 +234,46 @@ def collective_times(world: int = 2) -> dict:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "collectives.json")
-        mp.spawn(_collective_worker, args=(world, port, out), nprocs=world, join=True)
-        raw = json.loads(Path(out).read_text())
+        out = os.path.join(tmp, "result.json")
+        mp.spawn(worker, args=(world, port, out), nprocs=world, join=True)
+        return json.loads(Path(out).read_text())
+
+
+def collective_times(world: int = 2) -> dict:
+    """Seconds per collective and message size between ``world`` local gloo processes, and
+    (``"overhead"``) ``framework_overhead()`` of one of them while all ``world`` run it."""
+    raw = _spawn(_collective_worker, world)
     overhead = raw.pop("overhead")
     return {"overhead": overhead, **{name: {int(k): v for k, v in sizes.items()} for name, sizes in raw.items()}}
+
+
+def _oversubscribed_worker(rank: int, world: int, port: int, out: str) -> None:
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    torch.set_num_threads(1)  # as luban.parallel.launch sets ranks that outnumber the cores
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    x = torch.ones(MESSAGE_SIZES[0] // 4)
+    dist.barrier()
+    result = {"all_reduce_s": _best_seconds(lambda: dist.all_reduce(x), 0, min_reps=30, stat=sorted_median)}
+    dist.barrier()
+    result["reference_s"] = reference_seconds(1.0)
+    if rank == 0:
+        Path(out).write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def oversubscribed_times(cores: int) -> "dict | None":
+    """A smallest-message all-reduce and the reference pass (``reference_seconds``) when
+    2·cores one-thread processes share the cores, as ``luban train --nproc N`` with N > cores
+    runs; None on hosts of more than ``OVERSUBSCRIBED_MAX // 2`` cores (too many processes to
+    start for a probe)."""
+    if 2 * cores > OVERSUBSCRIBED_MAX:
+        return None
+    return {"world": 2 * cores, **_spawn(_oversubscribed_worker, 2 * cores)}
 
 
 def fit_collectives(times: dict, world: int) -> dict:
@@ -249,6 +293,8 @@ def probe_system(world: int = 2) -> dict:
     """Measure this machine; return a profile dict (see ``luban.plan.system``)."""
     import torch
 
+    from luban.parallel.launch import host_cores
+
     cores = os.cpu_count() or 1
     mem_total = _mem_total()
     fp32 = {n: matmul_flops(n, budget=0.1) for n in MATMUL_SIZES}
@@ -257,7 +303,8 @@ def probe_system(world: int = 2) -> dict:
     hbm = memory_bandwidth()
     times = collective_times(world)
     coll = fit_collectives(times, world)
-    cpu = cpu_profile(framework_overhead(), times["overhead"], world)
+    cpu = cpu_profile(framework_overhead(), times["overhead"], world, oversubscribed_times(host_cores()),
+                      coll["latency"])
     sizes = [2.0 * n**3 for n in MATMUL_SIZES]
     profile = {
         "name": f"probe-{socket.gethostname()}",
@@ -305,17 +352,21 @@ def fit_elementwise_traffic(profile: dict) -> float:
     return max(0.0, (measured - base) / (predicted(1.0) - base))
 
 
-def cpu_profile(alone: dict, together: dict, world: int) -> dict:
+def cpu_profile(alone: dict, together: dict, world: int, over: "dict | None" = None, latency: float = 0.0) -> dict:
     """The profile's ``[cpu]`` table from ``framework_overhead()`` of one process (``alone``, this
-    process's ``threads``) and of one of ``world`` processes running it at once (``together``, each
+    process's ``threads``), of one of ``world`` processes running it at once (``together``, each
     with ``rank_threads(cores, world)`` threads, as launched ranks have), which also holds their
-    ``parallel_overhead()``.
+    ``parallel_overhead()``, and ``oversubscribed_times()`` (``over``; None: not measured).
 
     Ranks that together run more threads than there are cores contend for them: a rank's
-    framework overhead runs max(1, N·t/cores)^γ times slower than alone. γ is fitted to the two
-    ``reference_s`` measurements after taking out the threads the ranks have fewer of than this
-    process (``luban.plan.time.thread_slowdown``) (γ = 1: a fair share of the cores; more when OpenMP threads stall each other); it is 1
-    when ``world`` processes do not oversubscribe the cores."""
+    framework overhead runs max(1, N·t/cores)^γ times slower than alone (γ = 1: a fair share of
+    the cores; more when they stall each other), and each step of a ring collective waits
+    ``oversubscribed_stall_s`` × (N·t/cores − 1) longer for peers that are not running. Both
+    come from ``over`` (2·cores one-thread processes: N·t/cores = 2): γ from its reference pass
+    against ``reference_one_thread_s``, the stall from its all-reduce against the 2-process
+    ``latency`` per ring step. Without ``over``, γ is fitted to ``together`` where its processes
+    oversubscribe the cores (after taking out the threads they have fewer of than this process,
+    ``luban.plan.time.thread_slowdown``) and is 1 otherwise, and the stall is 0 (1e-9)."""
     import math
 
     import torch
@@ -324,15 +375,20 @@ def cpu_profile(alone: dict, together: dict, world: int) -> dict:
     from luban.plan.time import thread_slowdown
 
     cores, threads = host_cores(), torch.get_num_threads()
-    each = rank_threads(cores, world)
-    over = world * each / cores
-    gamma = 1.0
-    if over > 1:
-        fewer_threads = thread_slowdown({**alone, "threads": threads}, each)
-        ratio = together["reference_s"] / alone["reference_s"] / fewer_threads
-        gamma = max(1.0, math.log(ratio) / math.log(over)) if ratio > 1 else 1.0
-    return {"cores": cores, "threads": threads, "oversubscription_exponent": gamma, **alone,
-            **{k: together[k] for k in ("tp_op_overhead_s", "fsdp_group_overhead_s", "dtensor_tensor_overhead_s")}}
+    gamma, stall = 1.0, 1e-9
+    if over:
+        ratio = over["reference_s"] / alone["reference_one_thread_s"]
+        gamma = max(1.0, math.log(ratio) / math.log(over["world"] / cores)) if ratio > 1 else 1.0
+        stall = max(stall, over["all_reduce_s"] / (2 * (over["world"] - 1)) - latency)
+    else:
+        each = rank_threads(cores, world)
+        factor = world * each / cores
+        if factor > 1:
+            fewer_threads = thread_slowdown({**alone, "threads": threads}, each)
+            ratio = together["reference_s"] / alone["reference_s"] / fewer_threads
+            gamma = max(1.0, math.log(ratio) / math.log(factor)) if ratio > 1 else 1.0
+    return {"cores": cores, "threads": threads, "oversubscription_exponent": gamma, "oversubscribed_stall_s": stall,
+            **alone, **{k: together[k] for k in ("tp_op_overhead_s", "fsdp_group_overhead_s", "dtensor_tensor_overhead_s")}}
 
 
 def _mem_total() -> float:

@@ -27,7 +27,7 @@ SYSTEMS_DIR = Path(__file__).with_name("systems")
 EFFICIENCY_KEYS = {"matmul_size": None, "matmul": None, "collective_size": None, "collective": None,
                    "elementwise_traffic": 2.0, "hbm_efficiency": 0.8, "dp_overlap": 0.0, "zero3_overlap": 0.8,
                    "pp_overlap": 0.0}
-CPU_KEYS = ("cores", "threads", "oversubscription_exponent", "op_overhead_s", "tensor_overhead_s", "reference_s",
+CPU_KEYS = ("cores", "threads", "oversubscription_exponent", "oversubscribed_stall_s", "op_overhead_s", "tensor_overhead_s", "reference_s",
             "reference_one_thread_s", "tp_op_overhead_s", "fsdp_group_overhead_s",
             "dtensor_tensor_overhead_s")
 

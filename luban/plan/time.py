@@ -28,7 +28,7 @@ def collective(problem: Problem, nbytes, n, intra, kind: str):
     factor, steps = {ALL_REDUCE: (2 * (n - 1) / n, 2 * (n - 1)), GATHER: ((n - 1) / n, n - 1),
                      P2P: (np.ones_like(n, dtype=float), np.ones_like(n))}[kind]
     bandwidth = np.where(intra, s.nvlink_bandwidth, s.internode_bandwidth)
-    latency = np.where(intra, s.nvlink_latency, s.internode_latency)
+    latency = np.where(intra, s.nvlink_latency, s.internode_latency) + cpu_stall(problem)
     seconds = steps * latency + factor * nbytes / (bandwidth * s.collective_efficiency(nbytes))
     return np.where(n > 1, seconds, 0.0)
 
@@ -41,6 +41,24 @@ def peak_flops(problem: Problem, g: Grid):
     """Dense FLOP/s per GPU of each layout's precision."""
     peaks = np.array([problem.system.peak(p) for p in PRECISIONS])
     return peaks[g.precision]
+
+
+def oversubscription(problem: Problem) -> float:
+    """N·t/cores for the N ranks of a CPU run of luban with t = rank_threads(cores, N) each
+    (1 without a ``[cpu]`` table or for ``runtime="megatron"``)."""
+    from luban.parallel.launch import rank_threads
+
+    cpu = problem.system.cpu
+    if not cpu or problem.runtime != "luban":
+        return 1.0
+    return problem.gpus * rank_threads(int(cpu["cores"]), problem.gpus) / cpu["cores"]
+
+
+def cpu_stall(problem: Problem) -> float:
+    """Seconds each ring step of a collective waits for peers the oversubscribed cores are not
+    running: ``oversubscribed_stall_s`` × (N·t/cores − 1), 0 when the ranks fit the cores."""
+    over = oversubscription(problem)
+    return problem.system.cpu["oversubscribed_stall_s"] * (over - 1) if over > 1 else 0.0
 
 
 def cpu_terms(problem: Problem) -> dict:
@@ -70,7 +88,7 @@ def cpu_terms(problem: Problem) -> dict:
     counts = model_overhead_counts(problem.model)
     op = cpu["op_overhead_s"]
     threads = rank_threads(int(cpu["cores"]), problem.gpus)
-    contend = max(1.0, problem.gpus * threads / cpu["cores"]) ** cpu["oversubscription_exponent"]
+    contend = max(1.0, oversubscription(problem)) ** cpu["oversubscription_exponent"]
     return {"slow": contend * thread_slowdown(cpu, threads), "contend": contend,
             "layer": counts["layer_ops"] * op, "rest": counts["rest_ops"] * op,
             "tp_layer": counts["layer_ops"] * cpu["tp_op_overhead_s"], "tp_rest": counts["rest_ops"] * cpu["tp_op_overhead_s"],

@@ -17,7 +17,7 @@ from luban.plan.problem import Problem
 from luban.plan.system import System, load_system
 from luban.plan.time import cpu_terms, dp_collective_counts, step_time, thread_slowdown
 
-CPU = {"cores": 2, "threads": 1, "oversubscription_exponent": 1.0, "op_overhead_s": 1e-5, "tensor_overhead_s": 2e-5,
+CPU = {"cores": 2, "threads": 1, "oversubscription_exponent": 1.0, "oversubscribed_stall_s": 1e-9, "op_overhead_s": 1e-5, "tensor_overhead_s": 2e-5,
        "reference_s": 0.1, "reference_one_thread_s": 0.2,
        "tp_op_overhead_s": 1e-4, "fsdp_group_overhead_s": 1e-3, "dtensor_tensor_overhead_s": 5e-5}
 
@@ -122,7 +122,20 @@ def test_probe_fits_the_oversubscription_exponent(monkeypatch):
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
     monkeypatch.setattr("torch.get_num_threads", lambda: 2)  # 2 ranks of 1 thread on 2 cores: no contention
     assert probe.cpu_profile(alone, {**together, "reference_s": 0.8}, world=2)["oversubscription_exponent"] == 1.0
+    # measured with 4 one-thread processes on the 2 cores: 2^1.5 slower, 10 ms per all-reduce
+    over = {"world": 4, "reference_s": 0.1 * 2**1.5, "all_reduce_s": 0.010}
+    cpu = probe.cpu_profile(alone, together, world=2, over=over, latency=0.5e-3)
+    assert cpu["oversubscription_exponent"] == pytest.approx(1.5)
+    assert cpu["oversubscribed_stall_s"] == pytest.approx(0.010 / 6 - 0.5e-3)  # 2(n-1) ring steps
     System.from_dict({**json.loads(json.dumps(load_system("dgx-a100-80g").to_dict())), "cpu": cpu})
+
+
+def test_collectives_wait_for_descheduled_peers_only_when_ranks_outnumber_cores():
+    layout = ParallelLayout(dp=4, zero=2, micro_batch=2)
+    base, more = step(gpus=4, layout=layout), step(gpus=4, layout=layout, oversubscribed_stall_s=1e-3)
+    assert float(more["parts"]["dp_comm"]) > float(base["parts"]["dp_comm"]) + 20 * 3 * 1e-3 * 0.99  # 20 collectives, 3 steps
+    two = ParallelLayout(dp=2, zero=2, micro_batch=4)
+    assert float(step(gpus=2, layout=two, oversubscribed_stall_s=1e-3)["step"]) == float(step(gpus=2, layout=two)["step"])
 
 
 def test_no_cpu_terms_on_gpu_profiles_or_for_megatron():

@@ -35,7 +35,7 @@ def test_fit_collectives_recovers_ring_model():
 def fake_profile():
     p = json.loads(json.dumps(load_system("dgx-a100-80g").to_dict()))
     p.update(name="probe-test", peak_flops={"fp32": 5e10, "bf16": 1e9, "fp16": 1e9}, hbm_bytes=4e9, gpus_per_node=2,
-             nvlink_domain=2, cpu={"cores": 2, "threads": 2, "oversubscription_exponent": 1.0, "op_overhead_s": 1e-5,
+             nvlink_domain=2, cpu={"cores": 2, "threads": 2, "oversubscription_exponent": 1.0, "oversubscribed_stall_s": 1e-9, "op_overhead_s": 1e-5,
                                    "tensor_overhead_s": 1e-5, "reference_s": 0.05, "reference_one_thread_s": 0.08,
                                    "tp_op_overhead_s": 1e-4, "fsdp_group_overhead_s": 1e-3, "dtensor_tensor_overhead_s": 5e-5})
     return p
@@ -86,6 +86,7 @@ def test_probe_system_writes_a_loadable_profile(tmp_path, monkeypatch):
     fake["overhead"] = {"op_overhead_s": 1e-3, "tensor_overhead_s": 1e-3, "reference_s": 1.0, "reference_one_thread_s": 1.5,
                       "tp_op_overhead_s": 1e-2, "fsdp_group_overhead_s": 1e-2, "dtensor_tensor_overhead_s": 1e-2}
     monkeypatch.setattr(probe, "collective_times", lambda world=2: fake)
+    monkeypatch.setattr(probe, "oversubscribed_times", lambda cores: {"world": 4, "reference_s": 3.0, "all_reduce_s": 0.01})
     monkeypatch.setattr(probe, "MATMUL_SIZES", (32, 64))
     profile = probe.probe_system()
     system = load_system(probe.write_profile(profile, tmp_path / "me.toml"))
