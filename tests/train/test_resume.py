@@ -64,8 +64,9 @@ def test_suspend_by_signal_k_times_is_bitwise_exact(tiny, tmp_path):
 
 
 def test_second_sigint_exits_at_once(tiny, tmp_path):
-    # steps of ~1 s, so both signals land within one step
-    big = {"train.steps": 500, "model.hidden": 512, "model.seq_len": 128, "train.global_batch": 16}
+    # steps of ~4 s on an idle 2-core host, so both signals land within one step even when a
+    # loaded host delays the second one (at ~1 s steps, CI once saw the step end in between)
+    big = {"train.steps": 500, "model.hidden": 512, "model.seq_len": 128, "train.global_batch": 64}
     args = ["train", *sum((["--set", s] for s in tiny(**big)), [])]
     proc = subprocess.Popen([sys.executable, "-m", "luban", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
