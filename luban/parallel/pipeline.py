@@ -19,6 +19,13 @@ dualpipev          ScheduleDualPipeV                V      DeepSeek-V3 2024 (Dua
 
 "loop": rank r holds stages r, r+pp, ...; "V": rank r holds stages r and 2pp-1-r, so the
 first and the last stage share rank 0.
+
+The split-backward schedules (zero-bubble, dualpipev) find a stage's weights by listing
+``submod.parameters()`` when the input pass starts and again at the weight pass; under
+FSDP2 with ``reshard_after_forward`` (ZeRO-3) those are then the *sharded* parameters, not
+the unsharded ones the forward used, so torch would silently drop the weight gradients of
+every micro-batch whose stage was resharded at that moment. ``_Stage`` unshards the stage
+first (``_unshard_stage``).
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage, schedules
 
 from luban.model import flops
@@ -131,6 +139,35 @@ class TransformerPipeline:
         return model
 
 
+def _unshard_stage(module: nn.Module) -> None:
+    """All-gather every FSDP2 unit of a stage (a no-op for units already unsharded), so that
+    ``module.parameters()`` are the unsharded parameters: the autograd leaves of its forward."""
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.unshard()
+
+
+class _Stage(PipelineStage):
+    """``PipelineStage`` whose split backward sees the parameters the forward used.
+
+    torch's ``stage_backward_input`` maps each parameter's gradient accumulator into the
+    autograd graph to find what the weight pass must compute, and ``stage_backward_weight``
+    looks the results up by the parameters listed again; both list ``submod.parameters()``.
+    FSDP2 swaps a module's registered parameters between sharded DTensors and unsharded
+    tensors, and with ``reshard_after_forward=True`` a stage is sharded after its forward:
+    the sharded parameters are not in the graph, the weight pass gets no parameter groups,
+    and those weight gradients are lost (silently; a tied head whose gradient never appears
+    then skips the tie all-reduce its partner waits in). Unsharding first costs no extra
+    all-gather for the input pass (backward would gather each block anyway) and one for the
+    weight pass only when a forward of this stage resharded it in between; FSDP's
+    ``post_backward`` at the schedule's gradient reduction reshards as usual."""
+
+    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
+        if backward_type in ("input", "weight"):
+            _unshard_stage(self.submod)
+        return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
+
+
 class Pipeline:
     """This rank's stages of ``model`` and a schedule over ``pp_mesh``.
 
@@ -150,7 +187,7 @@ class Pipeline:
             module = model.build_stage(sid, self.num_stages)
             module = prepare(module, sid) if prepare else module
             self.parts.append(module)
-            self.stages.append(PipelineStage(module, sid, self.num_stages, device, group=self.group))
+            self.stages.append(_Stage(module, sid, self.num_stages, device, group=self.group))
         self.schedule_cls = getattr(schedules, cls_name)
         self._schedules: dict[int, object] = {}
         self.has_first = 0 in self.stage_ids

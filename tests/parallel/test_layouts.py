@@ -52,7 +52,12 @@ MATRIX = {
                                         schedule="interleaved-1f1b", virtual_stages=2),
         job("pp2-cp2-zero1-zb-llama", "tiny-llama", pp=2, cp=2, zero=1, schedule="zero-bubble", virtual_stages=2,
             micro_batch=2),
-        job("pp2-cp2-zero2-dualpipev", pp=2, cp=2, zero=2, schedule="dualpipev", virtual_stages=2, micro_batch=2)],
+        job("pp2-cp2-zero2-dualpipev", pp=2, cp=2, zero=2, schedule="dualpipev", virtual_stages=2, micro_batch=2),
+        # ZeRO-3 under split backward: stages unshard before the input/weight passes (pipeline._Stage)
+        job("pp2-dp2-zero3-zb-llama", "tiny-llama", pp=2, dp=2, zero=3, schedule="zero-bubble", virtual_stages=2,
+            micro_batch=2),
+        job("pp2-dp2-zero3-dualpipev", pp=2, dp=2, zero=3, schedule="dualpipev", virtual_stages=2),
+        job("pp2-cp2-zero3-zb", pp=2, cp=2, zero=3, schedule="zero-bubble", virtual_stages=2, micro_batch=2)],
     8: [job("pp2-zero3-dp2-tp2", pp=2, dp=2, tp=2, zero=3),
         job("pp2-zero3-dp2-tp2-sp-llama", "tiny-llama", pp=2, dp=2, tp=2, sp=True, zero=3, schedule="interleaved-1f1b",
             virtual_stages=2),
