@@ -334,7 +334,10 @@ class DistributedEngine(Engine):
         for p in self._params():
             if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
                 p.grad = p.grad.redistribute(p.device_mesh, p.placements)
-        grads = [_local(p.grad) for p in self._tied if p.grad is not None]
+        for p in self._tied:  # a copy without a gradient still joins the sum its partner waits in
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grads = [_local(p.grad) for p in self._tied]
         if len(grads) == 2:  # V schedules: both stages on this rank
             grads[0].add_(grads[1])
             grads[1].copy_(grads[0])

@@ -162,10 +162,10 @@ class _Stage(PipelineStage):
     weight pass only when a forward of this stage resharded it in between; FSDP's
     ``post_backward`` at the schedule's gradient reduction reshards as usual."""
 
-    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
+    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, *args, **kwargs):
         if backward_type in ("input", "weight"):
             _unshard_stage(self.submod)
-        return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
+        return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, *args, **kwargs)
 
 
 class Pipeline:
