@@ -30,7 +30,9 @@ def register(sub) -> None:
     common.add_argument("--gpus", type=int, required=True)
     common.add_argument("--seq", type=int, help="sequence length (default: the model's seq_len)")
     common.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
-    common.add_argument("--runtime", default="megatron", help="memory accounting: megatron or luban")
+    common.add_argument("--runtime", default=None,
+                        help="whose memory and time to model: megatron or luban (default: luban on a probed CPU "
+                             "profile, whose 'GPUs' are luban's own ranks; megatron otherwise)")
     common.add_argument("--optimizer", default="adamw", help="adamw, sgd or sgd-momentum")
     common.add_argument("--json", action="store_true", help="one JSON object on stdout")
 
@@ -84,7 +86,9 @@ def _problem(args):
 
     model = load_model(args.model)
     seq = args.seq or model.seq_len
-    return Problem(model, load_system(args.system), args.gpus, seq, args.global_batch, args.runtime, args.optimizer)
+    system = load_system(args.system)
+    runtime = args.runtime or ("luban" if system.cpu else "megatron")
+    return Problem(model, system, args.gpus, seq, args.global_batch, runtime, args.optimizer)
 
 
 def _layout(args, gpus: int):

@@ -80,3 +80,20 @@ def test_validate_prints_per_row_errors():
     assert r.returncode == 0, r.stderr
     assert "korthikanti2022-t5: 8 rows" in r.stdout and "narayanan2021-t1: 10 rows" in r.stdout
     assert "MISMATCH" not in r.stdout
+
+
+def test_estimate_on_a_probed_profile_models_luban_ranks(tmp_path):
+    """A profile with a ``[cpu]`` table describes luban's own ranks: the luban runtime (CPU
+    overheads included) is the default there; ``--runtime`` still overrides it."""
+    from tests.plan.test_probe_auto import fake_profile
+
+    from luban.plan.probe import write_profile
+
+    path = write_profile(fake_profile(), tmp_path / "probe.toml")
+    args = ("estimate", "--model", "tiny", "--system", str(path), "--gpus", "2", "--global-batch", "16", "--dp", "2",
+            "--zero", "2", "--json")
+    default, megatron = (json.loads(luban(*a).stdout) for a in (args, (*args, "--runtime", "megatron")))
+    assert default["runtime"] == "luban" and megatron["runtime"] == "megatron"
+    assert default["step_time_s"] > megatron["step_time_s"]  # framework overheads counted
+    bad = luban(*args, "--runtime", "deepspeed")
+    assert bad.returncode == 2 and "--runtime" in bad.stderr and "megatron" in bad.stderr
