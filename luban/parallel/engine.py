@@ -36,6 +36,7 @@ from luban.model.transformer import lm_loss
 from luban.parallel.data_parallel import apply_data_parallel, reshard, set_gradient_sync, uses_autocast
 from luban.parallel.layout import ParallelLayout, check_layout
 from luban.parallel.memory import ActivationCounter, optimizer_tensors, tensor_bytes
+from luban.parallel.memory import local as _local
 from luban.parallel.offload import OffloadedOptimizer
 from luban.parallel.pipeline import Pipeline, TransformerPipeline
 from luban.parallel.precision import LossScaler, autocast
@@ -71,10 +72,6 @@ def _optimizer(groups: list[dict], cfg: OptimizerConfig, device: torch.device) -
         return torch.optim.SGD(groups, lr=0.0, momentum=cfg.momentum)
     fused = device.type in ("cuda", "cpu") and not any(isinstance(p, DTensor) for g in groups for p in g["params"])
     return torch.optim.AdamW(groups, lr=0.0, betas=cfg.betas, eps=cfg.eps, fused=fused)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def unwrap(module: nn.Module) -> nn.Module:

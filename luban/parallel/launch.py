@@ -76,9 +76,9 @@ def launch(argv: list[str], nproc: int, nnodes: int = 1, node_rank: int = 0, mas
     threads = os.environ.get("OMP_NUM_THREADS") or str(rank_threads(host_cores(), nproc))
     children = []
     for local in range(nproc):
-        env = dict(os.environ, OMP_NUM_THREADS=threads, RANK=str(node_rank * nproc + local), LOCAL_RANK=str(local), WORLD_SIZE=str(world),
-                   LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK=str(node_rank), MASTER_ADDR=master_addr,
-                   MASTER_PORT=str(master_port))
+        env = dict(os.environ, OMP_NUM_THREADS=threads, RANK=str(node_rank * nproc + local), LOCAL_RANK=str(local),
+                   WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK=str(node_rank),
+                   MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
         # own session: a terminal's Ctrl-C reaches the children once, through us
         children.append(subprocess.Popen([sys.executable, "-m", module, *argv], env=env, start_new_session=True))
 

@@ -13,9 +13,15 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from torch.distributed.tensor import DTensor
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (the tensor itself otherwise)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _innermost(t: torch.Tensor) -> torch.Tensor:
     """The plain tensor behind a DTensor or a wrapper subclass (e.g. an async collective result)."""
     while True:
         inner = getattr(t, "_local_tensor", None)
@@ -30,7 +36,7 @@ def tensor_bytes(tensors) -> int:
     seen: dict[int, int] = {}
     for t in tensors:
         if t is not None:
-            storage = _local(t).untyped_storage()
+            storage = _innermost(t).untyped_storage()
             seen[storage.data_ptr()] = storage.nbytes()
     return sum(seen.values())
 
@@ -47,11 +53,11 @@ class ActivationCounter:
         self.params: set[int] = set()
 
     def _pack(self, t: torch.Tensor):
-        ptr = _local(t).untyped_storage().data_ptr()
+        ptr = _innermost(t).untyped_storage().data_ptr()
         if ptr not in self.storages and ptr not in self.params:
-            self.params = {_local(p).untyped_storage().data_ptr() for m in self.modules for p in m.parameters()}
+            self.params = {_innermost(p).untyped_storage().data_ptr() for m in self.modules for p in m.parameters()}
             if ptr not in self.params:
-                self.storages[ptr] = _local(t).untyped_storage().nbytes()
+                self.storages[ptr] = _innermost(t).untyped_storage().nbytes()
         return t
 
     @contextlib.contextmanager

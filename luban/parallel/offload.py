@@ -25,9 +25,8 @@ from typing import Callable
 import torch
 from torch.distributed.tensor import DTensor
 
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
+from luban.parallel.memory import local as _local
+from luban.parallel.memory import optimizer_tensors, tensor_bytes
 
 
 def _stamp(t: torch.Tensor) -> tuple[int, int]:
@@ -51,8 +50,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             host_groups.append({**g, "params": self._host[i:i + n]})
             i += n
         self.inner = make(host_groups)  # fills in every hyperparameter of every group
-        super().__init__([{**inner, "params": list(g["params"])} for g, inner in zip(param_groups, self.inner.param_groups)],
-                         defaults={})
+        device_groups = [{**inner, "params": list(g["params"])} for g, inner in zip(param_groups, self.inner.param_groups)]
+        super().__init__(device_groups, defaults={})
         self.state = _StateView(self)  # keyed by device parameter, as checkpoint code expects
 
     @staticmethod
@@ -88,7 +87,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict:
         sd = self.inner.state_dict()
-        sd["state"] = {i: {k: self._to_global(v, self._params[i]) for k, v in st.items()} for i, st in sd["state"].items()}
+        sd["state"] = {i: {k: self._to_global(v, self._params[i]) for k, v in st.items()}
+                       for i, st in sd["state"].items()}
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -108,8 +108,6 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     def host_bytes(self) -> int:
         """Bytes this optimizer keeps on the host: states, parameter and gradient copies."""
-        from luban.parallel.memory import optimizer_tensors, tensor_bytes
-
         return tensor_bytes([*self._host, *self._grads, *optimizer_tensors(self.inner)])
 
 

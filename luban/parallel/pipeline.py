@@ -156,8 +156,7 @@ class _Stage(PipelineStage):
     FSDP2 swaps a module's registered parameters between sharded DTensors and unsharded
     tensors, and with ``reshard_after_forward=True`` a stage is sharded after its forward:
     the sharded parameters are not in the graph, the weight pass gets no parameter groups,
-    and those weight gradients are lost (silently; a tied head whose gradient never appears
-    then skips the tie all-reduce its partner waits in). Unsharding first costs no extra
+    and those weight gradients are lost, silently. Unsharding first costs no extra
     all-gather for the input pass (backward would gather each block anyway) and one for the
     weight pass only when a forward of this stage resharded it in between; FSDP's
     ``post_backward`` at the schedule's gradient reduction reshards as usual."""

@@ -64,6 +64,24 @@ def memory_bandwidth(nbytes: int = 2**27, budget: float = 0.3) -> float:
     return 2 * nbytes / _best_seconds(lambda: dst.copy_(src), budget)
 
 
+def _training_step(model, x, opt):
+    """One step as ``Engine.step`` does it on a CPU: forward + backward, the gradient norm (one
+    fused kernel over the local shards), the optimizer step, zero_grad."""
+    import torch
+
+    from luban.model.transformer import lm_loss
+    from luban.parallel.memory import local
+
+    params = [p for group in opt.param_groups for p in group["params"]]
+
+    def step():
+        lm_loss(model(x), x).backward()
+        torch._foreach_norm([local(p.grad) for p in params])
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+    return step
+
+
 def reference_seconds(budget: float) -> float:
     """Median seconds of one forward + backward of the "tiny" preset at micro-batch
     ``REFERENCE_BATCH`` on this process's threads, after 3 warm-up passes (the first passes of a
@@ -94,21 +112,14 @@ def framework_overhead(budget: float = 1.5) -> dict:
     from luban.model.transformer import build_model, lm_loss
     from luban.plan.overhead import count_ops, shrink
 
-    def best(fn, warmup=1):
-        return _best_seconds(fn, budget / 4, min_reps=5, warmup=warmup, stat=sorted_median)
+    def best(fn):
+        return _best_seconds(fn, budget / 4, min_reps=5, stat=sorted_median)
 
     cfg = shrink(get_preset("tiny"), 4)
     model = build_model(cfg)
     x = torch.randint(0, cfg.vocab, (1, cfg.seq_len))
     params = list(model.parameters())
-    opt = torch.optim.AdamW(params, lr=1e-3, fused=True)
-
-    def step():
-        lm_loss(model(x), x).backward()
-        float(sum(p.grad.double().pow(2).sum() for p in params))
-        opt.step()
-        opt.zero_grad(set_to_none=False)
-
+    step = _training_step(model, x, torch.optim.AdamW(params, lr=1e-3, fused=True))
     op = best(lambda: lm_loss(model(x), x).backward()) / count_ops(cfg)
     tensor = max(1e-9, best(step) - op * count_ops(cfg)) / len(params)
     threads = torch.get_num_threads()
@@ -169,14 +180,7 @@ def parallel_overhead(world: int, latency: dict, budget: float = 1.0) -> dict:
     fully_shard(fsdp, mesh=mesh, reshard_after_forward=False)
     fsdp_s = timed(lambda: lm_loss(fsdp(x), x).backward())
     params = list(fsdp.parameters())
-    opt = torch.optim.AdamW(params, lr=1e-3, foreach=True)  # DTensor parameters: no fused kernel
-
-    def fsdp_step():  # as Engine.step: gradient norm, AdamW, zero_grad
-        lm_loss(fsdp(x), x).backward()
-        torch._foreach_norm([p.grad.to_local() for p in params])
-        opt.step()
-        opt.zero_grad(set_to_none=False)
-
+    fsdp_step = _training_step(fsdp, x, torch.optim.AdamW(params, lr=1e-3, foreach=True))  # DTensor: no fused kernel
     optimizer_s = timed(fsdp_step) - fsdp_s
     ops = count_ops(cfg)
     tp_comm = 4 * cfg.layers * latency["all-reduce"]

@@ -43,15 +43,20 @@ def peak_flops(problem: Problem, g: Grid):
     return peaks[g.precision]
 
 
-def oversubscription(problem: Problem) -> float:
-    """N·t/cores for the N ranks of a CPU run of luban with t = rank_threads(cores, N) each
-    (1 without a ``[cpu]`` table or for ``runtime="megatron"``)."""
+def _rank_threads(problem: Problem) -> int:
+    """t = rank_threads(cores, N): the torch threads ``luban train --nproc N`` gives each rank."""
     from luban.parallel.launch import rank_threads
 
+    return rank_threads(int(problem.system.cpu["cores"]), problem.gpus)
+
+
+def oversubscription(problem: Problem) -> float:
+    """N·t/cores for the N ranks of a CPU run of luban (1 without a ``[cpu]`` table or for
+    ``runtime="megatron"``)."""
     cpu = problem.system.cpu
     if not cpu or problem.runtime != "luban":
         return 1.0
-    return problem.gpus * rank_threads(int(cpu["cores"]), problem.gpus) / cpu["cores"]
+    return problem.gpus * _rank_threads(problem) / cpu["cores"]
 
 
 def cpu_stall(problem: Problem) -> float:
@@ -69,16 +74,15 @@ def cpu_terms(problem: Problem) -> dict:
     overheads run than in the probe's single process, max(1, N·t/cores)^γ (γ,
     ``oversubscription_exponent``, measured by the probe); ``slow``: the same for its kernels,
     which also run on fewer threads than the probe's T: Amdahl's law fitted to the reference
-    micro-batch on T threads and on one, time(t) = serial + parallel/t; ``layer``/``rest``: framework seconds of one forward + backward per
-    layer and for the rest of the model per micro-batch (ATen ops × seconds per op,
+    micro-batch on T threads and on one, time(t) = serial + parallel/t; ``layer``/``rest``:
+    framework seconds of one forward + backward per layer and for the rest of the model per
+    micro-batch (ATen ops × seconds per op,
     ``luban.plan.overhead``), ``tp_layer``/``tp_rest`` the same under tensor parallelism (DTensor
     dispatch); ``tensor``/``dtensor``: seconds per parameter tensor of the optimizer step, plain
     or DTensor (FSDP2 or tp parameters); ``fsdp_group``:
     seconds of FSDP2's hooks per group and micro-batch.
     GPU profiles and ``runtime="megatron"``: slow 1, no overheads.
     """
-    from luban.parallel.launch import rank_threads
-
     cpu = problem.system.cpu
     if not cpu or problem.runtime != "luban":
         return {"slow": 1.0, "contend": 1.0, "layer": 0.0, "rest": 0.0, "tp_layer": 0.0, "tp_rest": 0.0,
@@ -87,9 +91,8 @@ def cpu_terms(problem: Problem) -> dict:
 
     counts = model_overhead_counts(problem.model)
     op = cpu["op_overhead_s"]
-    threads = rank_threads(int(cpu["cores"]), problem.gpus)
     contend = max(1.0, oversubscription(problem)) ** cpu["oversubscription_exponent"]
-    return {"slow": contend * thread_slowdown(cpu, threads), "contend": contend,
+    return {"slow": contend * thread_slowdown(cpu, _rank_threads(problem)), "contend": contend,
             "layer": counts["layer_ops"] * op, "rest": counts["rest_ops"] * op,
             "tp_layer": counts["layer_ops"] * cpu["tp_op_overhead_s"], "tp_rest": counts["rest_ops"] * cpu["tp_op_overhead_s"],
             "layer_tensors": counts["layer_tensors"], "rest_tensors": counts["rest_tensors"],
