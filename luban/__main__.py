@@ -1,4 +1,5 @@
-from luban.cli import main
 import sys
+
+from luban.cli import main
 
 sys.exit(main())

@@ -30,7 +30,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def early_signals(argv: list[str]) -> None:
+    """``train``/``demo``: install the suspend handlers before any slow import (luban.train.preempt)."""
+    if argv[:1] not in (["train"], ["demo"]):
+        return
+    from luban.train import preempt
+
+    preempt.install()
+
+
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:  # a real process entry (in-process callers keep their own signal handling)
+        early_signals(sys.argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

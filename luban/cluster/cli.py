@@ -69,6 +69,7 @@ def cmd_submit(args) -> int:
             data[key] = value
     if "workdir" not in data and command:
         data["workdir"] = os.getcwd()
+    _export(data, args.export)
     for item in args.env:
         key, sep, value = item.partition("=")
         if not sep:
@@ -80,6 +81,23 @@ def cmd_submit(args) -> int:
     job = _client(args).submit(spec.to_dict())
     print(f"submitted job {job['id']} ({job['name']}, {job['nnodes']} node(s), {job['priority_name']})")
     return 0
+
+
+def _export(data: dict, export: str) -> None:
+    """Slurm's --export: ALL (default) sends the submitter's environment (less secrets and rank
+    variables, ``luban.jobenv.inheritable``); NONE or NAME,NAME... sends exactly those names."""
+    from luban import jobenv
+    from luban.cluster import spec as specs
+
+    if export.upper() == "ALL":
+        data["env"] = {**jobenv.inheritable(os.environ), **(data.get("env") or {})}
+        return
+    names = [] if export.upper() == "NONE" else [n for n in export.split(",") if n]
+    for name in names:
+        if not specs.ENV_RE.match(name):
+            raise bad_value("--export", export, "ALL, NONE or a comma-separated list of variable names")
+    data["env"] = {**{n: os.environ[n] for n in names if n in os.environ}, **(data.get("env") or {})}
+    data["env_only"] = True
 
 
 def cmd_jobs(args) -> int:
@@ -112,10 +130,26 @@ def cmd_logs(args) -> int:
 
 
 def cmd_stop(args) -> int:
+    """Request the stop (or suspend) of each job; then, unless --no-wait, return only when each
+    attempt has ended — for the local and Slurm executors that means none of its processes runs
+    (the launchers write the exit code only after killing the whole job, luban.procs)."""
+    import time
+
+    from luban.cluster.models import FINAL
+
     client = _client(args)
-    for job_id in _ids(args.jobs):
+    ids = _ids(args.jobs)
+    for job_id in ids:
         job = client.suspend(job_id) if args.command_name == "suspend" else client.stop(job_id)
-        print(f"{args.command_name} requested for job {job['id']} ({job['state']})")
+        print(f"{args.command_name} requested for job {job['id']} ({job['state']})", flush=True)
+    deadline = time.monotonic() + args.timeout
+    for job_id in [] if args.no_wait else ids:
+        while (state := client.job(job_id)["state"]) not in FINAL:
+            if time.monotonic() > deadline:
+                print(f"luban: error: job {job_id} is still {state} after {args.timeout:g}s", file=sys.stderr)
+                return 1
+            time.sleep(0.2)
+        print(f"job {job_id} {state}")
     return 0
 
 
@@ -225,6 +259,9 @@ def register(subparsers) -> None:
     p.add_argument("--node-group")
     p.add_argument("--workdir")
     p.add_argument("-e", "--env", action="append", default=[], help="KEY=VALUE (repeatable)")
+    p.add_argument("--export", default="ALL", metavar="ALL|NONE|NAME,...",
+                   help="environment for the job, as Slurm's --export: ALL (default) = yours, less tokens and "
+                        "rank variables; NONE or NAME,... = exactly those (plus --env and luban's variables)")
     p.add_argument("rest", nargs=argparse.REMAINDER, metavar="JOB.yaml | -- COMMAND ARGS...",
                    help="a job spec YAML (name, command, args, env, workdir, nodes, priority, group, node_group) "
                         "and/or a command after --")
@@ -245,6 +282,8 @@ def register(subparsers) -> None:
     for name, text in (("stop", "stop jobs"), ("suspend", "suspend jobs (checkpoint, requeue)")):
         p = subparsers.add_parser(name, parents=[conn], help=text)
         p.add_argument("jobs", nargs="+")
+        p.add_argument("--no-wait", action="store_true", help="return once requested, not when the job has ended")
+        p.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for the end (default 900)")
         p.set_defaults(func=cmd_stop, command_name=name)
 
     p = subparsers.add_parser("nodes", parents=[conn], help="list nodes and the jobs on them")

@@ -1,9 +1,22 @@
-"""Per-node launcher: runs one rank of a job, forwards signals, records the exit code.
+"""Per-node launcher: runs one node's part of a job, forwards signals, records the exit code.
 
-``python -m luban.cluster.launcher --run-dir D --log F [--rank R] -- CMD...`` starts CMD in a
-process group of its own with NODE_RANK/RANK set, appends its output to F, forwards SIGUSR1,
-SIGTERM and SIGINT to that group, and writes D/rank<R>.exit when CMD ends, so the service can
-read the result even after a restart. With no --rank the rank is Slurm's SLURM_NODEID.
+``python -m luban.cluster.launcher --run-dir D --log F [--rank R] [--tag T] -- CMD...`` starts CMD with
+``LUBAN_NODE_RANK=R`` set, appends its output to F, and writes D/rank<R>.exit when CMD ends, so
+the service can read the result even after a restart. With no --rank the rank is Slurm's
+SLURM_NODEID.
+
+The job's processes are one unit (``luban.procs``): CMD runs in a session of its own, inside the
+job's cgroup v2 where one can be made (entered before CMD executes, so nothing escapes it), and
+with ``LUBAN_JOB_TAG`` in its environment. Signals:
+
+- SIGUSR1 and SIGINT are forwarded to CMD's process group (suspend: CMD checkpoints, exits 75);
+- SIGTERM means *kill this job*: every process of it is killed (cgroup, process group, tag
+  sweep) and the launcher exits 137 once none is left — the executors' kill path, local and
+  Slurm (``scancel`` sends SIGTERM first);
+- handlers are installed before CMD starts: a signal during start-up is delivered, not lost.
+
+When CMD ends, whatever it left behind (daemons, orphaned ranks) is killed before the exit file
+is written: when a job's exit is recorded, nothing of it runs on this node.
 """
 
 from __future__ import annotations
@@ -15,6 +28,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from luban import jobenv, procs
+
+FORWARDED = (signal.SIGUSR1, signal.SIGINT)
+EXIT_KILLED = 128 + int(signal.SIGKILL)  # what the job got: kill_job sends SIGKILL
 
 
 def exit_file(run_dir: Path, rank: int) -> Path:
@@ -36,40 +54,102 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-dir", type=Path, required=True)
     parser.add_argument("--log", required=True, help="log file; {rank} is replaced by the rank")
     parser.add_argument("--rank", type=int, default=None)
+    parser.add_argument("--tag", default=None, help="the job's tag (LUBAN_JOB_TAG of CMD and its descendants)")
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     rank = args.rank if args.rank is not None else int(os.environ.get("SLURM_NODEID", "0"))
     args.run_dir.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, NODE_RANK=str(rank), RANK=str(rank), GROUP_RANK=str(rank))
+    env = dict(os.environ, **{jobenv.NODE_RANK: str(rank)})
     env.setdefault("LUBAN_NODE", env.get("SLURMD_NODENAME", "?"))
+    # the tag goes into CMD's environment only: the launcher itself and what started it (srun, the
+    # batch script) are not the job's processes and must survive the sweep
+    # per node: on virtual nodes sharing one host, one node's sweep must not reach another's part
+    tag = env[procs.TAG_VAR] = node_tag(args.tag or f"luban-{env.get('LUBAN_JOB_ID', '?')}-{os.getpid()}", rank)
     log_path = Path(args.log.format(rank=rank))
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "ab", buffering=0) as log:
-        log.write(f"== luban: job {env.get('LUBAN_JOB_ID', '?')} rank {rank} started "
-                  f"{time.strftime('%Y-%m-%d %H:%M:%S')} on {env.get('LUBAN_NODE', '?')} ==\n".encode())
-        try:
-            child = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True, cwd=env.get("LUBAN_WORKDIR") or None)
-        except OSError as err:
-            log.write(f"== luban: cannot start {command[:1]}: {err} ==\n".encode())
-            write_atomic(exit_file(args.run_dir, rank), "127")
-            return 127
-        write_atomic(pgid_file(args.run_dir, rank), str(child.pid))
 
-        def forward(signum, _frame):
+    state = {"child": None, "pending": [], "kill": False}
+
+    def on_signal(signum, _frame):
+        if signum == signal.SIGTERM:
+            state["kill"] = True
+        child = state["child"]
+        if child is None:
+            state["pending"].append(signum)
+        elif signum != signal.SIGTERM:
             try:
                 os.killpg(child.pid, signum)
             except ProcessLookupError:
                 pass
 
-        for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, forward)
-        code = child.wait()
-        code = 128 - code if code < 0 else code
-        log.write(f"== luban: rank {rank} exited with code {code} ==\n".encode())
+    for sig in (*FORWARDED, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+    cgroup = procs.make_cgroup(tag)
+
+    with open(log_path, "ab", buffering=0) as log:
+        log.write(f"== luban: job {env.get('LUBAN_JOB_ID', '?')} rank {rank} started "
+                  f"{time.strftime('%Y-%m-%d %H:%M:%S')} on {env.get('LUBAN_NODE', '?')} ==\n".encode())
+        if state["kill"]:
+            code = EXIT_KILLED
+        else:
+            try:
+                block = speaks_suspend(command)
+
+                def prepare():  # between fork and exec: nothing of the job starts outside its cgroup
+                    procs.enter_cgroup(cgroup)
+                    if block:  # luban's trainer unblocks them once its handlers are in
+                        signal.pthread_sigmask(signal.SIG_BLOCK, (*FORWARDED, signal.SIGTERM))
+
+                child = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                         start_new_session=True, cwd=env.get("LUBAN_WORKDIR") or None,
+                                         preexec_fn=prepare)
+            except OSError as err:
+                log.write(f"== luban: cannot start {command[:1]}: {err} ==\n".encode())
+                procs.kill_job(tag)
+                write_atomic(exit_file(args.run_dir, rank), "127")
+                return 127
+            write_atomic(pgid_file(args.run_dir, rank), str(child.pid))
+            state["child"] = child
+            for signum in state["pending"]:  # arrived while CMD was starting
+                on_signal(signum, None)
+            code = _wait(child, state)
+        survivors = procs.kill_job(tag, (child.pid,) if state["child"] else ())
+        if survivors:
+            log.write(f"== luban: could not kill {survivors} of job tag {tag} ==\n".encode())
+        if state["kill"]:
+            code = EXIT_KILLED
+            log.write(f"== luban: rank {rank} killed (all processes of the job ended) ==\n".encode())
+        else:
+            log.write(f"== luban: rank {rank} exited with code {code} ==\n".encode())
     write_atomic(exit_file(args.run_dir, rank), str(code))
     return code
+
+
+def node_tag(job_tag: str, rank: int) -> str:
+    """The tag of the job's processes on node ``rank`` (LUBAN_JOB_TAG, cgroup name)."""
+    return f"{job_tag}.{rank}"
+
+
+def speaks_suspend(command: list[str]) -> bool:
+    """``luban train|demo ...`` or ``python -m luban train|demo ...``: a command that installs the
+    suspend handlers itself (``luban.train.preempt.install``), so it can start with the signals
+    blocked and a SIGUSR1 during its start-up is held for it instead of killing it."""
+    for i, word in enumerate(command[:3]):
+        if Path(word).name == "luban" and command[i + 1:i + 2] in (["train"], ["demo"]):
+            return True
+    return False
+
+
+def _wait(child: subprocess.Popen, state: dict) -> int:
+    """CMD's exit code (128 + signal for a signal); on SIGTERM, stop waiting: the caller kills all."""
+    while True:
+        try:
+            code = child.wait(timeout=0.2)
+            return 128 - code if code < 0 else code
+        except subprocess.TimeoutExpired:
+            if state["kill"]:
+                return EXIT_KILLED
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from sqlalchemy import func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
+from luban import jobenv
 from luban.cluster import policy
 from luban.cluster.executors import Executor, Launch
 from luban.cluster.models import ACTIVE, Allocation, Event, Job, Node, Quota, Sample, StopReason, User, UserGroup
@@ -52,6 +53,11 @@ def new_token() -> str:
 def record(session: Session, kind: str, message: str, job_id: int | None = None) -> None:
     session.add(Event(t=time.time(), job_id=job_id, kind=kind, message=message))
     log.info("%s job=%s %s", kind, job_id, message)
+
+
+def job_tag(job: Job) -> str:
+    """The attempt's tag: its Slurm job name and LUBAN_JOB_TAG of all its processes (luban.procs)."""
+    return f"luban-{job.id}-{job.chain_id}"
 
 
 def free_port() -> int:
@@ -256,7 +262,7 @@ class Scheduler:
             env = self.job_env(s, job, token, nodes)
         spec = job.spec
         state = Path(self.settings.state_dir)
-        launch = Launch(job_id=job.id, name=f"luban-{job.id}-{job.chain_id}", nodes=list(nodes),
+        launch = Launch(job_id=job.id, name=job_tag(job), nodes=list(nodes),
                         command=[spec["command"], *spec.get("args", [])], env=env,
                         run_dir=str(state / "runs" / str(job.id)),
                         log_pattern=str(state / "logs" / job.chain_id / "rank{rank}.log"),
@@ -271,18 +277,19 @@ class Scheduler:
             s.get(Job, job_id).handle = handle
 
     def job_env(self, s: Session, job: Job, token: str, nodes: tuple[str, ...]) -> dict[str, str]:
-        """SDK variables, torchrun-style rendezvous variables and the group's shared directories."""
+        """The job's environment: the submitter's (or exactly the spec's), then luban's own variables
+        (``luban.jobenv``: SDK, rendezvous, job tag) and the group's shared directories. No torchrun
+        rank variables: the job's first process on each node is a launcher, not a rank."""
         first = s.get(Node, nodes[0])
-        gpus = max(first.gpus, 1)
         user = s.get(User, job.user)
         group = s.get(UserGroup, job.group or user.group) if (job.group or user.group) else None
-        env = {**job.spec.get("env", {}),
+        env = {**jobenv.base_environment(job.spec), **job.spec.get("env", {}),
                "LUBAN_CLUSTER_URL": self.settings.url, "LUBAN_CLUSTER_TOKEN": token,
                "LUBAN_JOB_ID": str(job.id), "LUBAN_CHAIN_ID": job.chain_id,
                "LUBAN_RESTART_COUNT": str(job.restart_count), "LUBAN_NODES": ",".join(nodes),
                "LUBAN_WORKDIR": job.spec.get("workdir") or "",
-               "MASTER_ADDR": first.addr, "MASTER_PORT": str(free_port()), "NNODES": str(len(nodes)),
-               "NPROC_PER_NODE": str(gpus), "WORLD_SIZE": str(len(nodes)), "LOCAL_RANK": "0"}
+               jobenv.NNODES: str(len(nodes)), jobenv.GPUS_PER_NODE: str(first.gpus),
+               jobenv.MASTER_ADDR: first.addr, jobenv.MASTER_PORT: str(free_port())}
         if group is not None:
             env.update({k: v for k, v in (("LUBAN_GROUP", group.name), ("LUBAN_GROUP_DATA_DIR", group.data_dir),
                                           ("LUBAN_GROUP_ENV_DIR", group.env_dir)) if v})

@@ -7,11 +7,12 @@ import re
 
 import yaml
 
+from luban import jobenv
 from luban.cluster import priority as prio
 from luban.errors import LubanError, bad_value
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+ENV_RE = jobenv.NAME_RE
 
 
 @dataclasses.dataclass
@@ -22,6 +23,7 @@ class JobSpec:
     command: str
     args: list[str] = dataclasses.field(default_factory=list)
     env: dict[str, str] = dataclasses.field(default_factory=dict)
+    env_only: bool = False  # True: the job's environment is exactly `env` (+ luban's variables)
     workdir: str | None = None
     nodes: int = 1
     priority: str = "NORMAL"
@@ -66,6 +68,9 @@ def parse(data) -> JobSpec:
             raise bad_value(f"env.{k}", v, "variable names must match " + ENV_RE.pattern)
         if not isinstance(v, (str, int, float)):
             raise bad_value(f"env.{k}", v, "a string or number")
+    env_only = data.get("env_only", False)
+    if not isinstance(env_only, bool):
+        raise bad_value("env_only", env_only, "true or false")
     nodes = data.get("nodes", 1)
     if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
         raise bad_value("nodes", nodes, "an integer >= 1 (whole nodes)")
@@ -78,6 +83,7 @@ def parse(data) -> JobSpec:
         command=_str(data, "command", required=True),
         args=[str(a) for a in args],
         env={k: str(v) for k, v in env.items()},
+        env_only=env_only,
         workdir=workdir,
         nodes=nodes,
         priority=priority if isinstance(priority, str) else priority.name,

@@ -3,7 +3,14 @@
 ``launch`` runs ``python -m luban <argv>`` once per local rank with the torchrun environment
 (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), forwards
 SIGUSR1/SIGTERM/SIGINT to every child, kills the others when one fails, and returns 75
-(suspended) only when every rank exited with 75. Under Slurm the node count, node rank and
+(suspended) only when every rank exited with 75.
+
+Ranks are one unit with their launcher (``luban.procs``): they share one process group of their
+own (a terminal's Ctrl-C reaches them once, through the launcher), ask for SIGKILL when the
+launcher dies (``LUBAN_LAUNCHER_PID``), start with the forwarded signals blocked until their
+handlers are installed, and whatever is left of them is killed when ``launch`` returns. The
+forwarding handlers are installed before the first rank starts, and a signal recorded before
+``launch`` was called ends it with 75 without starting any rank. Under Slurm the node count, node rank and
 master address default to SLURM_NNODES/SLURM_NODEID/SLURM_JOB_NODELIST, and a process
 started directly by ``srun`` (one task per rank) takes its rank from SLURM_PROCID.
 
@@ -22,6 +29,7 @@ import subprocess
 import sys
 import time
 
+from luban import procs
 from luban.errors import EXIT_SUSPENDED
 
 FORWARDED = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
@@ -74,23 +82,50 @@ def launch(argv: list[str], nproc: int, nnodes: int = 1, node_rank: int = 0, mas
         master_port = free_port()
     world = nproc * nnodes
     threads = os.environ.get("OMP_NUM_THREADS") or str(rank_threads(host_cores(), nproc))
-    children = []
-    for local in range(nproc):
-        env = dict(os.environ, OMP_NUM_THREADS=threads, RANK=str(node_rank * nproc + local), LOCAL_RANK=str(local),
-                   WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK=str(node_rank),
-                   MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
-        # own session: a terminal's Ctrl-C reaches the children once, through us
-        children.append(subprocess.Popen([sys.executable, "-m", module, *argv], env=env, start_new_session=True))
+    children: list[subprocess.Popen] = []
+    received: list[int] = []
 
     def forward(signum, _frame):
+        received.append(signum)
         for child in children:
             if child.poll() is None:
                 child.send_signal(signum)
 
+    # forwarding is in place before the first rank exists; a signal that came even earlier (the
+    # trainer's early handler recorded it) means: suspended before any work, start nothing
     previous = {sig: signal.signal(sig, forward) for sig in FORWARDED}
     try:
+        from luban.train import preempt
+
+        if preempt._FLAG is not None and preempt._FLAG.requested:
+            return EXIT_SUSPENDED
+        # between fork and exec: die with this launcher (PR_SET_PDEATHSIG survives exec); luban ranks
+        # keep the forwarded signals blocked until their handlers are in (preempt.install), other
+        # modules get them unblocked
+        me, unblock = os.getpid(), module != "luban"
+
+        def prepare_rank():
+            procs.die_with_parent(me)
+            if unblock:
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
+
+        for local in range(nproc):
+            env = dict(os.environ, OMP_NUM_THREADS=threads, RANK=str(node_rank * nproc + local),
+                       LOCAL_RANK=str(local), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(nproc),
+                       GROUP_RANK=str(node_rank), MASTER_ADDR=master_addr, MASTER_PORT=str(master_port),
+                       **{procs.PARENT_VAR: str(me)})
+            group = children[0].pid if children else 0  # all ranks in one process group, not ours
+            signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)  # no forward() while the list changes
+            try:
+                children.append(subprocess.Popen([sys.executable, "-m", module, *argv], env=env,
+                                                 process_group=group, preexec_fn=prepare_rank))
+                for signum in received:  # arrived before this rank existed
+                    children[-1].send_signal(signum)
+            finally:
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
         return _wait(children)
     finally:
+        _terminate(children, 0.0)  # nothing of a rank outlives its launcher
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
@@ -111,9 +146,11 @@ def _wait(children: list[subprocess.Popen], grace_s: float = 10.0) -> int:
 
 
 def _terminate(children: list[subprocess.Popen], grace_s: float) -> None:
+    """SIGTERM the ranks, SIGKILL what is left after ``grace_s``, then the ranks' process group
+    (their own children included)."""
     for child in children:
         if child.poll() is None:
-            child.terminate()
+            child.terminate() if grace_s > 0 else child.kill()
     deadline = time.monotonic() + grace_s
     for child in children:
         try:
@@ -121,6 +158,11 @@ def _terminate(children: list[subprocess.Popen], grace_s: float) -> None:
         except subprocess.TimeoutExpired:
             child.kill()
             child.wait()
+    if children:
+        try:
+            os.killpg(children[0].pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def rank_env(env=os.environ) -> dict:

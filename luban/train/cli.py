@@ -55,17 +55,33 @@ def _train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", metavar="auto|DIR", help="resume from the newest valid checkpoint or a directory")
     p.add_argument("--parallel", choices=["config", "auto"], default="config",
                    help="auto: let the planner choose the [parallel] layout for the world size")
-    p.add_argument("--nproc", type=int, default=1, help="ranks to start on this node")
-    p.add_argument("--nnodes", type=int, default=1)
-    p.add_argument("--node-rank", type=int, default=0)
-    p.add_argument("--master-addr", default="127.0.0.1")
-    p.add_argument("--master-port", type=int, default=0)
+    p.add_argument("--nproc", type=int, default=None,
+                   help="ranks to start on this node (default 1; inside a luban job: one per GPU of the node)")
+    p.add_argument("--nnodes", type=int, default=None, help="default 1, or the job's node count inside a luban job")
+    p.add_argument("--node-rank", type=int, default=None)
+    p.add_argument("--master-addr", default=None)
+    p.add_argument("--master-port", type=int, default=None)
+
+
+def resolve_rendezvous(args) -> None:
+    """Fill the unset rendezvous flags: from the luban job this runs in (``luban.jobenv``), else
+    single-node defaults (Slurm's own variables are read later by ``parallel.launch``)."""
+    from luban import jobenv
+
+    job = None if "WORLD_SIZE" in os.environ else jobenv.rendezvous()
+    defaults = ({"nproc": job.ranks_per_node, "nnodes": job.nnodes, "node_rank": job.node_rank,
+                 "master_addr": job.master_addr, "master_port": job.master_port} if job else
+                {"nproc": 1, "nnodes": 1, "node_rank": 0, "master_addr": "127.0.0.1", "master_port": 0})
+    for key, value in defaults.items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
 
 
 def _run_training(args) -> int:
     from luban.config import load_config
 
     cfg = load_config(args.config, args.set)
+    resolve_rendezvous(args)
     for key in ("nproc", "nnodes"):
         if getattr(args, key) < 1:
             raise bad_value(f"--{key}", getattr(args, key), "must be >= 1")
@@ -105,6 +121,7 @@ def cmd_demo(args) -> int:
     from luban.config import load_config
 
     cfg = load_config(args.config, args.set)
+    resolve_rendezvous(args)
     world, half = args.nproc * args.nnodes, cfg.train.steps // 2
     if world % 2 or "WORLD_SIZE" in os.environ:  # no second layout to move to (or already a rank)
         rc = _run_training(args)

@@ -4,6 +4,12 @@ The HAI platform's contract (seed 000): the scheduler signals a job, the job sav
 checkpoint and exits, and is resumed later. The first SIGUSR1, SIGTERM or SIGINT sets a flag
 that the trainer checks after each step; a second SIGINT exits at once with code 130.
 Ranks agree through an all-reduce (MAX), so every rank saves the same step.
+
+The handlers are installed by ``install()`` as the first thing ``python -m luban train`` does
+(``luban/__main__.py``), before torch is imported, and ``parallel.launch`` starts ranks with
+these signals blocked until then: a signal at any moment of start-up is recorded, never the
+default action that would kill a rank (rc -10) or a launcher without its ranks. A signal that
+arrives before the first step ends the run with 75 and nothing new to save.
 """
 
 from __future__ import annotations
@@ -32,6 +38,9 @@ class SuspendFlag:
         self.requested = True
         self.reason = signal.Signals(signum).name
 
+    def pending(self) -> bool:
+        return self.requested
+
     def agreed(self) -> bool:
         """True on every rank as soon as any rank was signalled."""
         import torch
@@ -43,3 +52,16 @@ class SuspendFlag:
         flag = torch.tensor([int(self.requested)], dtype=torch.int32, device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
+
+
+_FLAG: SuspendFlag | None = None
+HANDLED = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
+
+
+def install() -> SuspendFlag:
+    """The process's one flag: handlers installed on the first call, then unblocked (idempotent)."""
+    global _FLAG
+    if _FLAG is None:
+        _FLAG = SuspendFlag()
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, HANDLED)  # pending signals are delivered now, to us
+    return _FLAG

@@ -27,7 +27,7 @@ from luban.parallel.layout import check_layout
 from luban.train import checkpoint
 from luban.train.metrics import MetricsLogger
 from luban.train.peak import peak_flops
-from luban.train.preempt import SuspendFlag
+from luban.train import preempt
 from luban.train.schedule import lr_at
 
 
@@ -137,7 +137,7 @@ class Trainer:
 
     def train(self, resume: str | None = None) -> TrainResult:
         cfg, t = self.cfg, self.cfg.train
-        suspend = SuspendFlag()
+        suspend = preempt.install()
         log = MetricsLogger(self.run_dir, t.steps, cfg.run.tensorboard, cfg.run.progress, enabled=self.is_main)
         if resume:
             ckpt = self.resume(resume)
@@ -148,6 +148,10 @@ class Trainer:
         peak = peak_flops(self.device.type, cfg.parallel.precision) * self.engine.world_size
         loss, saved, step_times, memory = None, None, [], {}
         try:
+            if suspend.agreed():  # signalled during start-up: nothing new to save
+                log.message(f"suspended on {suspend.reason or 'a peer rank signal'} before the first step "
+                            f"(step {self.step}); exit {EXIT_SUSPENDED} (resume with --resume auto)")
+                return TrainResult(self.step, True, None, None)
             while self.step < t.steps:
                 t0 = time.perf_counter()
                 tokens, labels = next(self.loader)

@@ -21,14 +21,14 @@ parser.add_argument("steps", type=int)
 parser.add_argument("--sleep", type=float, default=0.1)
 parser.add_argument("--mode", default="signal", choices=["signal", "poll", "ignore"])
 args = parser.parse_args()
-args.state = Path(f"{args.state}.rank{os.environ['NODE_RANK']}")
+args.state = Path(f"{args.state}.rank{os.environ['LUBAN_NODE_RANK']}")
 
 import luban.cluster as sdk  # noqa: E402 - after argument parsing, like a real script
 
 step = int(args.state.read_text()) if args.state.exists() else 0
 print(f"start: resumed at step {step}, whole-life state {sdk.get_whole_life_state()}, "
-      f"rank {os.environ['NODE_RANK']} of {os.environ['NNODES']}, master {os.environ['MASTER_ADDR']}:"
-      f"{os.environ['MASTER_PORT']}", flush=True)
+      f"rank {os.environ['LUBAN_NODE_RANK']} of {os.environ['LUBAN_NNODES']}, master {os.environ['LUBAN_MASTER_ADDR']}:"
+      f"{os.environ['LUBAN_MASTER_PORT']}", flush=True)
 asked = False
 
 
@@ -41,7 +41,7 @@ def checkpoint():
     tmp = args.state.with_suffix(".tmp")
     tmp.write_text(str(step))
     os.replace(tmp, args.state)
-    if os.environ["NODE_RANK"] == "0":
+    if os.environ["LUBAN_NODE_RANK"] == "0":
         sdk.set_whole_life_state(step)
     print(f"checkpoint at step {step}", flush=True)
 

@@ -114,19 +114,22 @@ def test_same_priority_jobs_time_share_after_the_quantum(service, tmp_path):
         assert client.wait(job, timeout=60)["state"] == "stopped"
 
 
-def test_multi_node_job_gets_rendezvous_variables(service, tmp_path):
+def test_multi_node_job_gets_luban_rendezvous_variables_not_rank_variables(service, tmp_path):
     svc = service("--nodes", "3", "--gpus", "8", "--zones", "3", "--tick", "0.2")
     _, alice = svc.user("alice", {"NORMAL": 3})
-    show = "import os; print(*[f'{k}={os.environ[k]}' for k in " \
-           "('NODE_RANK','NNODES','MASTER_ADDR','MASTER_PORT','WORLD_SIZE','RANK','NPROC_PER_NODE','LUBAN_NODE')])"
+    names = ("LUBAN_NODE_RANK", "LUBAN_NNODES", "LUBAN_MASTER_ADDR", "LUBAN_MASTER_PORT", "LUBAN_GPUS_PER_NODE",
+             "LUBAN_NODE", "LUBAN_JOB_TAG", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")
+    show = f"import os; print(*[f'{{k}}={{os.environ.get(k, \"-\")}}' for k in {names!r}])"
     job = alice.submit({"name": "env", "command": PYTHON, "args": ["-c", show], "nodes": 3})["id"]
     assert alice.wait(job, timeout=60)["state"] == "succeeded"
     lines = [dict(kv.split("=") for kv in log_text(alice, job, r).splitlines()[1].split()) for r in range(3)]
-    assert [x["NODE_RANK"] for x in lines] == ["0", "1", "2"] == [x["RANK"] for x in lines]
-    assert {x["NNODES"] for x in lines} == {"3"} == {x["WORLD_SIZE"] for x in lines}
-    assert len({x["MASTER_PORT"] for x in lines}) == 1 and {x["MASTER_ADDR"] for x in lines} == {"127.0.0.1"}
-    assert {x["NPROC_PER_NODE"] for x in lines} == {"8"}
+    assert [x["LUBAN_NODE_RANK"] for x in lines] == ["0", "1", "2"]
+    assert {x["LUBAN_NNODES"] for x in lines} == {"3"} and {x["LUBAN_GPUS_PER_NODE"] for x in lines} == {"8"}
+    assert len({x["LUBAN_MASTER_PORT"] for x in lines}) == 1 and {x["LUBAN_MASTER_ADDR"] for x in lines} == {"127.0.0.1"}
     assert sorted(x["LUBAN_NODE"] for x in lines) == ["node1", "node2", "node3"]
+    assert [x["LUBAN_JOB_TAG"].rsplit(".", 1)[1] for x in lines] == ["0", "1", "2"] and lines[0]["LUBAN_JOB_TAG"].startswith(f"luban-{job}-")
+    # torchrun's "I am a rank" variables would make `luban train --nproc g` inside the job a rank
+    assert {x[k] for x in lines for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")} == {"-"}
 
 
 def test_admin_cli_yaml_submission_auto_priority_and_drain(service, tmp_path):

@@ -14,16 +14,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+from luban import procs
 from luban.cluster import launcher
 from luban.cluster.executors import Launch, NodeInfo, Status, combine
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
+_alive = procs.alive
 
 
 class LocalExecutor:
@@ -41,13 +37,13 @@ class LocalExecutor:
         pids = []
         for rank, node in enumerate(launch.nodes):
             cmd = [sys.executable, "-m", "luban.cluster.launcher", "--run-dir", launch.run_dir,
-                   "--log", launch.log_pattern, "--rank", str(rank), "--", *launch.command]
-            env = dict(os.environ, **launch.env, LUBAN_NODE=node)
+                   "--log", launch.log_pattern, "--rank", str(rank), "--tag", launch.name, "--", *launch.command]
+            env = dict(launch.env, LUBAN_NODE=node)  # complete: the scheduler built it (job_env)
             proc = subprocess.Popen(cmd, env=env, start_new_session=True, cwd=launch.workdir or None,
                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             self.children[proc.pid] = proc
             pids.append(proc.pid)
-        return json.dumps({"pids": pids, "run_dir": launch.run_dir})
+        return json.dumps({"pids": pids, "run_dir": launch.run_dir, "tag": launch.name})
 
     def _ranks(self, handle: str):
         info = json.loads(handle)
@@ -63,7 +59,8 @@ class LocalExecutor:
                 codes.append(int(path.read_text()))
             elif _alive(pid):
                 running = True
-            else:
+            else:  # the launcher died without a word (kill -9): nothing of its job may run on
+                self._sweep(handle)
                 return Status(done=True, exit_code=None, lost=True)
         if running and any(c not in (0, 75) for c in codes):
             self.kill(handle)  # one rank failed: the others cannot finish
@@ -77,10 +74,21 @@ class LocalExecutor:
                 pass
 
     def kill(self, handle: str) -> None:
-        for rank, pid, run_dir in self._ranks(handle):
+        """SIGTERM to each launcher: it kills every process of the job (cgroup, process group, tag)
+        and writes its exit file once none is left; a launcher already gone is swept from here."""
+        for _, pid, _ in self._ranks(handle):
+            try:
+                if _alive(pid):
+                    os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        if not any(_alive(pid) for _, pid, _ in self._ranks(handle)):
+            self._sweep(handle)
+
+    def _sweep(self, handle: str) -> list[int]:
+        tag, left = json.loads(handle).get("tag"), []
+        for rank, _, run_dir in self._ranks(handle):
             path = launcher.pgid_file(run_dir, rank)
-            for group in ([int(path.read_text())] if path.exists() else []) + [pid]:
-                try:
-                    os.killpg(group, signal.SIGKILL if group != pid else signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
+            groups = (int(path.read_text()),) if path.exists() else ()
+            left += procs.kill_job(launcher.node_tag(tag, rank), groups) if tag else []
+        return left

@@ -4,19 +4,20 @@ Nodes come from ``scontrol show node`` (node group = first partition, zone = a `
 feature). A job attempt is one ``sbatch --nodelist=... --exclusive --no-requeue`` whose batch
 script ``srun``s one launcher per node (rank = SLURM_NODEID); suspend is
 ``scancel --signal=USR1`` (srun hands it to the launchers, which forward it to the job), kill is
-``scancel``; the state is read back with ``scontrol show job``, and the launchers' exit files
+``scancel``, whose SIGTERM makes each launcher kill every process of the job (``luban.procs``)
+before it exits; the state is read back with ``scontrol show job``, and the launchers' exit files
 (when the state directory is shared) give each rank's exit code.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import subprocess
 import sys
 from pathlib import Path
 
+from luban import procs
 from luban.cluster import launcher
 from luban.cluster.executors import Launch, NodeInfo, Status, combine
 from luban.errors import LubanError
@@ -67,7 +68,7 @@ class SlurmExecutor:
         run_dir = Path(launch.run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         rank = [self.python, "-m", "luban.cluster.launcher", "--run-dir", str(run_dir), "--log",
-                launch.log_pattern, "--", *launch.command]
+                launch.log_pattern, "--tag", launch.name, "--", *launch.command]
         script = run_dir / "job.sbatch"
         script.write_text("#!/bin/bash\n# luban job %d\nexec srun --kill-on-bad-exit=0 --ntasks-per-node=1 "
                           "--nodes=%d --ntasks=%d %s\n" % (launch.job_id, len(launch.nodes), len(launch.nodes),
@@ -77,12 +78,13 @@ class SlurmExecutor:
                 f"--output={run_dir}/slurm-%j.out", f"--chdir={launch.workdir or run_dir}"]
         if self.partition:
             args.append(f"--partition={self.partition}")
-        env = dict(os.environ, **launch.env)
+        env = dict(launch.env)  # complete: the scheduler built it (job_env)
         result = subprocess.run([*args, str(script)], capture_output=True, text=True, env=env, timeout=60)
         if result.returncode != 0:
             raise RuntimeError(f"sbatch failed: {result.stderr.strip()}")
         slurm_id = result.stdout.strip().split(";")[0]
-        return json.dumps({"slurm_id": slurm_id, "run_dir": str(run_dir), "ranks": len(launch.nodes)})
+        return json.dumps({"slurm_id": slurm_id, "run_dir": str(run_dir), "ranks": len(launch.nodes),
+                           "tag": launch.name})
 
     def poll(self, handle: str) -> Status:
         info = json.loads(handle)
@@ -97,6 +99,8 @@ class SlurmExecutor:
         files = [launcher.exit_file(run_dir, r) for r in range(info["ranks"])]
         if all(p.exists() for p in files):
             return Status(done=True, exit_code=combine([int(p.read_text()) for p in files]))
+        for rank in range(info["ranks"] if info.get("tag") else 0):  # launchers died without exit files:
+            procs.kill_job(launcher.node_tag(info["tag"], rank))  # sweep here (elsewhere: proctrack/cgroup)
         if not state:
             return Status(done=True, lost=True)
         code, _, sig = f.get("ExitCode", "0:0").partition(":")

@@ -1,0 +1,81 @@
+"""The variables luban's scheduler gives a job: the one contract between the platform and a job.
+
+The scheduler (``cluster.scheduler.Scheduler.job_env``) and the per-node launcher
+(``cluster.launcher``) set them; ``luban train`` (``train/cli.py``) and the SDK read them. They are
+luban's own names, not torchrun's: RANK/WORLD_SIZE/LOCAL_RANK mean "this process is a rank" to
+torch and to ``luban train``, and a job's first process is a node's launcher, not a rank.
+
+| variable | meaning |
+|---|---|
+| ``LUBAN_JOB_ID``, ``LUBAN_CHAIN_ID``, ``LUBAN_RESTART_COUNT`` | this attempt, its chain, attempts before it |
+| ``LUBAN_NNODES`` | nodes of the job (whole nodes) |
+| ``LUBAN_NODE_RANK`` | this node's index in ``LUBAN_NODES`` (0 = the rendezvous host) |
+| ``LUBAN_NODES`` | the job's nodes, comma-separated, in rank order |
+| ``LUBAN_GPUS_PER_NODE`` | GPUs of each node (0 on a CPU-only node) |
+| ``LUBAN_MASTER_ADDR``, ``LUBAN_MASTER_PORT`` | the rendezvous address and a port free on it |
+| ``LUBAN_JOB_TAG`` | the tag every process of the job carries (``luban.procs``) |
+| ``LUBAN_CLUSTER_URL``, ``LUBAN_CLUSTER_TOKEN`` | the API and this attempt's own token (SDK) |
+| ``LUBAN_WORKDIR``, ``LUBAN_NODE`` | working directory; this node's name |
+
+Inside a job, ``luban train CONFIG`` with no --nproc starts one rank per GPU of the node (one on a
+CPU node) and joins the other nodes' ranks through this rendezvous: n nodes x g GPUs = n*g ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")  # also the job spec's rule (cluster.spec.ENV_RE)
+
+NNODES = "LUBAN_NNODES"
+NODE_RANK = "LUBAN_NODE_RANK"
+GPUS_PER_NODE = "LUBAN_GPUS_PER_NODE"
+MASTER_ADDR = "LUBAN_MASTER_ADDR"
+MASTER_PORT = "LUBAN_MASTER_PORT"
+JOB_ID = "LUBAN_JOB_ID"
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    nnodes: int
+    node_rank: int
+    gpus_per_node: int
+    master_addr: str
+    master_port: int
+
+    @property
+    def ranks_per_node(self) -> int:
+        """One rank per GPU; one on a CPU-only node."""
+        return max(1, self.gpus_per_node)
+
+
+def rendezvous(env=os.environ) -> Rendezvous | None:
+    """The job's rendezvous when this process runs inside a luban job (a launcher, not a rank)."""
+    if NNODES not in env or JOB_ID not in env:
+        return None
+    return Rendezvous(int(env[NNODES]), int(env.get(NODE_RANK, "0")), int(env.get(GPUS_PER_NODE, "0")),
+                      env.get(MASTER_ADDR, "127.0.0.1"), int(env.get(MASTER_PORT, "0")))
+
+
+# never carried into a job from the submitter's or the service's environment: a token (the job
+# gets its own), torchrun's "I am a rank" variables, and the variables the scheduler sets itself
+NOT_INHERITED = ("LUBAN_CLUSTER_TOKEN", "LUBAN_CLUSTER_URL", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+                 "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT",
+                 "LUBAN_LAUNCHER_PID", "LUBAN_JOB_TAG")
+MINIMAL = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
+
+
+def inheritable(env) -> dict[str, str]:
+    """``env`` without secrets, rank variables and the job contract's own names (LUBAN_JOB_*, ...)."""
+    own = {NNODES, NODE_RANK, GPUS_PER_NODE, MASTER_ADDR, MASTER_PORT, JOB_ID}
+    return {k: v for k, v in env.items()
+            if NAME_RE.match(k) and k not in NOT_INHERITED and k not in own and not k.startswith(("LUBAN_JOB_", "LUBAN_CHAIN_"))}
+
+
+def base_environment(spec: dict, service_env=os.environ) -> dict[str, str]:
+    """What a job's environment starts from, before the spec's ``env`` and luban's variables: the
+    service's (scrubbed), or only ``MINIMAL`` when the spec says ``env_only`` (``--export NONE``
+    or a list of names: then the job gets exactly what the spec lists)."""
+    return dict(MINIMAL) if spec.get("env_only") else inheritable(service_env)
