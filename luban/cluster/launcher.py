@@ -85,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
 
     for sig in (*FORWARDED, signal.SIGTERM):
         signal.signal(sig, on_signal)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, (*FORWARDED, signal.SIGTERM))  # held since spawn()
     cgroup = procs.make_cgroup(tag)
 
     with open(log_path, "ab", buffering=0) as log:
@@ -124,6 +125,16 @@ def main(argv: list[str] | None = None) -> int:
             log.write(f"== luban: rank {rank} exited with code {code} ==\n".encode())
     write_atomic(exit_file(args.run_dir, rank), str(code))
     return code
+
+
+def spawn(argv: list[str], **popen) -> subprocess.Popen:
+    """Start a launcher (``python -m luban.cluster.launcher ...``) with its signals held until its
+    handlers are installed: a suspend or kill sent at once is delivered late, never lost or fatal."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, (*FORWARDED, signal.SIGTERM))  # this thread only
+    try:
+        return subprocess.Popen([sys.executable, "-m", "luban.cluster.launcher", *argv], **popen)
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, (*FORWARDED, signal.SIGTERM))
 
 
 def node_tag(job_tag: str, rank: int) -> str:

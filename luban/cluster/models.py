@@ -12,19 +12,8 @@ class Base(DeclarativeBase):
     pass
 
 
-class JobState(str, enum.Enum):
-    QUEUED = "queued"
-    STARTING = "starting"
-    RUNNING = "running"
-    SUSPENDING = "suspending"
-    SUSPENDED = "suspended"
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-    STOPPED = "stopped"
-
-
-ACTIVE = (JobState.STARTING.value, JobState.RUNNING.value, JobState.SUSPENDING.value)
-FINAL = (JobState.SUSPENDED.value, JobState.SUCCEEDED.value, JobState.FAILED.value, JobState.STOPPED.value)
+# the lifecycle lives in states.py (one machine for service, scheduler and simulator)
+from luban.cluster.states import ACTIVE, FINAL, LIVE, JobState  # noqa: E402,F401
 
 
 class StopReason(enum.IntFlag):

@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 from collections import defaultdict
 
-QUEUED, STARTING, RUNNING, SUSPENDING = "queued", "starting", "running", "suspending"
+from luban.cluster.states import QUEUED, RUNNING, STARTING, SUSPENDING  # noqa: E402 - re-exported
 INCUMBENT = (STARTING, RUNNING)
 
 

@@ -24,9 +24,9 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from luban import jobenv
-from luban.cluster import policy
+from luban.cluster import policy, states
 from luban.cluster.executors import Executor, Launch
-from luban.cluster.models import ACTIVE, Allocation, Event, Job, Node, Quota, Sample, StopReason, User, UserGroup
+from luban.cluster.models import ACTIVE, LIVE, Allocation, Event, Job, Node, Quota, Sample, StopReason, User, UserGroup
 
 log = logging.getLogger("luban.cluster")
 LAUNCH_GRACE = 60.0  # seconds a claimed job may go without an executor handle
@@ -115,13 +115,13 @@ class Scheduler:
     def observe(self, now: float) -> None:
         with self.sessions() as s:
             ids = s.scalars(select(Job.id).where(Job.state.in_(ACTIVE))).all()
-            queued_stops = s.scalars(select(Job.id).where(Job.state == "queued", Job.requested.op("&")(
+            queued_stops = s.scalars(select(Job.id).where(Job.state == states.QUEUED, Job.requested.op("&")(
                 int(StopReason.USER_STOP | StopReason.ADMIN_STOP)) != 0)).all()
         for job_id in queued_stops:
             with self.sessions.begin() as s:
                 job = s.get(Job, job_id)
-                if job.state == "queued":
-                    self._end(s, job, "stopped", None, job.requested, "stopped while queued")
+                if job.state == states.QUEUED:
+                    self._end(s, job, states.STOPPED, None, job.requested, "stopped while queued")
         for job_id in ids:
             try:
                 with self.sessions.begin() as s:
@@ -132,29 +132,35 @@ class Scheduler:
                 log.exception("observing job %s failed", job_id)
 
     def _observe_one(self, s: Session, job: Job, now: float) -> None:
-        if job.handle is None:  # being launched, or the service died between claim and launch
+        if job.handle is None:  # being launched, or the service died between claim and recording the launch
             if now - job.started_at > LAUNCH_GRACE:
-                self._end(s, job, "suspended", None, StopReason.LOST, "never launched; requeued")
+                # exactly once: adopt the copy that started (found by its tag), or requeue if none did
+                handle = self.executor.find(self.launch_of(job, {}))
+                if handle is not None:
+                    job.handle = handle
+                    record(s, "adopt", "found running after a service restart; adopted", job.id)
+                else:
+                    self._end(s, job, states.SUSPENDED, None, StopReason.LOST, "never launched; requeued")
             return
         status = self.executor.poll(job.handle)
         if status.done:
             self._finish(s, job, status.exit_code, status.lost)
             return
-        if job.state == "starting" and status.started:
-            job.state = "running"
+        if job.state == states.STARTING and status.started:
+            states.move(job, states.RUNNING)
         stop = job.requested & (StopReason.USER_STOP | StopReason.ADMIN_STOP)
         if stop and not job.stop_reason & stop:
             job.stop_reason |= stop
             self.executor.kill(job.handle)
             record(s, "kill", f"stop requested ({StopReason(stop).name})", job.id)
-        elif job.state == "running" and job.requested & StopReason.USER_SUSPEND:
+        elif job.state == states.RUNNING and job.requested & StopReason.USER_SUSPEND:
             self._suspend(s, job, StopReason.USER_SUSPEND, "suspend requested by the user", now)
-        elif job.state == "suspending" and job.acked and not job.stop_reason & StopReason.SUSPEND_TIMEOUT:
+        elif job.state == states.SUSPENDING and job.acked and not job.stop_reason & StopReason.SUSPEND_TIMEOUT:
             if job.suspend_deadline is not None:
                 job.suspend_deadline = None
                 self.executor.kill(job.handle)
                 record(s, "kill", "job acknowledged the suspend (go_suspend): released", job.id)
-        elif job.state == "suspending" and job.suspend_deadline is not None and now > job.suspend_deadline:
+        elif job.state == states.SUSPENDING and job.suspend_deadline is not None and now > job.suspend_deadline:
             job.stop_reason |= StopReason.SUSPEND_TIMEOUT
             job.suspend_deadline = None
             self.executor.kill(job.handle)
@@ -163,35 +169,38 @@ class Scheduler:
     def _finish(self, s: Session, job: Job, code: int | None, lost: bool) -> None:
         stop = job.requested & (StopReason.USER_STOP | StopReason.ADMIN_STOP)
         if stop:
-            self._end(s, job, "stopped", code, job.stop_reason | stop, f"stopped on request, exit code {code}")
-        elif code == 75 or (job.state == "suspending" and code != 0):
-            self._end(s, job, "suspended", code, job.stop_reason, f"suspended with exit code {code}; requeued")
+            self._end(s, job, states.STOPPED, code, job.stop_reason | stop, f"stopped on request, exit code {code}")
+        elif code == 75 or (job.state == states.SUSPENDING and code != 0):
+            self._end(s, job, states.SUSPENDED, code, job.stop_reason, f"suspended with exit code {code}; requeued")
         elif code == 0:
-            self._end(s, job, "succeeded", 0, job.stop_reason, "exit code 0")
+            self._end(s, job, states.SUCCEEDED, 0, job.stop_reason, "exit code 0")
         elif lost:
-            self._end(s, job, "failed", None, job.stop_reason | StopReason.LOST, "lost: launcher gone, no exit code")
+            self._end(s, job, states.FAILED, None, job.stop_reason | StopReason.LOST, "lost: launcher gone, no exit code")
         else:
-            self._end(s, job, "failed", code, job.stop_reason | StopReason.NONZERO_EXIT, f"exit code {code}")
+            self._end(s, job, states.FAILED, code, job.stop_reason | StopReason.NONZERO_EXIT, f"exit code {code}")
 
     def _end(self, s: Session, job: Job, state: str, code: int | None, reasons: int, message: str) -> None:
         """Close an attempt, free its nodes; a suspended attempt is requeued as the next one."""
-        job.state, job.exit_code, job.stop_reason = state, code, int(reasons)
+        states.move(job, state)
+        job.exit_code, job.stop_reason = code, int(reasons)
         job.ended_at, job.token_hash, job.suspend_deadline = time.time(), None, None
         s.execute(Allocation.__table__.delete().where(Allocation.job_id == job.id))
         record(s, state, message, job.id)
-        if state == "suspended":
+        if state == states.SUSPENDED:
+            next_state, place = states.requeue(job.place, time.time(), bool(job.stop_reason & StopReason.TIME_SHARE))
             nxt = Job(chain_id=job.chain_id, first_id=job.first_id, restart_count=job.restart_count + 1,
                       whole_life_state=job.whole_life_state, user=job.user, group=job.group, owner=job.owner,
                       name=job.name, spec=job.spec, priority=job.priority, node_group=job.node_group,
-                      nnodes=job.nnodes, state="queued", chain_submitted_at=job.chain_submitted_at,
-                      place=time.time() if job.stop_reason & StopReason.TIME_SHARE else job.place,
+                      nnodes=job.nnodes, state=next_state, chain_submitted_at=job.chain_submitted_at,
+                      place=place,
                       queued_at=time.time(), nodes=[], requested=0, stop_reason=0, reason="requeued")
             s.add(nxt)
             s.flush()
             record(s, "requeue", f"attempt {nxt.restart_count} of chain {job.chain_id} (was job {job.id})", nxt.id)
 
     def _suspend(self, s: Session, job: Job, why: StopReason, message: str, now: float) -> None:
-        job.state, job.stop_reason = "suspending", job.stop_reason | why
+        states.move(job, states.SUSPENDING)
+        job.stop_reason |= why
         job.suspend_deadline = now + self.settings.suspend_timeout
         self.executor.suspend(job.handle)
         record(s, "suspend", message, job.id)
@@ -201,10 +210,10 @@ class Scheduler:
         nodes = [policy.NodeView(n.name, n.node_group, (n.labels or {}).get("zone", "default"), n.state == "up")
                  for n in s.scalars(select(Node))]
         jobs = [policy.JobView(j.id, j.user, j.owner, j.priority, j.node_group, j.nnodes, j.state,
-                               j.place, j.started_at if j.state != "queued" else j.queued_at,
+                               j.place, j.started_at if j.state != states.QUEUED else j.queued_at,
                                tuple(j.nodes or ()))
-                for j in s.scalars(select(Job).where(Job.state.in_(("queued",) + ACTIVE)))
-                if not (j.state == "queued" and j.requested & (StopReason.USER_STOP | StopReason.ADMIN_STOP))]
+                for j in s.scalars(select(Job).where(Job.state.in_(LIVE)))
+                if not (j.state == states.QUEUED and j.requested & (StopReason.USER_STOP | StopReason.ADMIN_STOP))]
         quota = {(q.owner, q.node_group, q.priority): q.nodes for q in s.scalars(select(Quota))}
         return policy.Snapshot(now, nodes, jobs, quota, self.settings.quantum)
 
@@ -214,7 +223,7 @@ class Scheduler:
             try:
                 with self.sessions.begin() as s:
                     job = s.get(Job, job_id, with_for_update=True)
-                    if job.state == "running":
+                    if job.state == states.RUNNING:
                         flag = StopReason.TIME_SHARE if time_share else StopReason.PREEMPTED
                         self._suspend(s, job, flag, why, now)
             except Exception:  # rolled back: the policy asks again next tick
@@ -242,8 +251,8 @@ class Scheduler:
                     record(s, "refuse", f"quota re-check failed: {held} + {job.nnodes} > "
                                         f"{quota.nodes if quota else 0}", job_id)
                     return None
-                claimed = s.execute(update(Job).where(Job.id == job_id, Job.state == "queued").values(
-                    state="starting", nodes=list(nodes), started_at=time.time(), reason=why,
+                claimed = s.execute(update(Job).where(Job.id == job_id, Job.state == states.QUEUED).values(
+                    state=states.STARTING, nodes=list(nodes), started_at=time.time(), reason=why,
                     token_hash=token_hash(token)))
                 if claimed.rowcount != 1:
                     return None
@@ -260,21 +269,24 @@ class Scheduler:
         job, token = claimed
         with self.sessions() as s:
             env = self.job_env(s, job, token, nodes)
-        spec = job.spec
-        state = Path(self.settings.state_dir)
-        launch = Launch(job_id=job.id, name=job_tag(job), nodes=list(nodes),
-                        command=[spec["command"], *spec.get("args", [])], env=env,
-                        run_dir=str(state / "runs" / str(job.id)),
-                        log_pattern=str(state / "logs" / job.chain_id / "rank{rank}.log"),
-                        workdir=spec.get("workdir"))
+        launch = self.launch_of(job, env, nodes)
         try:
             handle = self.executor.start(launch)
         except Exception as err:  # noqa: BLE001 - any launch failure fails this attempt, not the service
             with self.sessions.begin() as s:
-                self._end(s, s.get(Job, job_id), "failed", None, StopReason.LOST, f"launch failed: {err}")
+                self._end(s, s.get(Job, job_id), states.FAILED, None, StopReason.LOST, f"launch failed: {err}")
             return
         with self.sessions.begin() as s:
             s.get(Job, job_id).handle = handle
+
+    def launch_of(self, job: Job, env: dict[str, str], nodes: tuple[str, ...] | None = None) -> Launch:
+        """The attempt's launch; its name (the tag) and run dir are fixed by the job alone, so a
+        restarted service can find what an earlier one started (``Executor.find``)."""
+        spec, state = job.spec, Path(self.settings.state_dir)
+        return Launch(job_id=job.id, name=job_tag(job), nodes=list(nodes or job.nodes),
+                      command=[spec["command"], *spec.get("args", [])], env=env,
+                      run_dir=str(state / "runs" / str(job.id)),
+                      log_pattern=str(state / "logs" / job.chain_id / "rank{rank}.log"), workdir=spec.get("workdir"))
 
     def job_env(self, s: Session, job: Job, token: str, nodes: tuple[str, ...]) -> dict[str, str]:
         """The job's environment: the submitter's (or exactly the spec's), then luban's own variables
@@ -300,6 +312,6 @@ class Scheduler:
         with self.sessions.begin() as s:
             nodes = s.scalar(select(func.count()).select_from(Node).where(Node.state == "up"))
             held = s.scalar(select(func.count()).select_from(Allocation))
-            running = s.scalar(select(func.coalesce(func.sum(Job.nnodes), 0)).where(Job.state == "running"))
-            queued = s.scalar(select(func.count()).select_from(Job).where(Job.state == "queued"))
+            running = s.scalar(select(func.coalesce(func.sum(Job.nnodes), 0)).where(Job.state == states.RUNNING))
+            queued = s.scalar(select(func.count()).select_from(Job).where(Job.state == states.QUEUED))
             s.merge(Sample(t=round(now, 3), nodes=nodes, held=held, running=running, queued_jobs=queued))

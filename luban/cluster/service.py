@@ -22,7 +22,8 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from luban.cluster import priority as prio
 from luban.cluster import spec as specs
-from luban.cluster.models import ACTIVE, Event, Job, Node, Quota, Sample, StopReason, User, UserGroup
+from luban.cluster import states
+from luban.cluster.models import ACTIVE, LIVE, Event, Job, Node, Quota, Sample, StopReason, User, UserGroup
 from luban.cluster.scheduler import Scheduler, new_token, record, token_hash
 from luban.errors import LubanError, bad_value
 
@@ -166,7 +167,7 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
             now = time.time()
             job = Job(chain_id="c" + secrets.token_hex(6), restart_count=0, whole_life_state=0,
                       user=user.name, group=spec.group, owner=owner, name=spec.name, spec=spec.to_dict(),
-                      priority=int(level), node_group=spec.node_group, nnodes=spec.nodes, state="queued",
+                      priority=int(level), node_group=spec.node_group, nnodes=spec.nodes, state=states.QUEUED,
                       chain_submitted_at=now, place=now, queued_at=now, nodes=[], requested=0, stop_reason=0,
                       reason="queued")
             s.add(job)
@@ -202,7 +203,7 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
     def request_flag(job_id: int, p: Principal, flag: StopReason) -> dict:
         with sessions.begin() as s:
             job = get_job(s, p, job_id, latest=True)
-            allowed = ("starting", "running") if flag == StopReason.USER_SUSPEND else ("queued",) + ACTIVE
+            allowed = (states.STARTING, states.RUNNING) if flag == StopReason.USER_SUSPEND else LIVE
             if job.state not in allowed:
                 raise bad_value("job", job_id, f"is {job.state}; this needs a job that is {' or '.join(allowed)}")
             job.requested |= flag
@@ -230,21 +231,21 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
             with open(path, "rb") as f:
                 f.seek(offset)
                 text = f.read(LOG_CHUNK)
-        done = job.state not in ("queued",) + ACTIVE
+        done = job.state not in LIVE
         return {"text": text.decode(errors="replace"), "offset": offset + len(text), "done": done,
                 "state": job.state, "job_id": job.id}
 
     # -- the in-job SDK ----------------------------------------------------------------------
     @app.get("/api/jobs/{job_id}/suspend_command")
     def suspend_command(job_id: int, p: Principal = Depends(principal), s: Session = Depends(db)):
-        return {"suspend": get_job(s, p, job_id).state == "suspending"}
+        return {"suspend": get_job(s, p, job_id).state == states.SUSPENDING}
 
     @app.post("/api/jobs/{job_id}/go_suspend")
     def go_suspend(job_id: int, p: Principal = Depends(principal)):
         with sessions.begin() as s:
             job = get_job(s, p, job_id)
             job.acked = True
-            if job.state != "suspending":
+            if job.state != states.SUSPENDING:
                 job.requested |= StopReason.USER_SUSPEND
             record(s, "ack", "job called go_suspend()", job.id)
         return {"ok": True}

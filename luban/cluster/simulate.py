@@ -14,7 +14,7 @@ import math
 import time
 from collections import defaultdict
 
-from luban.cluster import policy
+from luban.cluster import policy, states
 from luban.cluster.priority import Priority
 from luban.cluster.trace import TraceJob
 
@@ -88,15 +88,16 @@ def run(trace: list[TraceJob], cfg: SimConfig) -> dict:
         for sim in list(active.values()):
             view = sim.view
             if view.state == policy.RUNNING and sim.wakeup <= t:
+                states.move(view, states.SUCCEEDED)
                 sim.done_at, sim.remaining = sim.wakeup, 0.0
                 stats["useful_node_s"] += view.nnodes * (sim.wakeup - sim.run_start)
                 busy -= view.nnodes
                 del active[view.id]
             elif view.state == policy.SUSPENDING and sim.wakeup <= t:
                 busy -= view.nnodes
-                view.state, view.nodes, view.since = policy.QUEUED, (), t
-                if sim.time_share:
-                    view.place = t
+                states.move(view, states.SUSPENDED)  # the attempt ends; the chain goes on as the next one
+                view.state, view.place = states.requeue(view.place, t, sim.time_share)
+                view.nodes, view.since = (), t
         snap = policy.Snapshot(t, nodes, [s.view for s in active.values()], quota, cfg.quantum)
         t0 = time.perf_counter()
         result = policy.plan(snap)
@@ -115,7 +116,8 @@ def run(trace: list[TraceJob], cfg: SimConfig) -> dict:
             else:
                 stats["lost_node_s"] += view.nnodes * ran
                 sim.wakeup = t
-            view.state, sim.time_share = policy.SUSPENDING, time_share
+            states.move(view, states.SUSPENDING)
+            sim.time_share = time_share
             heapq.heappush(events, (sim.wakeup, job_id))
         for job_id, names, _ in result.starts:
             sim = active[job_id]
@@ -123,7 +125,9 @@ def run(trace: list[TraceJob], cfg: SimConfig) -> dict:
             sim.queued_time += t - view.since
             if sim.first_start is None:
                 sim.first_start = t
-            view.state, view.nodes, view.since = policy.RUNNING, names, t
+            states.move(view, states.STARTING)  # starting takes no time here
+            states.move(view, states.RUNNING)
+            view.nodes, view.since = names, t
             sim.run_start, sim.wakeup = t, t + sim.remaining
             busy += view.nnodes
             heapq.heappush(events, (sim.wakeup, job_id))

@@ -140,3 +140,68 @@ def test_stop_returns_only_when_nothing_of_the_job_runs(service, tmp_path, spawn
     out = svc.cli("stop", str(job["id"]), token=token).stdout
     assert f"job {job['id']} stopped" in out
     assert gone(pids) and procs.members(tag) == []  # at the moment `luban stop` returned
+
+
+# -- exactly once across a service crash ---------------------------------------------------------
+COUNTER = "import os, sys, time\nopen(sys.argv[1], 'a').write(f'{os.getpid()}\\n')\ntime.sleep(600)\n"
+
+
+def _crash_between_start_and_record(svc, job_id: int) -> None:
+    """kill -9 the service, then make the database look as if it died after starting the job but
+    before recording its handle (the window the issue names), long enough ago to be looked at."""
+    import sqlite3
+
+    svc.stop(signal.SIGKILL)
+    with sqlite3.connect(svc.state / "luban.db") as db:
+        db.execute("UPDATE jobs SET handle = NULL, started_at = started_at - 600 WHERE id = ?", (job_id,))
+
+
+@pytest.mark.parametrize("executor", ["local", "slurm"])
+def test_a_job_started_before_a_crash_is_adopted_not_run_twice(service, tmp_path, executor):
+    args = ("--nodes", "1", "--tick", "0.2") if executor == "local" else ("--executor", "slurm", "--tick", "0.3")
+    if executor == "slurm":
+        from tests.cluster.conftest import require
+        from tests.cluster.test_slurm import slurm_nodes
+
+        require(bool(slurm_nodes()), "a Slurm cluster (sinfo lists idle nodes)")
+    svc = service(*args)
+    group = svc.admin().nodes()[0]["node_group"]
+    token, alice = svc.user("alice", {"NORMAL": 1}, node_group=group)
+    script, starts = tmp_path / "counter.py", tmp_path / "starts"
+    script.write_text(COUNTER)
+    job = alice.submit({"name": "once", "command": PYTHON, "args": [str(script), str(starts)]})["id"]
+    wait_for(lambda: starts.exists() and alice.job(job)["state"] == "running", 60, what="job running")
+    _crash_between_start_and_record(svc, job)
+    again = service(*args, state=svc.state)
+    wait_for(lambda: any(e["kind"] == "adopt" for e in again.admin().events(job)), 60, what="adoption")
+    time.sleep(1.0)  # a few ticks: a second copy would have started by now
+    assert len(starts.read_text().split()) == 1
+    assert again.admin().job(job)["state"] == "running" and len(again.admin().jobs(all_attempts=True)) == 1
+    pid = int(starts.read_text().split()[0])
+    again.cli("stop", str(job))
+    wait_for(lambda: not procs.alive(pid), 30, what="the job's process to end")
+
+
+def test_a_partial_start_before_a_crash_is_killed_and_requeued(service, tmp_path):
+    svc = service("--nodes", "2", "--tick", "0.2")
+    token, alice = svc.user("alice", {"NORMAL": 2})
+    script, starts = tmp_path / "counter.py", tmp_path / "starts"
+    script.write_text(COUNTER)
+    job = alice.submit({"name": "two", "command": PYTHON, "args": [str(script), str(starts)], "nodes": 2})["id"]
+    wait_for(lambda: starts.exists() and len(starts.read_text().split()) == 2, 60, what="both ranks")
+    first = [int(p) for p in starts.read_text().split()]
+    _crash_between_start_and_record(svc, job)
+    # as if the crash came while the second launcher was being started: only rank 0 exists
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                argv = Path(f"/proc/{entry.name}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"luban.cluster.launcher" in argv and argv[argv.index(b"--rank") + 1] == b"1" and \
+                    str(svc.state).encode() in b" ".join(argv):
+                os.kill(int(entry.name), signal.SIGKILL)
+    again = service("--nodes", "2", "--tick", "0.2", state=svc.state)
+    wait_for(lambda: len(again.admin().jobs(all_attempts=True)) == 2, 60, what="requeued attempt")
+    assert again.admin().job(job)["state"] == "suspended" and "LOST" in again.admin().job(job)["stop_reasons"]
+    wait_for(lambda: gone(first), 30, what="the partial first copy to be killed")

@@ -73,3 +73,28 @@ def test_cli_trace_and_simulate(tmp_path):
     assert json.loads(ran.stdout)["finished"] == 200
     bad = subprocess.run([*LUBAN, "cluster", "simulate", "--jobs", "0"], capture_output=True, text=True)
     assert bad.returncode == 2 and "jobs = 0" in bad.stderr
+
+
+def test_one_state_machine_for_service_scheduler_and_simulator():
+    """The simulator moves jobs only along the edges of luban.cluster.states (move raises on any
+    other), and the machine itself: final states are final, every state can reach one."""
+    from luban.cluster import models, policy, states
+    from luban.cluster.states import TRANSITIONS, JobState, IllegalTransition
+
+    assert models.JobState is JobState and models.ACTIVE == states.ACTIVE  # one enum, re-exported
+    assert (policy.QUEUED, policy.RUNNING, policy.SUSPENDING) == ("queued", "running", "suspending")
+    for final in states.FINAL:
+        assert TRANSITIONS[JobState(final)] == frozenset()
+    reach = {s: set(t) for s, t in TRANSITIONS.items()}
+    for _ in range(len(reach)):
+        for s in reach:
+            reach[s] |= set().union(*(reach[t] for t in reach[s])) if reach[s] else set()
+    assert all(set(map(JobState, states.FINAL)) & reach[s] for s in TRANSITIONS if s.value not in states.FINAL)
+
+    class J:
+        state = "succeeded"
+
+    with pytest.raises(IllegalTransition, match="succeeded -> running"):
+        states.move(J(), "running")
+    assert states.requeue(5.0, 9.0, time_share=True) == ("queued", 9.0)
+    assert states.requeue(5.0, 9.0, time_share=False) == ("queued", 5.0)

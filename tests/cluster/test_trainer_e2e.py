@@ -98,3 +98,40 @@ def test_luban_training_is_preempted_resumes_and_matches_an_uninterrupted_run(se
     assert ref_step == job_step == f"step_{steps:07d}"
     assert ref_weights.keys() == job_weights.keys() and ref_weights
     assert all(ref_weights[k] == job_weights[k] for k in ref_weights), "weights differ after preemption"
+
+
+def trained_world_size(run_dir) -> int:
+    import json
+
+    final = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
+    return json.loads((final / "meta.json").read_text())["world_size"]
+
+
+def _train_in_a_job(svc, tmp_path, nproc_flag, group="default"):
+    """A 1-node job on a 2-"GPU" node running luban train: the ranks come from the node's GPUs."""
+    token, alice = svc.user("alice", {"NORMAL": 1}, node_group=group)
+    cfg = tmp_path / "job.toml"
+    cfg.write_text(CONFIG.format(run=tmp_path / "run", steps=3).replace("[data]", "[parallel]\ndp = 2\n[data]"))
+    out = svc.cli("submit", "--name", "train", "--workdir", str(ROOT), "--", PYTHON, "-m", "luban", "train",
+                  str(cfg), *nproc_flag, token=token).stdout
+    job = int(re.search(r"submitted job (\d+)", out).group(1))
+    final = alice.wait(job, timeout=600)
+    assert final["state"] == "succeeded", alice.logs(job)["text"][-3000:]
+    assert trained_world_size(tmp_path / "run") == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc_flag", [["--nproc", "2"], []], ids=["nproc2", "one-rank-per-gpu"])
+def test_luban_train_uses_the_nodes_gpus_inside_a_job(service, tmp_path, nproc_flag):
+    _train_in_a_job(service("--nodes", "1", "--gpus", "2", "--tick", "0.2"), tmp_path, nproc_flag)
+
+
+@pytest.mark.slow
+def test_luban_train_nproc2_inside_a_slurm_job(service, tmp_path):
+    from tests.cluster.test_slurm import slurm_nodes
+
+    from tests.cluster.conftest import require
+
+    require(bool(slurm_nodes()), "a Slurm cluster (sinfo lists idle nodes)")
+    svc = service("--executor", "slurm", "--tick", "0.3")
+    _train_in_a_job(svc, tmp_path, ["--nproc", "2"], group=svc.admin().nodes()[0]["node_group"])

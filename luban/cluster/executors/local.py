@@ -11,7 +11,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 from luban import procs
@@ -36,14 +35,36 @@ class LocalExecutor:
     def start(self, launch: Launch) -> str:
         pids = []
         for rank, node in enumerate(launch.nodes):
-            cmd = [sys.executable, "-m", "luban.cluster.launcher", "--run-dir", launch.run_dir,
-                   "--log", launch.log_pattern, "--rank", str(rank), "--tag", launch.name, "--", *launch.command]
+            argv = ["--run-dir", launch.run_dir, "--log", launch.log_pattern, "--rank", str(rank),
+                    "--tag", launch.name, "--", *launch.command]
             env = dict(launch.env, LUBAN_NODE=node)  # complete: the scheduler built it (job_env)
-            proc = subprocess.Popen(cmd, env=env, start_new_session=True, cwd=launch.workdir or None,
-                                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            proc = launcher.spawn(argv, env=env, start_new_session=True, cwd=launch.workdir or None,
+                                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             self.children[proc.pid] = proc
             pids.append(proc.pid)
         return json.dumps({"pids": pids, "run_dir": launch.run_dir, "tag": launch.name})
+
+    def find(self, launch: Launch) -> str | None:
+        """Launchers are found by ``--tag <name>`` in their command line, ranks that already ended
+        by their exit files; a launch with a rank that never started is killed and forgotten."""
+        run_dir, pids = Path(launch.run_dir), {}
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            try:
+                argv = Path(f"/proc/{entry.name}/cmdline").read_bytes().decode(errors="replace").split("\0")
+            except OSError:
+                continue
+            if "luban.cluster.launcher" in argv and launch.name in argv and "--rank" in argv:
+                if argv[argv.index("--tag") + 1] == launch.name and _alive(int(entry.name)):
+                    pids[int(argv[argv.index("--rank") + 1])] = int(entry.name)
+        ranks = range(len(launch.nodes))
+        handle = json.dumps({"pids": [pids.get(r, -1) for r in ranks], "run_dir": launch.run_dir,
+                             "tag": launch.name})
+        if all(r in pids or launcher.exit_file(run_dir, r).exists() for r in ranks):
+            return handle
+        self.kill(handle)  # a partial start: one copy at most, and this one is incomplete
+        return None
 
     def _ranks(self, handle: str):
         info = json.loads(handle)
@@ -74,21 +95,23 @@ class LocalExecutor:
                 pass
 
     def kill(self, handle: str) -> None:
-        """SIGTERM to each launcher: it kills every process of the job (cgroup, process group, tag)
-        and writes its exit file once none is left; a launcher already gone is swept from here."""
-        for _, pid, _ in self._ranks(handle):
-            try:
-                if _alive(pid):
+        """SIGTERM to each launcher: it kills every process of its node's part of the job (cgroup,
+        process group, tag) and writes its exit file once none is left; the part of a launcher
+        that is already gone is swept from here."""
+        for rank, pid, _ in self._ranks(handle):
+            if _alive(pid):
+                try:
                     os.kill(pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        if not any(_alive(pid) for _, pid, _ in self._ranks(handle)):
-            self._sweep(handle)
+                    continue
+                except ProcessLookupError:
+                    pass
+            self._sweep(handle, rank)
 
-    def _sweep(self, handle: str) -> list[int]:
+    def _sweep(self, handle: str, rank: int | None = None) -> list[int]:
+        """Kill what is left of the job's processes on node ``rank`` (all nodes: None)."""
         tag, left = json.loads(handle).get("tag"), []
-        for rank, _, run_dir in self._ranks(handle):
-            path = launcher.pgid_file(run_dir, rank)
-            groups = (int(path.read_text()),) if path.exists() else ()
-            left += procs.kill_job(launcher.node_tag(tag, rank), groups) if tag else []
+        for r, _, run_dir in self._ranks(handle):
+            if tag and rank in (None, r):
+                path = launcher.pgid_file(run_dir, r)
+                left += procs.kill_job(launcher.node_tag(tag, r), (int(path.read_text()),) if path.exists() else ())
         return left

@@ -89,7 +89,7 @@ class SlurmExecutor:
     def poll(self, handle: str) -> Status:
         info = json.loads(handle)
         try:
-            f = fields(self._run("scontrol", "show", "job", "-o", info["slurm_id"]))
+            f = fields(self._run("scontrol", "show", "job", "-o", info["slurm_id"])) if info["slurm_id"] else {}
         except RuntimeError:
             f = {}  # forgotten by slurmctld (MinJobAge): fall back to the launchers' exit files
         state = f.get("JobState", "")
@@ -106,6 +106,17 @@ class SlurmExecutor:
         code, _, sig = f.get("ExitCode", "0:0").partition(":")
         code = int(code) or (128 + int(sig or 0) if int(sig or 0) else (0 if state == "COMPLETED" else 1))
         return Status(done=True, exit_code=code)
+
+    def find(self, launch: Launch) -> str | None:
+        """squeue is the truth: a Slurm job named after the launch (its tag) is adopted; one that
+        already ended is read back from its launchers' exit files."""
+        ids = self._run("squeue", "-h", "-n", launch.name, "-o", "%i").split()
+        run_dir = Path(launch.run_dir)
+        done = all(launcher.exit_file(run_dir, r).exists() for r in range(len(launch.nodes)))
+        if not ids and not done:
+            return None
+        return json.dumps({"slurm_id": ids[0] if ids else "", "run_dir": launch.run_dir,
+                           "ranks": len(launch.nodes), "tag": launch.name})
 
     def suspend(self, handle: str) -> None:
         self._run("scancel", "--signal=USR1", json.loads(handle)["slurm_id"])
