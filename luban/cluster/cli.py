@@ -196,6 +196,24 @@ def cmd_admin(args) -> int:
 
 
 # -- service-side commands -----------------------------------------------------------------------
+def _check_serve_args(args) -> None:
+    """Every number of ``cluster serve`` within its range, before anything starts."""
+    import math
+
+    ints = {"--port": (args.port, 1, 65535), "--nodes": (args.nodes, 1, 100_000), "--gpus": (args.gpus, 0, 1024),
+            "--zones": (args.zones, 1, max(1, args.nodes)), "--max-body": (args.max_body, 1024, 1 << 30),
+            "--max-queued": (args.max_queued, 1, 10_000_000)}
+    for key, (value, lo, hi) in ints.items():
+        if not lo <= value <= hi:
+            raise bad_value(key, value, f"an integer from {lo} to {hi}")
+    for key, value in {"--tick": args.tick, "--quantum": args.quantum, "--suspend-timeout": args.suspend_timeout,
+                       "--sample-every": args.sample_every}.items():
+        if not (math.isfinite(value) and value > 0) and not (key == "--quantum" and value == math.inf):
+            raise bad_value(key, value, "a number of seconds > 0")
+    if args.tick < 0.01:
+        raise bad_value("--tick", args.tick, "at least 0.01 seconds (a smaller tick is a busy loop)")
+
+
 def cmd_serve(args) -> int:
     import uvicorn
 
@@ -204,8 +222,12 @@ def cmd_serve(args) -> int:
     from luban.cluster.scheduler import Scheduler, Settings
     from luban.cluster.service import create_app, ensure_admin
 
+    _check_serve_args(args)
     state = Path(args.state).absolute()
-    state.mkdir(parents=True, exist_ok=True)
+    try:
+        state.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise bad_value("--state", args.state, f"cannot create it ({err.strerror})") from None
     engine = db.make_engine(args.db or str(state / "luban.db"))
     db.upgrade(engine)
     sessions = db.sessions(engine)
@@ -218,7 +240,8 @@ def cmd_serve(args) -> int:
     token_path = ensure_admin(sessions, state)
     if token_path:
         print(f"luban cluster: admin token written to {token_path}", flush=True)
-    uvicorn.run(create_app(sessions, scheduler), host=args.host, port=args.port, log_level=args.log_level)
+    uvicorn.run(create_app(sessions, scheduler, max_body=args.max_body, max_queued=args.max_queued),
+                host=args.host, port=args.port, log_level=args.log_level)
     return 0
 
 
@@ -339,7 +362,9 @@ def register(subparsers) -> None:
     p.add_argument("--quantum", type=float, default=3600.0, help="time-sharing quantum, seconds")
     p.add_argument("--suspend-timeout", type=float, default=600.0, help="seconds to checkpoint before a kill")
     p.add_argument("--sample-every", type=float, default=10.0, help="seconds between occupancy samples")
-    p.add_argument("--log-level", default="warning")
+    p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--max-body", type=int, default=1 << 20, help="largest request body in bytes (default 1 MiB)")
+    p.add_argument("--max-queued", type=int, default=1000, help="queued jobs one user may have (default 1000)")
     p.set_defaults(func=cmd_serve)
 
     sim_args = argparse.ArgumentParser(add_help=False)

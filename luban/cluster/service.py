@@ -9,6 +9,10 @@ alone manage users, groups, quotas and nodes. A bad spec is a 422 naming the key
 from __future__ import annotations
 
 import contextlib
+import json
+import logging
+import re
+import math
 import dataclasses
 import os
 import secrets
@@ -16,6 +20,7 @@ import time
 from pathlib import Path
 
 from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse
 from sqlalchemy import func, or_, select
 from sqlalchemy.orm import Session, sessionmaker
@@ -29,6 +34,33 @@ from luban.errors import LubanError, bad_value
 
 DASHBOARD = Path(__file__).with_name("dashboard")
 LOG_CHUNK = 1 << 20
+MAX_BODY = 1 << 20            # bytes of a request body (--max-body); checked before reading it
+MAX_QUEUED_PER_USER = 1000    # queued attempts one user may have (--max-queued)
+INT32 = (-(1 << 31), (1 << 31) - 1)  # the SQL Integer columns (PostgreSQL int4)
+ID_MAX = INT32[1]
+
+
+def int_field(body: dict, key: str, lo: int, hi: int, default=None) -> int:
+    """A JSON integer (not a bool, not a float) in [lo, hi], or a one-line 422."""
+    value = body.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise bad_value(key, value, f"an integer from {lo} to {hi}")
+    return value
+
+
+def str_field(body: dict, key: str, optional: bool = False, limit: int = 4096) -> str | None:
+    value = body.get(key)
+    if value is None and optional:
+        return None
+    if not isinstance(value, str) or not value or len(value) > limit:
+        raise bad_value(key, value if not isinstance(value, str) else value[:80], f"a string of 1 to {limit} characters")
+    return value
+
+
+def object_body(body) -> dict:
+    if not isinstance(body, dict):
+        raise bad_value("body", type(body).__name__, "a JSON object")
+    return body
 
 
 @dataclasses.dataclass
@@ -60,7 +92,72 @@ def ensure_admin(sessions: sessionmaker, state_dir: Path) -> Path | None:
     return path
 
 
-def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool = True) -> FastAPI:
+TOKEN_IN_QUERY = re.compile(r"(token=)[^&\s]*")
+
+
+class _RedactTokens(logging.Filter):
+    """Access-log lines show ``?token=***``, never the token (the dashboard's login link has one)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple):
+            record.args = tuple(TOKEN_IN_QUERY.sub(r"\1***", a) if isinstance(a, str) else a for a in record.args)
+        record.msg = TOKEN_IN_QUERY.sub(r"\1***", str(record.msg))
+        return True
+
+
+def redact_access_log() -> None:
+    for name in ("uvicorn.access", "uvicorn.error", "uvicorn"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _RedactTokens) for f in logger.filters):
+            logger.addFilter(_RedactTokens())
+
+
+class Guard:
+    """ASGI middleware in front of every request that has a body: the size is checked against
+    ``max_body`` before a byte is read (Content-Length, or counted while a chunked body arrives)
+    and the token before the body is parsed — an anonymous 60 MiB body costs one header read."""
+
+    def __init__(self, app, max_body: int, authenticate):
+        self.app, self.max_body, self.authenticate = app, max_body, authenticate
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        length = headers.get(b"content-length", b"0")
+        if not length.isdigit() or int(length) > self.max_body:
+            return await self._reject(send, 413, f"request body of {length.decode(errors='replace')} bytes: "
+                                                 f"at most {self.max_body} bytes")
+        from starlette.concurrency import run_in_threadpool
+
+        auth = headers.get(b"authorization", b"").decode(errors="replace")
+        token = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+        if not token or await run_in_threadpool(self.authenticate, token) is None:
+            return await self._reject(send, 401, "missing or invalid bearer token (Authorization: Bearer TOKEN)")
+        seen, rejected = 0, False
+
+        async def counted():
+            nonlocal seen, rejected
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_body and not rejected:
+                rejected = True
+                await self._reject(send, 413, f"request body over {self.max_body} bytes")
+                return {"type": "http.disconnect"}
+            return message
+
+        await self.app(scope, counted, send)
+
+    @staticmethod
+    async def _reject(send, status: int, detail: str) -> None:
+        body = json.dumps({"detail": detail}).encode()
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
+def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool = True,
+               max_body: int = MAX_BODY, max_queued: int = MAX_QUEUED_PER_USER) -> FastAPI:
     state_dir = Path(scheduler.settings.state_dir)
 
     @contextlib.asynccontextmanager
@@ -77,15 +174,21 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
     async def _bad_input(_request, err: LubanError):
         return JSONResponse(status_code=422, content={"detail": str(err)})
 
+    @app.exception_handler(RequestValidationError)
+    async def _bad_request(_request, err: RequestValidationError):
+        first = err.errors()[0] if err.errors() else {}
+        where = ".".join(str(x) for x in first.get("loc", ()) if x not in ("body", "query", "path"))
+        return JSONResponse(status_code=422, content={"detail": f"{where or 'request'} = "
+                                                                f"{str(first.get('input'))[:80]}: {first.get('msg')}"})
+
+
     def db():
         with sessions() as s:
             yield s
 
-    def principal(request: Request) -> Principal:
-        header = request.headers.get("authorization", "")
-        token = header[7:].strip() if header.lower().startswith("bearer ") else request.query_params.get("token")
-        if not token:
-            raise HTTPException(401, "missing bearer token (Authorization: Bearer TOKEN)")
+    def lookup(token: str) -> Principal | None:
+        if len(token) > 256:
+            return None
         digest = token_hash(token)
         with sessions() as s:  # closed before the handler opens its own transaction
             user = s.scalar(select(User).where(User.token_hash == digest))
@@ -94,7 +197,20 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
             job = s.scalar(select(Job).where(Job.token_hash == digest))
             if job is not None:
                 return Principal(s.get(User, job.user), job.id)
-        raise HTTPException(401, "invalid token")
+        return None
+
+    app.add_middleware(Guard, max_body=max_body, authenticate=lookup)
+    redact_access_log()
+
+    def principal(request: Request) -> Principal:
+        header = request.headers.get("authorization", "")
+        token = header[7:].strip() if header.lower().startswith("bearer ") else request.query_params.get("token")
+        if not token:
+            raise HTTPException(401, "missing bearer token (Authorization: Bearer TOKEN)")
+        found = lookup(token)
+        if found is None:
+            raise HTTPException(401, "invalid token")
+        return found
 
     def person(p: Principal = Depends(principal)) -> Principal:
         if p.job_id is not None:
@@ -113,7 +229,7 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
         return or_(mine, Job.group == p.user.group) if p.user.group else mine
 
     def get_job(s: Session, p: Principal, job_id: int, latest: bool = False) -> Job:
-        job = s.get(Job, job_id)
+        job = s.get(Job, job_id) if 1 <= job_id <= ID_MAX else None
         allowed = job is not None and (p.user.is_admin or job.user == p.user.name
                                        or (job.group is not None and job.group == p.user.group))
         if p.job_id is not None:
@@ -131,12 +247,18 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
 
     @app.post("/api/jobs", status_code=201)
     def submit(body: dict, p: Principal = Depends(person)):
+        body = object_body(body)
         if "yaml" in body:
-            spec = specs.parse_yaml(body["yaml"])
+            spec = specs.parse_yaml(str_field(body, "yaml", limit=specs.MAX_YAML))
         else:
             spec = specs.parse(body.get("spec"))
         with sessions.begin() as s:
             user = s.get(User, p.user.name)
+            queued = s.scalar(select(func.count()).select_from(Job).where(Job.user == user.name,
+                                                                           Job.state == states.QUEUED))
+            if queued >= max_queued:
+                raise HTTPException(429, f"user {user.name} already has {queued} queued jobs (the limit is "
+                                         f"{max_queued}); wait for some to start or stop some")
             if spec.group is not None and spec.group != user.group:
                 raise bad_value("group", spec.group, f"you are not a member (your group: {user.group})")
             known = sorted(set(s.scalars(select(Node.node_group))))
@@ -226,6 +348,8 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
         path = state_dir / "logs" / job.chain_id / f"rank{rank}.log"
         if rank < 0 or rank >= job.nnodes:
             raise bad_value("rank", rank, f"0 to {job.nnodes - 1} (the job has {job.nnodes} node(s))")
+        if not 0 <= offset <= 1 << 62:
+            raise bad_value("offset", offset, "an integer >= 0 (a byte offset into the log)")
         text = b""
         if path.exists():
             with open(path, "rb") as f:
@@ -256,9 +380,7 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
 
     @app.put("/api/jobs/{job_id}/whole_life_state")
     def set_wls(job_id: int, body: dict, p: Principal = Depends(principal)):
-        value = body.get("value")
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise bad_value("value", value, "an integer")
+        value = int_field(object_body(body), "value", *INT32)
         with sessions.begin() as s:
             get_job(s, p, job_id, latest=True).whole_life_state = value
         return {"value": value}
@@ -274,7 +396,7 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
 
     @app.patch("/api/nodes/{name}")
     def set_node(name: str, body: dict, p: Principal = Depends(admin)):
-        state = body.get("state")
+        state = object_body(body).get("state")
         if state not in ("up", "drain"):
             raise bad_value("state", state, "up or drain")
         with sessions.begin() as s:
@@ -300,13 +422,15 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
 
     @app.put("/api/quota")
     def set_quota(body: dict, p: Principal = Depends(admin)):
-        owner, group, nodes = body.get("owner", ""), body.get("node_group", "default"), body.get("nodes")
-        kind, _, name = str(owner).partition(":")
+        body = object_body(body)
+        owner, group = str_field(body, "owner", limit=200), body.get("node_group", "default")
+        if not isinstance(group, str) or not specs.NAME_RE.match(group):
+            raise bad_value("node_group", group, f"must match {specs.NAME_RE.pattern}")
+        nodes = int_field(body, "nodes", 0, INT32[1])
+        kind, _, name = owner.partition(":")
         level = prio.parse(body.get("priority"))
         if level == prio.AUTO:
             raise bad_value("priority", "AUTO", "a quota needs a concrete level")
-        if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 0:
-            raise bad_value("nodes", nodes, "an integer >= 0")
         with sessions.begin() as s:
             table = {"user": User, "group": UserGroup}.get(kind)
             if table is None or s.get(table, name) is None:
@@ -322,7 +446,10 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
 
     @app.post("/api/users", status_code=201)
     def add_user(body: dict, p: Principal = Depends(admin)):
+        body = object_body(body)
         name = body.get("name")
+        if not isinstance(body.get("admin", False), bool):
+            raise bad_value("admin", body.get("admin"), "true or false (a JSON boolean)")
         if not isinstance(name, str) or not specs.NAME_RE.match(name):
             raise bad_value("name", name, f"must match {specs.NAME_RE.pattern}")
         token = new_token()
@@ -330,7 +457,7 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
             if s.get(User, name) is not None:
                 raise bad_value("name", name, "already exists")
             group = body.get("group")
-            if group is not None and s.get(UserGroup, group) is None:
+            if group is not None and (not isinstance(group, str) or s.get(UserGroup, group) is None):
                 raise bad_value("group", group, "no such group")
             s.add(User(name=name, token_hash=token_hash(token), is_admin=bool(body.get("admin")), group=group))
             record(s, "user", f"{name} added by {p.user.name}")
@@ -338,16 +465,23 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
 
     @app.patch("/api/users/{name}")
     def set_user(name: str, body: dict, p: Principal = Depends(admin)):
+        body = object_body(body)
+        unknown = sorted(set(body) - {"group", "admin"})
+        if unknown:
+            raise bad_value(unknown[0], body[unknown[0]], "unknown field; allowed: group, admin")
+        if "admin" in body and not isinstance(body["admin"], bool):
+            raise bad_value("admin", body["admin"], "true or false (a JSON boolean)")
         with sessions.begin() as s:
             user = s.get(User, name)
             if user is None:
                 raise HTTPException(404, f"user {name} not found")
             if "group" in body:
-                if body["group"] is not None and s.get(UserGroup, body["group"]) is None:
+                if body["group"] is not None and (not isinstance(body["group"], str)
+                                                  or s.get(UserGroup, body["group"]) is None):
                     raise bad_value("group", body["group"], "no such group")
                 user.group = body["group"]
             if "admin" in body:
-                user.is_admin = bool(body["admin"])
+                user.is_admin = body["admin"]
             record(s, "user", f"{name} changed by {p.user.name}: {body}")
             return {"name": user.name, "admin": user.is_admin, "group": user.group}
 
@@ -372,7 +506,12 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
 
     @app.post("/api/groups", status_code=201)
     def add_group(body: dict, p: Principal = Depends(admin)):
+        body = object_body(body)
         name = body.get("name")
+        for key in ("data_dir", "env_dir"):
+            value = str_field(body, key, optional=True)
+            if value is not None and not value.startswith("/"):
+                raise bad_value(key, value, "an absolute path")
         if not isinstance(name, str) or not specs.NAME_RE.match(name):
             raise bad_value("name", name, f"must match {specs.NAME_RE.pattern}")
         with sessions.begin() as s:
@@ -385,6 +524,8 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
     # -- dashboard ---------------------------------------------------------------------------
     @app.get("/api/samples")
     def samples(since: float = 0.0, p: Principal = Depends(person), s: Session = Depends(db)):
+        if not math.isfinite(since):
+            raise bad_value("since", since, "a finite time in seconds since the epoch")
         rows = s.scalars(select(Sample).where(Sample.t >= since).order_by(Sample.t.desc()).limit(2000)).all()
         return [{"t": r.t, "nodes": r.nodes, "held": r.held, "running": r.running, "queued": r.queued_jobs}
                 for r in reversed(rows)]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 
 import yaml
@@ -11,6 +12,8 @@ from luban import jobenv
 from luban.cluster import priority as prio
 from luban.errors import LubanError, bad_value
 
+MAX_YAML = 64 << 10        # bytes of a YAML job spec
+MAX_SPEC = 256 << 10       # bytes of a job spec as JSON (args + env + the rest)
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 ENV_RE = jobenv.NAME_RE
 
@@ -78,6 +81,9 @@ def parse(data) -> JobSpec:
     workdir = _str(data, "workdir")
     if workdir is not None and not workdir.startswith("/"):
         raise bad_value("workdir", workdir, "an absolute path")
+    size = len(json.dumps(data, default=str))
+    if size > MAX_SPEC:
+        raise bad_value("spec", f"<{size} bytes>", f"at most {MAX_SPEC} bytes (command, args and env together)")
     return JobSpec(
         name=_str(data, "name", required=True, pattern=NAME_RE),
         command=_str(data, "command", required=True),
@@ -92,10 +98,26 @@ def parse(data) -> JobSpec:
     )
 
 
+class _NoAliasLoader(yaml.SafeLoader):
+    """Safe YAML without anchors/aliases: a job spec needs none, and nested aliases expand a few
+    hundred bytes into gigabytes ("billion laughs")."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise yaml.composer.ComposerError(None, None, "aliases (*name) are not allowed in a job spec",
+                                              event.start_mark)
+        return super().compose_node(parent, index)
+
+
 def parse_yaml(text: str) -> JobSpec:
-    """Parse YAML text; a syntax error names the line."""
+    """Parse YAML text (at most MAX_YAML bytes, no aliases); a syntax error names the line."""
+    if not isinstance(text, str):
+        raise bad_value("yaml", text, "the job spec as a YAML string")
+    if len(text.encode()) > MAX_YAML:
+        raise bad_value("yaml", f"<{len(text.encode())} bytes>", f"at most {MAX_YAML} bytes")
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_NoAliasLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as err:
         raise LubanError(f"job spec is not valid YAML: {err}".replace("\n", " ")) from None
     return parse(data)

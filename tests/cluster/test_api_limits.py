@@ -1,0 +1,128 @@
+"""Hard API limits: bodies capped before they are read, tokens checked before bodies are parsed,
+safe YAML, strict types, per-user queue limits, no 500s, tokens never in the logs."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.cluster.conftest import wait_for
+
+LAUGHS = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"{chr(98 + i)}: &{chr(98 + i)} [*{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}]\n"
+    for i in range(8)) + "name: j\ncommand: *i\n"
+
+
+@pytest.fixture(scope="module")
+def api(tmp_path_factory):
+    from tests.cluster.conftest import Service
+
+    svc = Service(tmp_path_factory.mktemp("limits"), ["--nodes", "1", "--tick", "0.2", "--max-queued", "2",
+                                                      "--max-body", "65536"]).start()
+    token, alice = svc.user("alice", {"NORMAL": 1})
+    yield svc, token, alice
+    svc.stop()
+    from tests.cluster.conftest import kill_jobs
+
+    kill_jobs(svc.state)
+
+
+def call(svc, method, path, token=None, headers=None, **kw):
+    headers = {**(headers or {}), **({"Authorization": f"Bearer {token}"} if token else {})}
+    return httpx.request(method, svc.url + "/api" + path, headers=headers, timeout=30, **kw)
+
+
+def test_bodies_over_the_cap_are_refused_before_reading_and_before_the_token(api):
+    svc, token, _ = api
+    big = b"x" * (2 << 20)
+    for who in (None, "wrong", token):
+        r = call(svc, "POST", "/jobs", who, content=big, headers={"content-type": "application/json"})
+        assert (who, r.status_code) == (who, 413), r.text[:300]
+        assert "at most 65536 bytes" in r.json()["detail"]
+
+    def chunks():  # no Content-Length: counted as it arrives
+        for _ in range(64):
+            yield b"x" * 4096
+
+    r = call(svc, "POST", "/jobs", token, content=chunks())
+    assert r.status_code == 413, r.text[:300]
+
+
+def test_a_spec_over_its_size_limit_is_refused():
+    from luban.cluster import spec as specs
+    from luban.errors import LubanError
+
+    with pytest.raises(LubanError, match="at most 262144 bytes"):
+        specs.parse({"name": "j", "command": "true", "args": ["a" * 300_000]})
+
+
+def test_token_is_checked_before_the_body_is_parsed(api):
+    svc, _, _ = api
+    r = call(svc, "POST", "/jobs", None, content=b"{not json")
+    assert r.status_code == 401
+    r = call(svc, "PUT", "/quota", "nope", json={"owner": "user:x", "priority": "HIGH", "nodes": 1})
+    assert r.status_code == 401
+
+
+@pytest.mark.parametrize("method,path,body,status,words", [
+    ("POST", "/jobs", {"yaml": LAUGHS}, 422, "aliases"),
+    ("POST", "/jobs", {"yaml": None}, 422, "yaml"),
+    ("POST", "/jobs", {"yaml": "x" * 70000}, 413, "bytes"),
+    ("POST", "/jobs", [1, 2], 422, "dictionary"),
+    ("POST", "/jobs", {"spec": {"name": "j", "command": "true", "nodes": 2 ** 70}}, 422, "nodes"),
+    ("GET", "/jobs/1/logs?offset=-1", None, 422, "offset"),
+    ("GET", f"/jobs/{2 ** 63}", None, 404, "not found"),
+    ("GET", f"/jobs/{2 ** 70}/events", None, 404, "not found"),
+    ("GET", "/samples?since=nan", None, 422, "since"),
+])
+def test_bad_input_is_a_one_line_4xx_never_a_500(api, method, path, body, status, words):
+    svc, token, alice = api
+    if "logs" in path:
+        job = alice.submit({"name": "log", "command": "true"})["id"]
+        path = path.replace("/jobs/1/", f"/jobs/{job}/")
+    r = call(svc, method, path, token, json=body) if body is not None else call(svc, method, path, token)
+    assert r.status_code == status, r.text[:300]
+    detail = r.json()["detail"]
+    assert isinstance(detail, str) and "\n" not in detail and words in detail
+
+
+@pytest.mark.parametrize("method,path,body,words", [
+    ("PUT", "/jobs/{job}/whole_life_state", {"value": 2 ** 70}, "value"),
+    ("PUT", "/jobs/{job}/whole_life_state", {"value": True}, "value"),
+    ("PUT", "/quota", {"owner": "user:alice", "priority": "HIGH", "nodes": 2 ** 70}, "nodes"),
+    ("PUT", "/quota", {"owner": "user:alice", "priority": "HIGH", "nodes": 1, "node_group": ["x"]}, "node_group"),
+    ("POST", "/users", {"name": "mallory", "admin": "false"}, "admin"),
+    ("PATCH", "/users/alice", {"admin": "yes"}, "admin"),
+    ("PATCH", "/users/alice", {"group": 7}, "group"),
+    ("POST", "/groups", {"name": "g1", "data_dir": "relative/path"}, "data_dir"),
+])
+def test_admin_fields_have_strict_types(api, method, path, body, words):
+    svc, _, alice = api
+    admin = svc.admin_token
+    path = path.replace("{job}", str(alice.jobs(all_attempts=True)[0]["id"] if alice.jobs(all_attempts=True)
+                                     else alice.submit({"name": "x", "command": "true"})["id"]))
+    r = call(svc, method, path, admin, json=body)
+    assert r.status_code == 422, r.text[:300]
+    assert words in r.json()["detail"] and "\n" not in r.json()["detail"]
+    users = {u["name"]: u for u in svc.admin().call("GET", "/users")}
+    assert "mallory" not in users and not users["alice"]["admin"]  # nothing was created or raised
+
+
+def test_queued_jobs_per_user_are_limited(api):
+    svc, _, alice = api
+    alice.submit({"name": "hold", "command": "sleep", "args": ["600"]})
+    wait_for(lambda: any(j["state"] == "running" for j in alice.jobs()), 60, what="a running job")
+    queued = [alice.submit({"name": f"q{i}", "command": "true"})["id"] for i in range(2)]
+    r = call(svc, "POST", "/jobs", alice.http.headers["Authorization"][7:],
+             json={"spec": {"name": "q3", "command": "true"}})
+    assert r.status_code == 429 and "limit is 2" in r.json()["detail"]
+    for job in queued + [j["id"] for j in alice.jobs() if j["name"] == "hold"]:
+        alice.stop(job)
+
+
+def test_tokens_never_reach_the_log(api):
+    svc, token, _ = api
+    assert httpx.get(f"{svc.url}/api/whoami?token={token}", timeout=10).status_code == 200
+    assert httpx.get(f"{svc.url}/?token={token}", timeout=10).status_code == 200
+    wait_for(lambda: "token=***" in svc.log.read_text(), 10, what="the access log line")
+    assert token not in svc.log.read_text()
