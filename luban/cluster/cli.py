@@ -172,11 +172,12 @@ def cmd_admin(args) -> int:
     client = _client(args)
     what, action = args.what, args.action
     if what == "user" and action == "add":
-        print(client.add_user(args.name, admin=args.admin, group=args.group)["token"])
+        print(client.add_user(args.name, admin=args.admin, group=args.group, os_user=args.os_user)["token"])
     elif what == "user" and action == "token":
         print(client.rotate_token(args.name)["token"])
     elif what == "user" and action == "set":
-        print(client.set_user(args.name, group=args.group))
+        user = client.set_user(args.name, group=args.group)
+        print(f"user {user['name']}: group {user['group'] or '-'}{' (admin)' if user['admin'] else ''}")
     elif what == "user":
         _table(client.users(), ["name", "admin", "group"])
     elif what == "group" and action == "add":
@@ -226,8 +227,19 @@ def cmd_serve(args) -> int:
     state = Path(args.state).absolute()
     try:
         state.mkdir(parents=True, exist_ok=True)
+        os.chmod(state, 0o700)  # database, tokens, logs, run records: the service's alone
     except OSError as err:
-        raise bad_value("--state", args.state, f"cannot create it ({err.strerror})") from None
+        raise bad_value("--state", args.state, f"cannot create it or make it private ({err.strerror})") from None
+    from luban.cluster import accounts
+
+    run_as = args.run_jobs_as or ("user" if accounts.privileged() else "service")
+    if run_as == "user" and not accounts.privileged():
+        raise bad_value("--run-jobs-as", "user", "needs the service to run as root (it creates OS accounts and "
+                                                 "starts jobs as them)")
+    if run_as == "service":
+        print("luban cluster: WARNING: jobs run as this service's own OS account "
+              f"({__import__('getpass').getuser()}) and can read its state directory (tokens, database): "
+              "share it only with users you trust; run as root for per-user accounts", file=sys.stderr, flush=True)
     engine = db.make_engine(args.db or str(state / "luban.db"))
     db.upgrade(engine)
     sessions = db.sessions(engine)
@@ -235,7 +247,7 @@ def cmd_serve(args) -> int:
                if args.executor == "local" else {"partition": args.partition, "state_dir": str(state)})
     settings = Settings(state_dir=str(state), url=args.public_url or f"http://{args.host}:{args.port}",
                         tick=args.tick, quantum=args.quantum, suspend_timeout=args.suspend_timeout,
-                        sample_every=args.sample_every)
+                        sample_every=args.sample_every, run_jobs_as=run_as)
     scheduler = Scheduler(sessions, make(args.executor, **options), settings)
     token_path = ensure_admin(sessions, state)
     if token_path:
@@ -320,6 +332,7 @@ def register(subparsers) -> None:
     p = user.add_parser("add", parents=[conn], help="create a user; prints its token")
     p.add_argument("name")
     p.add_argument("--admin", action="store_true")
+    p.add_argument("--os-user", help="user add: run this user's jobs as this existing OS account (service as root)")
     p.add_argument("--group")
     p = user.add_parser("token", parents=[conn], help="issue a new token (the old one stops working)")
     p.add_argument("name")
@@ -363,6 +376,8 @@ def register(subparsers) -> None:
     p.add_argument("--suspend-timeout", type=float, default=600.0, help="seconds to checkpoint before a kill")
     p.add_argument("--sample-every", type=float, default=10.0, help="seconds between occupancy samples")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--run-jobs-as", choices=["user", "service"], default=None,
+                   help="user: each user's own OS account (default when root); service: this service's account")
     p.add_argument("--max-body", type=int, default=1 << 20, help="largest request body in bytes (default 1 MiB)")
     p.add_argument("--max-queued", type=int, default=1000, help="queued jobs one user may have (default 1000)")
     p.set_defaults(func=cmd_serve)

@@ -120,8 +120,9 @@ class Client:
     def users(self) -> list[dict]:
         return self.call("GET", "/users")
 
-    def add_user(self, name: str, admin: bool = False, group: str | None = None) -> dict:
-        return self.call("POST", "/users", json={"name": name, "admin": admin, "group": group})
+    def add_user(self, name: str, admin: bool = False, group: str | None = None, os_user: str | None = None) -> dict:
+        body = {"name": name, "admin": admin, "group": group} | ({"os_user": os_user} if os_user else {})
+        return self.call("POST", "/users", json=body)
 
     def set_user(self, name: str, **changes) -> dict:
         return self.call("PATCH", f"/users/{name}", json=changes)

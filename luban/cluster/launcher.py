@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import pwd
 import signal
 import subprocess
 import sys
@@ -30,6 +31,7 @@ import time
 from pathlib import Path
 
 from luban import jobenv, procs
+from luban.cluster import accounts
 
 FORWARDED = (signal.SIGUSR1, signal.SIGINT)
 EXIT_KILLED = 128 + int(signal.SIGKILL)  # what the job got: kill_job sends SIGKILL
@@ -55,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log", required=True, help="log file; {rank} is replaced by the rank")
     parser.add_argument("--rank", type=int, default=None)
     parser.add_argument("--tag", default=None, help="the job's tag (LUBAN_JOB_TAG of CMD and its descendants)")
+    parser.add_argument("--user", default=None, help="run CMD as this OS account (the launcher must be root)")
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -89,8 +92,21 @@ def main(argv: list[str] | None = None) -> int:
     cgroup = procs.make_cgroup(tag)
 
     with open(log_path, "ab", buffering=0) as log:
+        account = args.user or (f"{pwd.getpwuid(os.geteuid()).pw_name} (the service's own account: the job can "
+                                "read the service's state; share it only with users you trust)")
         log.write(f"== luban: job {env.get('LUBAN_JOB_ID', '?')} rank {rank} started "
-                  f"{time.strftime('%Y-%m-%d %H:%M:%S')} on {env.get('LUBAN_NODE', '?')} ==\n".encode())
+                  f"{time.strftime('%Y-%m-%d %H:%M:%S')} on {env.get('LUBAN_NODE', '?')} as {account} ==\n".encode())
+        who = None
+        if args.user:
+            try:
+                who = accounts.identity(args.user)
+                if os.geteuid() != 0:
+                    raise PermissionError("the launcher is not root")
+                env.update(who.env())
+            except (KeyError, PermissionError) as err:
+                log.write(f"== luban: cannot run as {args.user}: {err} ==\n".encode())
+                write_atomic(exit_file(args.run_dir, rank), "126")
+                return 126
         if state["kill"]:
             code = EXIT_KILLED
         else:
@@ -99,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
 
                 def prepare():  # between fork and exec: nothing of the job starts outside its cgroup
                     procs.enter_cgroup(cgroup)
+                    if who is not None:
+                        who.become()
                     if block:  # luban's trainer unblocks them once its handlers are in
                         signal.pthread_sigmask(signal.SIG_BLOCK, (*FORWARDED, signal.SIGTERM))
 

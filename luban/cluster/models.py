@@ -54,6 +54,7 @@ class User(Base):
     token_hash: Mapped[str] = mapped_column(String(64), unique=True)
     is_admin: Mapped[bool] = mapped_column(Boolean, default=False)
     group: Mapped[str | None] = mapped_column(ForeignKey("user_groups.name"), nullable=True)
+    os_user: Mapped[str | None] = mapped_column(String(64), nullable=True)  # jobs run as this account
 
 
 class Quota(Base):

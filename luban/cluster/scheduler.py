@@ -40,6 +40,7 @@ class Settings:
     quantum: float = 3600.0               # time-sharing quantum (policy rule 2)
     suspend_timeout: float = 600.0        # seconds a job has to checkpoint before it is killed
     sample_every: float = 10.0            # seconds between occupancy samples
+    run_jobs_as: str = "service"          # "user": each user's OS account (root only, cluster/accounts.py)
 
 
 def token_hash(token: str) -> str:
@@ -283,7 +284,11 @@ class Scheduler:
         """The attempt's launch; its name (the tag) and run dir are fixed by the job alone, so a
         restarted service can find what an earlier one started (``Executor.find``)."""
         spec, state = job.spec, Path(self.settings.state_dir)
-        return Launch(job_id=job.id, name=job_tag(job), nodes=list(nodes or job.nodes),
+        run_as = None
+        if self.settings.run_jobs_as == "user":
+            with self.sessions() as s:
+                run_as = s.get(User, job.user).os_user
+        return Launch(job_id=job.id, name=job_tag(job), nodes=list(nodes or job.nodes), run_as=run_as,
                       command=[spec["command"], *spec.get("args", [])], env=env,
                       run_dir=str(state / "runs" / str(job.id)),
                       log_pattern=str(state / "logs" / job.chain_id / "rank{rank}.log"), workdir=spec.get("workdir"))

@@ -25,6 +25,7 @@ from fastapi.responses import FileResponse, JSONResponse
 from sqlalchemy import func, or_, select
 from sqlalchemy.orm import Session, sessionmaker
 
+from luban.cluster import accounts
 from luban.cluster import priority as prio
 from luban.cluster import spec as specs
 from luban.cluster import states
@@ -159,6 +160,7 @@ class Guard:
 def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool = True,
                max_body: int = MAX_BODY, max_queued: int = MAX_QUEUED_PER_USER) -> FastAPI:
     state_dir = Path(scheduler.settings.state_dir)
+    per_user = scheduler.settings.run_jobs_as == "user"
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -441,7 +443,7 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
 
     @app.get("/api/users")
     def users(p: Principal = Depends(admin), s: Session = Depends(db)):
-        return [{"name": u.name, "admin": u.is_admin, "group": u.group}
+        return [{"name": u.name, "admin": u.is_admin, "group": u.group, "os_user": u.os_user}
                 for u in s.scalars(select(User).order_by(User.name))]
 
     @app.post("/api/users", status_code=201)
@@ -459,9 +461,14 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
             group = body.get("group")
             if group is not None and (not isinstance(group, str) or s.get(UserGroup, group) is None):
                 raise bad_value("group", group, "no such group")
-            s.add(User(name=name, token_hash=token_hash(token), is_admin=bool(body.get("admin")), group=group))
-            record(s, "user", f"{name} added by {p.user.name}")
-        return {"name": name, "token": token}
+            os_user = None
+            if per_user:  # the OS account first: a failure leaves no luban user behind
+                os_user = accounts.ensure_user(name, str_field(body, "os_user", optional=True, limit=64))
+                accounts.join_group(os_user, group)
+            s.add(User(name=name, token_hash=token_hash(token), is_admin=bool(body.get("admin")), group=group,
+                       os_user=os_user))
+            record(s, "user", f"{name} added by {p.user.name}" + (f" (OS account {os_user})" if os_user else ""))
+        return {"name": name, "token": token, "os_user": os_user}
 
     @app.patch("/api/users/{name}")
     def set_user(name: str, body: dict, p: Principal = Depends(admin)):
@@ -480,6 +487,8 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
                                                   or s.get(UserGroup, body["group"]) is None):
                     raise bad_value("group", body["group"], "no such group")
                 user.group = body["group"]
+                if per_user and user.os_user:
+                    accounts.join_group(user.os_user, user.group)
             if "admin" in body:
                 user.is_admin = body["admin"]
             record(s, "user", f"{name} changed by {p.user.name}: {body}")
@@ -517,6 +526,8 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
         with sessions.begin() as s:
             if s.get(UserGroup, name) is not None:
                 raise bad_value("name", name, "already exists")
+            if per_user:
+                accounts.ensure_group(name, [body.get("data_dir"), body.get("env_dir")])
             s.add(UserGroup(name=name, data_dir=body.get("data_dir"), env_dir=body.get("env_dir")))
             record(s, "group", f"{name} added by {p.user.name}")
         return {"name": name}

@@ -85,6 +85,10 @@ class Service:
     """A real `luban cluster serve` process; restartable on the same state and database."""
 
     def __init__(self, state: Path, args: list[str]):
+        # jobs run as the service's account unless a test asks for per-user accounts (test_isolation):
+        # pytest's tmp dirs and this venv are root's, closed to other accounts
+        if "--run-jobs-as" not in args:
+            args = [*args, "--run-jobs-as", "service"]
         self.state, self.args, self.port = state, args, free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None

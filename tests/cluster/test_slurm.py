@@ -72,6 +72,6 @@ def test_preempt_checkpoint_resume_on_slurm(slurm, tmp_path):
         log = alice.logs(low, rank)["text"]
         saved = int(re.search(r"checkpoint at step (\d+)", log).group(1))
         assert f"resumed at step {saved}" in log and "done at step 40" in log
-    node_names = {re.search(r"on (node\d+) ==", line).group(1)
+    node_names = {re.search(r"on (node\d+) as ", line).group(1)
                   for line in alice.logs(low, 0)["text"].splitlines() if "started" in line}
     assert node_names <= {"node1", "node2", "node3", "node4"}

@@ -33,6 +33,7 @@ class Launch:
     run_dir: str
     log_pattern: str  # contains {rank}
     workdir: str | None = None
+    run_as: str | None = None  # OS account the command runs as (None: the service's own)
 
 
 @dataclasses.dataclass

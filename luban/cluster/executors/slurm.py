@@ -68,7 +68,8 @@ class SlurmExecutor:
         run_dir = Path(launch.run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         rank = [self.python, "-m", "luban.cluster.launcher", "--run-dir", str(run_dir), "--log",
-                launch.log_pattern, "--tag", launch.name, "--", *launch.command]
+                launch.log_pattern, "--tag", launch.name, *(["--user", launch.run_as] if launch.run_as else []),
+                "--", *launch.command]
         script = run_dir / "job.sbatch"
         script.write_text("#!/bin/bash\n# luban job %d\nexec srun --kill-on-bad-exit=0 --ntasks-per-node=1 "
                           "--nodes=%d --ntasks=%d %s\n" % (launch.job_id, len(launch.nodes), len(launch.nodes),
