@@ -39,8 +39,12 @@ def users(service):
         return name, Client(svc.url, token)
 
     yield svc, add, public
-    for name in made:
-        subprocess.run(["userdel", "--remove", accounts.account_for(name)], capture_output=True)
+    for name in made:  # a job still ending would make userdel refuse: end the account's processes first
+        subprocess.run(["pkill", "-KILL", "-u", accounts.account_for(name)], capture_output=True)
+        account = accounts.account_for(name)
+        wait_for(lambda: subprocess.run(["userdel", "--remove", account], capture_output=True) and
+                 account not in subprocess.run(["getent", "passwd"], capture_output=True, text=True).stdout,
+                 30, what=f"userdel {account}")
     for g in ("tg",):
         subprocess.run(["groupdel", accounts.unix_group(g + svc.state.name[-6:])], capture_output=True)
     shutil.rmtree(public, ignore_errors=True)
