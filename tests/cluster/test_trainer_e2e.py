@@ -107,13 +107,13 @@ def trained_world_size(run_dir) -> int:
     return json.loads((final / "meta.json").read_text())["world_size"]
 
 
-def _train_in_a_job(svc, tmp_path, nproc_flag, group="default"):
-    """A 1-node job on a 2-"GPU" node running luban train: the ranks come from the node's GPUs."""
-    token, alice = svc.user("alice", {"NORMAL": 1}, node_group=group)
+def _train_in_a_job(svc, tmp_path, nproc_flag, group="default", nodes=1):
+    """A job running luban train on 2 ranks in all: 1 node of 2 "GPUs", or 2 nodes of one rank each."""
+    token, alice = svc.user("alice", {"NORMAL": nodes}, node_group=group)
     cfg = tmp_path / "job.toml"
     cfg.write_text(CONFIG.format(run=tmp_path / "run", steps=3).replace("[data]", "[parallel]\ndp = 2\n[data]"))
-    out = svc.cli("submit", "--name", "train", "--workdir", str(ROOT), "--", PYTHON, "-m", "luban", "train",
-                  str(cfg), *nproc_flag, token=token).stdout
+    out = svc.cli("submit", "-n", str(nodes), "--name", "train", "--workdir", str(ROOT), "--", PYTHON, "-m",
+                  "luban", "train", str(cfg), *nproc_flag, token=token).stdout
     job = int(re.search(r"submitted job (\d+)", out).group(1))
     final = alice.wait(job, timeout=600)
     assert final["state"] == "succeeded", alice.logs(job)["text"][-3000:]
@@ -124,6 +124,12 @@ def _train_in_a_job(svc, tmp_path, nproc_flag, group="default"):
 @pytest.mark.parametrize("nproc_flag", [["--nproc", "2"], []], ids=["nproc2", "one-rank-per-gpu"])
 def test_luban_train_uses_the_nodes_gpus_inside_a_job(service, tmp_path, nproc_flag):
     _train_in_a_job(service("--nodes", "1", "--gpus", "2", "--tick", "0.2"), tmp_path, nproc_flag)
+
+
+@pytest.mark.slow
+def test_the_readmes_multi_node_command_trains_on_all_nodes(service, tmp_path):
+    """`luban submit -n 2 -- luban train config.toml` (docs/platform.md): one rank per node here."""
+    _train_in_a_job(service("--nodes", "2", "--tick", "0.2"), tmp_path, [], nodes=2)
 
 
 @pytest.mark.slow
