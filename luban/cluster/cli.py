@@ -69,6 +69,8 @@ def cmd_submit(args) -> int:
             data[key] = value
     if "workdir" not in data and command:
         data["workdir"] = os.getcwd()
+    if args.time is not None:
+        data["time_limit"] = parse_duration(args.time)
     _export(data, args.export)
     for item in args.env:
         key, sep, value = item.partition("=")
@@ -81,6 +83,25 @@ def cmd_submit(args) -> int:
     job = _client(args).submit(spec.to_dict())
     print(f"submitted job {job['id']} ({job['name']}, {job['nnodes']} node(s), {job['priority_name']})")
     return 0
+
+
+def parse_duration(text: str) -> int:
+    """Slurm's --time forms: MINUTES, MM:SS, H:MM:SS, D-H, D-H:MM, D-H:MM:SS -> seconds."""
+    try:
+        days, _, rest = text.rpartition("-") if "-" in text else ("0", "", text)
+        parts = [int(x) for x in rest.split(":")]
+        if any(x < 0 for x in parts) or int(days) < 0 or not 1 <= len(parts) <= 3:
+            raise ValueError
+        if "-" in text:  # D-H[:MM[:SS]]
+            h, m, sec = (parts + [0, 0])[:3]
+        else:  # MINUTES, MM:SS or H:MM:SS
+            h, m, sec = {1: (0, parts[0], 0), 2: (0, *parts), 3: tuple(parts)}[len(parts)]
+        seconds = ((int(days) * 24 + h) * 60 + m) * 60 + sec
+    except ValueError:
+        raise bad_value("--time", text, "MINUTES, MM:SS, H:MM:SS or D-H:MM:SS (as Slurm's --time)") from None
+    if seconds < 1:
+        raise bad_value("--time", text, "at least one second")
+    return seconds
 
 
 def _export(data: dict, export: str) -> None:
@@ -100,24 +121,68 @@ def _export(data: dict, export: str) -> None:
     data["env_only"] = True
 
 
+def _check_states(value: str | None) -> None:
+    from luban.cluster.states import JobState
+
+    allowed = [s.value for s in JobState]
+    for name in (value.split(",") if value else []):
+        if name not in allowed:
+            raise bad_value("--state", name, "one of " + ", ".join(allowed) + " (comma-separated)")
+
+
 def cmd_jobs(args) -> int:
+    """Like squeue / sacct: the latest attempt of each chain, or with --all every attempt with its
+    exit code, node-hours and how it ended."""
+    _check_states(args.state)
     rows = _client(args).jobs(all_attempts=args.all, state=args.state)
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
     for r in rows:
         r["where"] = ",".join(r["nodes"]) or r["nnodes"]
-    _table(rows, ["id", "chain_id:chain", "name", "user", "priority_name:priority", "where:nodes", "state",
-                  "restart_count:restarts", "reason"])
+        r["state_shown"] = r["state"] + (" (held)" if r.get("held") else "")
+        r["hours"] = f"{r['node_hours']:.2f}"
+    _table(rows, ["id", "chain_id:chain", "name", "user", "priority_name:priority", "where:nodes", "state_shown:state",
+                  "exit_code:exit", "hours:node-hours", "restart_count:restarts", "reason"])
+    return 0
+
+
+def cmd_usage(args) -> int:
+    """Node-hours per user (or per quota owner) over a period, like sreport."""
+    import math
+    import time
+
+    if not (math.isfinite(args.days) and args.days > 0):
+        raise bad_value("--days", args.days, "a number of days > 0")
+    since = time.time() - args.days * 86400
+    rows = _client(args).usage(since=since, by=args.by)
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    print(f"node-hours since {time.strftime('%Y-%m-%d %H:%M', time.localtime(since))} ({args.days:g} days)")
+    for r in rows:
+        r["hours"] = f"{r['node_hours']:.2f}"
+    _table(rows, ["who:" + ("user" if args.by == "user" else "owner"), "attempts", "hours:node-hours"])
+    return 0
+
+
+def cmd_hold(args) -> int:
+    client = _client(args)
+    for job_id in _ids(args.jobs):
+        job = client.hold(job_id) if args.command_name == "hold" else client.release(job_id)
+        print(f"job {job['id']}: {job['reason']}")
     return 0
 
 
 def cmd_logs(args) -> int:
     client = _client(args)
-    if args.follow:
+    if args.follow:  # until the chain ends; then exit with its status, as a foreground job would
         for text in client.follow(args.job, args.rank):
             sys.stdout.write(text)
             sys.stdout.flush()
+        job = client.latest(args.job)
+        print(f"== job {job['id']} {job['state']}: {job['reason']} ==", file=sys.stderr)
+        return 0 if job["state"] == "succeeded" else min(255, job["exit_code"] or 1)
     else:
         offset = 0
         while True:
@@ -192,7 +257,8 @@ def cmd_admin(args) -> int:
         q = client.set_quota(args.owner, args.priority, args.nodes, args.node_group)
         print(f"quota {q['owner']} {q['node_group']} priority {q['priority']}: {q['nodes']} node(s)")
     elif what == "node":
-        print(client.set_node(args.name, "drain" if action == "drain" else "up"))
+        node = client.set_node(args.name, "drain" if action == "drain" else "up")
+        print(f"node {node['name']}: {node['state']}")
     return 0
 
 
@@ -294,6 +360,7 @@ def register(subparsers) -> None:
     p.add_argument("--node-group")
     p.add_argument("--workdir")
     p.add_argument("-e", "--env", action="append", default=[], help="KEY=VALUE (repeatable)")
+    p.add_argument("-t", "--time", help="time limit of each attempt, as Slurm: MINUTES, H:MM:SS or D-HH:MM:SS")
     p.add_argument("--export", default="ALL", metavar="ALL|NONE|NAME,...",
                    help="environment for the job, as Slurm's --export: ALL (default) = yours, less tokens and "
                         "rank variables; NONE or NAME,... = exactly those (plus --env and luban's variables)")
@@ -304,7 +371,7 @@ def register(subparsers) -> None:
 
     p = subparsers.add_parser("jobs", parents=[conn], help="list your jobs (latest attempt of each chain)")
     p.add_argument("--all", action="store_true", help="every attempt, not only the latest")
-    p.add_argument("--state", help="comma-separated states to show")
+    p.add_argument("--state", help="comma-separated states to show (queued, running, succeeded, ...)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_jobs)
 
@@ -320,6 +387,17 @@ def register(subparsers) -> None:
         p.add_argument("--no-wait", action="store_true", help="return once requested, not when the job has ended")
         p.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for the end (default 900)")
         p.set_defaults(func=cmd_stop, command_name=name)
+
+    for name, text in (("hold", "keep queued jobs from starting"), ("release", "let held jobs start")):
+        p = subparsers.add_parser(name, parents=[conn], help=text)
+        p.add_argument("jobs", nargs="+")
+        p.set_defaults(func=cmd_hold, command_name=name)
+
+    p = subparsers.add_parser("usage", parents=[conn], help="node-hours per user over a period (like sreport)")
+    p.add_argument("--days", type=float, default=30.0, help="the period: the last N days (default 30)")
+    p.add_argument("--by", choices=["user", "owner"], default="user", help="owner: per quota owner (user:/group:)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_usage)
 
     p = subparsers.add_parser("nodes", parents=[conn], help="list nodes and the jobs on them")
     p.set_defaults(func=cmd_nodes)
@@ -351,7 +429,7 @@ def register(subparsers) -> None:
     p.add_argument("owner")
     p.add_argument("priority")
     p.add_argument("nodes", type=int)
-    p.add_argument("--node-group", default="default")
+    p.add_argument("--node-group", help="default: the nodes' group when the cluster has one")
     node = what.add_parser("node").add_subparsers(dest="action", required=True, metavar="ACTION")
     for action in ("drain", "up"):
         node.add_parser(action, parents=[conn]).add_argument("name")

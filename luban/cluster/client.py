@@ -113,9 +113,20 @@ class Client:
     def quota(self) -> list[dict]:
         return self.call("GET", "/quota")
 
-    def set_quota(self, owner: str, priority: str | int, nodes: int, node_group: str = "default") -> dict:
-        return self.call("PUT", "/quota", json={"owner": owner, "priority": priority, "nodes": nodes,
-                                                "node_group": node_group})
+    def set_quota(self, owner: str, priority: str | int, nodes: int, node_group: str | None = None) -> dict:
+        """``node_group`` None: the nodes' own group when the cluster has one, else "default"."""
+        body = {"owner": owner, "priority": priority, "nodes": nodes}
+        return self.call("PUT", "/quota", json=body | ({"node_group": node_group} if node_group else {}))
+
+    def hold(self, job_id: int) -> dict:
+        return self.call("POST", f"/jobs/{job_id}/hold")
+
+    def release(self, job_id: int) -> dict:
+        return self.call("POST", f"/jobs/{job_id}/release")
+
+    def usage(self, since: float = 0.0, until: float | None = None, by: str = "user") -> list[dict]:
+        params = {"since": since, "by": by} | ({"until": until} if until is not None else {})
+        return self.call("GET", "/usage", params=params)
 
     def users(self) -> list[dict]:
         return self.call("GET", "/users")

@@ -27,6 +27,8 @@ class StopReason(enum.IntFlag):
     SUSPEND_TIMEOUT = 32   # did not acknowledge the suspend before the deadline: killed
     NONZERO_EXIT = 64
     LOST = 128             # the executor lost track of it (node or launcher gone)
+    TIME_LIMIT = 256       # ran past its spec's time_limit: killed
+    HOLD = 512             # (a request, not an end) held by its user: not scheduled until released
 
 
 class Node(Base):

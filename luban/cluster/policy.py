@@ -140,6 +140,19 @@ def _place(free: dict[str, list[str]], nnodes: int) -> tuple[tuple[str, ...], st
     return tuple(taken), "spans zones (no single zone had enough free nodes)"
 
 
+def _capacity_reason(group: str, used: int, capacity: int, n: int, drained: int, ahead: list[int]) -> str:
+    """Why a job does not fit: the jobs ahead that take the nodes (naming the newly admitted ones,
+    so a preempted job's reason says which job it yields to) and drained nodes it may wait for."""
+    why = f"capacity: {used} of {capacity} nodes in node group {group} go to jobs ahead in order, needs {n}"
+    if ahead:
+        shown = ", ".join(str(i) for i in ahead[-3:]) + (f" and {len(ahead) - 3} more" if len(ahead) > 3 else "")
+        why += f" (for job{'s' if len(ahead) > 1 else ''} {shown})"
+    if drained and n > capacity - used:
+        why += (f"; {drained} node(s) of {group} are drained" +
+                (": it cannot run until they return" if n > capacity else ""))
+    return why
+
+
 def plan(snap: Snapshot) -> Plan:
     """Decide which jobs start where and which running jobs are suspended (rules 1-5)."""
     held = {name for job in snap.jobs if job.state in INCUMBENT or job.state == SUSPENDING
@@ -147,7 +160,10 @@ def plan(snap: Snapshot) -> Plan:
     capacity: dict[str, int] = defaultdict(int)
     free: dict[str, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
     free_count: dict[str, int] = defaultdict(int)
+    drained: dict[str, int] = defaultdict(int)
     for node in sorted(snap.nodes, key=lambda n: n.name):
+        if not node.schedulable and node.name not in held:
+            drained[node.node_group] += 1
         if node.schedulable or node.name in held:
             capacity[node.node_group] += 1
         if node.schedulable and node.name not in held:
@@ -174,6 +190,7 @@ def plan(snap: Snapshot) -> Plan:
     used_capacity: dict[str, int] = defaultdict(int)
     used_quota: dict[tuple[str, str, int], int] = {}
     displaced: set[tuple[str, str, int]] = set()  # (node group, user, priority) losing a running job
+    ahead: dict[str, list[int]] = defaultdict(list)  # queued jobs admitted this tick, per node group
     reasons: dict[tuple, str] = {}  # one string per distinct reason: ticks stay fast with deep queues
     quota = snap.quota
     for entry in keyed:
@@ -189,14 +206,15 @@ def plan(snap: Snapshot) -> Plan:
                 f"quota: {job.owner} holds {held_quota} of {quota.get(key, 0)} nodes at priority "
                 f"{job.priority} in node group {group}, needs {n}"))
         elif used_capacity[group] + n > capacity[group]:
-            rkey = (group, used_capacity[group], n)
-            why = reasons.get(rkey) or reasons.setdefault(rkey, (
-                f"capacity: {used_capacity[group]} of {capacity[group]} nodes in node group "
-                f"{group} go to jobs ahead in order, needs {n}"))
+            rkey = (group, used_capacity[group], n, tuple(ahead[group][-3:]))
+            why = reasons.get(rkey) or reasons.setdefault(rkey, _capacity_reason(
+                group, used_capacity[group], capacity[group], n, drained[group], ahead[group]))
         else:
             used_quota[key] = held_quota + n
             used_capacity[group] += n
             admitted.add(job.id)
+            if queued:
+                ahead[group].append(job.id)
             if queued:
                 if free_count[group] >= n:
                     nodes, where = _place(free[group], n)

@@ -154,6 +154,11 @@ class Scheduler:
             job.stop_reason |= stop
             self.executor.kill(job.handle)
             record(s, "kill", f"stop requested ({StopReason(stop).name})", job.id)
+        elif (job.state == states.RUNNING and job.spec.get("time_limit") and not job.stop_reason & StopReason.TIME_LIMIT
+              and now - job.started_at > job.spec["time_limit"]):
+            job.stop_reason |= StopReason.TIME_LIMIT
+            self.executor.kill(job.handle)
+            record(s, "kill", f"time limit of {job.spec['time_limit']}s reached", job.id)
         elif job.state == states.RUNNING and job.requested & StopReason.USER_SUSPEND:
             self._suspend(s, job, StopReason.USER_SUSPEND, "suspend requested by the user", now)
         elif job.state == states.SUSPENDING and job.acked and not job.stop_reason & StopReason.SUSPEND_TIMEOUT:
@@ -169,7 +174,10 @@ class Scheduler:
 
     def _finish(self, s: Session, job: Job, code: int | None, lost: bool) -> None:
         stop = job.requested & (StopReason.USER_STOP | StopReason.ADMIN_STOP)
-        if stop:
+        if job.stop_reason & StopReason.TIME_LIMIT:
+            self._end(s, job, states.FAILED, code, job.stop_reason,
+                      f"time limit of {job.spec['time_limit']}s reached: killed (exit code {code})")
+        elif stop:
             self._end(s, job, states.STOPPED, code, job.stop_reason | stop, f"stopped on request, exit code {code}")
         elif code == 75 or (job.state == states.SUSPENDING and code != 0):
             self._end(s, job, states.SUSPENDED, code, job.stop_reason, f"suspended with exit code {code}; requeued")
@@ -182,8 +190,10 @@ class Scheduler:
 
     def _end(self, s: Session, job: Job, state: str, code: int | None, reasons: int, message: str) -> None:
         """Close an attempt, free its nodes; a suspended attempt is requeued as the next one."""
+        why = job.reason if job.state == states.SUSPENDING else None  # the suspend's cause (_suspend)
         states.move(job, state)
         job.exit_code, job.stop_reason = code, int(reasons)
+        job.reason = f"{message} ({why})" if why else message  # the reason column says how it ended
         job.ended_at, job.token_hash, job.suspend_deadline = time.time(), None, None
         s.execute(Allocation.__table__.delete().where(Allocation.job_id == job.id))
         record(s, state, message, job.id)
@@ -194,7 +204,7 @@ class Scheduler:
                       name=job.name, spec=job.spec, priority=job.priority, node_group=job.node_group,
                       nnodes=job.nnodes, state=next_state, chain_submitted_at=job.chain_submitted_at,
                       place=place,
-                      queued_at=time.time(), nodes=[], requested=0, stop_reason=0, reason="requeued")
+                      queued_at=time.time(), nodes=[], requested=0, stop_reason=0, reason=f"requeued: {job.reason}")
             s.add(nxt)
             s.flush()
             record(s, "requeue", f"attempt {nxt.restart_count} of chain {job.chain_id} (was job {job.id})", nxt.id)
@@ -202,6 +212,7 @@ class Scheduler:
     def _suspend(self, s: Session, job: Job, why: StopReason, message: str, now: float) -> None:
         states.move(job, states.SUSPENDING)
         job.stop_reason |= why
+        job.reason = message
         job.suspend_deadline = now + self.settings.suspend_timeout
         self.executor.suspend(job.handle)
         record(s, "suspend", message, job.id)
@@ -214,7 +225,8 @@ class Scheduler:
                                j.place, j.started_at if j.state != states.QUEUED else j.queued_at,
                                tuple(j.nodes or ()))
                 for j in s.scalars(select(Job).where(Job.state.in_(LIVE)))
-                if not (j.state == states.QUEUED and j.requested & (StopReason.USER_STOP | StopReason.ADMIN_STOP))]
+                if not (j.state == states.QUEUED and j.requested & (StopReason.USER_STOP | StopReason.ADMIN_STOP
+                                                                    | StopReason.HOLD))]
         quota = {(q.owner, q.node_group, q.priority): q.nodes for q in s.scalars(select(Quota))}
         return policy.Snapshot(now, nodes, jobs, quota, self.settings.quantum)
 

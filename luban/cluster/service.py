@@ -70,12 +70,22 @@ class Principal:
     job_id: int | None = None  # set for a job token: only that job's own SDK calls are allowed
 
 
+def node_hours(job: Job, since: float = 0.0, until: float | None = None) -> float:
+    """Node-hours the attempt held nodes within [since, until] (until: now)."""
+    if job.started_at is None:
+        return 0.0
+    end = job.ended_at if job.ended_at is not None else time.time()
+    end = min(end, until) if until is not None else end
+    return max(0.0, end - max(job.started_at, since)) * job.nnodes / 3600.0
+
+
 def job_dict(job: Job) -> dict:
     return {k: getattr(job, k) for k in (
         "id", "chain_id", "first_id", "restart_count", "whole_life_state", "user", "group", "name",
         "priority", "node_group", "nnodes", "state", "stop_reason", "reason", "chain_submitted_at", "place",
         "queued_at", "started_at", "ended_at", "exit_code", "nodes", "spec")} | {
-        "priority_name": prio.Priority(job.priority).name,
+        "priority_name": prio.Priority(job.priority).name, "node_hours": round(node_hours(job), 4),
+        "held": bool(job.requested & StopReason.HOLD),
         "stop_reasons": [f.name for f in StopReason if job.stop_reason & f]}
 
 
@@ -304,7 +314,11 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
     def jobs(all: bool = False, state: str | None = None, p: Principal = Depends(person), s: Session = Depends(db)):
         query = select(Job).where(visible(p)).order_by(Job.id)
         if state:
-            query = query.where(Job.state.in_(state.split(",")))
+            wanted = state.split(",")
+            for name in wanted:
+                if name not in [x.value for x in states.JobState]:
+                    raise bad_value("state", name, "one of " + ", ".join(x.value for x in states.JobState))
+            query = query.where(Job.state.in_(wanted))
         rows = s.scalars(query).all()
         if not all:  # the latest attempt of each chain
             latest = {}
@@ -343,6 +357,46 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
     @app.post("/api/jobs/{job_id}/suspend")
     def suspend(job_id: int, p: Principal = Depends(person)):
         return request_flag(job_id, p, StopReason.USER_SUSPEND)
+
+    def hold_flag(job_id: int, p: Principal, hold: bool) -> dict:
+        with sessions.begin() as s:
+            job = get_job(s, p, job_id, latest=True)
+            if job.state != states.QUEUED:
+                raise bad_value("job", job_id, f"is {job.state}; only a queued job can be held or released")
+            job.requested = (job.requested | StopReason.HOLD) if hold else (job.requested & ~StopReason.HOLD)
+            job.reason = f"held by {p.user.name} (luban release {job.id})" if hold else "released; queued"
+            record(s, "hold" if hold else "release", f"by {p.user.name}", job.id)
+            return job_dict(job)
+
+    @app.post("/api/jobs/{job_id}/hold")
+    def hold(job_id: int, p: Principal = Depends(person)):
+        return hold_flag(job_id, p, True)
+
+    @app.post("/api/jobs/{job_id}/release")
+    def release(job_id: int, p: Principal = Depends(person)):
+        return hold_flag(job_id, p, False)
+
+    @app.get("/api/usage")
+    def usage(since: float = 0.0, until: float | None = None, by: str = "user", p: Principal = Depends(person),
+              s: Session = Depends(db)):
+        """Node-hours per user (or per owner: user:x / group:g) of attempts overlapping [since, until]."""
+        if by not in ("user", "owner"):
+            raise bad_value("by", by, "user or owner")
+        for key, value in (("since", since), ("until", until)):
+            if value is not None and not math.isfinite(value):
+                raise bad_value(key, value, "a finite time in seconds since the epoch")
+        rows: dict[str, dict] = {}
+        query = select(Job).where(visible(p), Job.started_at.is_not(None))
+        for job in s.scalars(query):
+            hours = node_hours(job, since, until)
+            if hours <= 0:
+                continue
+            row = rows.setdefault(job.user if by == "user" else job.owner,
+                                  {"who": job.user if by == "user" else job.owner, "attempts": 0, "node_hours": 0.0})
+            row["attempts"] += 1
+            row["node_hours"] += hours
+        return sorted(({**r, "node_hours": round(r["node_hours"], 4)} for r in rows.values()),
+                      key=lambda r: -r["node_hours"])
 
     @app.get("/api/jobs/{job_id}/logs")
     def logs(job_id: int, rank: int = 0, offset: int = 0, p: Principal = Depends(person), s: Session = Depends(db)):
@@ -425,9 +479,13 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
     @app.put("/api/quota")
     def set_quota(body: dict, p: Principal = Depends(admin)):
         body = object_body(body)
-        owner, group = str_field(body, "owner", limit=200), body.get("node_group", "default")
-        if not isinstance(group, str) or not specs.NAME_RE.match(group):
-            raise bad_value("node_group", group, f"must match {specs.NAME_RE.pattern}")
+        owner, group = str_field(body, "owner", limit=200), body.get("node_group")
+        with sessions() as s:
+            known = sorted(set(s.scalars(select(Node.node_group))))
+        if group is None:  # the nodes' own group when there is one; "default" otherwise
+            group = known[0] if len(known) == 1 else "default"
+        if not isinstance(group, str) or group not in known:
+            raise bad_value("node_group", group, "one of the node groups: " + ", ".join(known))
         nodes = int_field(body, "nodes", 0, INT32[1])
         kind, _, name = owner.partition(":")
         level = prio.parse(body.get("priority"))

@@ -13,6 +13,7 @@ from luban.cluster import priority as prio
 from luban.errors import LubanError, bad_value
 
 MAX_YAML = 64 << 10        # bytes of a YAML job spec
+MAX_TIME_LIMIT = 365 * 24 * 3600
 MAX_SPEC = 256 << 10       # bytes of a job spec as JSON (args + env + the rest)
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 ENV_RE = jobenv.NAME_RE
@@ -32,6 +33,7 @@ class JobSpec:
     priority: str = "NORMAL"
     group: str | None = None
     node_group: str | None = None  # None: "default", or the cluster's only node group
+    time_limit: int | None = None  # seconds an attempt may run before it is killed (None: no limit)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -71,6 +73,10 @@ def parse(data) -> JobSpec:
             raise bad_value(f"env.{k}", v, "variable names must match " + ENV_RE.pattern)
         if not isinstance(v, (str, int, float)):
             raise bad_value(f"env.{k}", v, "a string or number")
+    time_limit = data.get("time_limit")
+    if time_limit is not None and (isinstance(time_limit, bool) or not isinstance(time_limit, int)
+                                   or not 1 <= time_limit <= MAX_TIME_LIMIT):
+        raise bad_value("time_limit", time_limit, f"whole seconds from 1 to {MAX_TIME_LIMIT} (a year)")
     env_only = data.get("env_only", False)
     if not isinstance(env_only, bool):
         raise bad_value("env_only", env_only, "true or false")
@@ -90,6 +96,7 @@ def parse(data) -> JobSpec:
         args=[str(a) for a in args],
         env={k: str(v) for k, v in env.items()},
         env_only=env_only,
+        time_limit=time_limit,
         workdir=workdir,
         nodes=nodes,
         priority=priority if isinstance(priority, str) else priority.name,

@@ -190,3 +190,18 @@ def test_no_preemption_within_one_user_and_priority(snap):
         assert by_id[i].state in ("running", "starting")
         if time_share:
             assert snap.now - by_id[i].since >= snap.quantum
+
+
+def test_a_preemption_names_the_job_it_yields_to():
+    snap = Snapshot(100.0, nodes(4), [job(1, "lo", 0, 4, "running", held=[f"n0{i}" for i in range(4)]),
+                                      job(2, "hi", 30, 2)], quota(lo={0: 4}, hi={30: 4}))
+    assert "(for job 2)" in plan(snap).suspends[0][1]
+
+
+def test_wait_reasons_name_drained_nodes():
+    drained = [NodeView(n.name, n.node_group, n.zone, schedulable=n.name != "n03") for n in nodes(4)]
+    out = plan(Snapshot(100.0, drained, [job(1, "a", 10, 4)], quota(a={10: 4})))
+    assert out.waits[1].endswith("1 node(s) of default are drained: it cannot run until they return")
+    busy = [job(1, "a", 10, 3, "running", held=["n00", "n01", "n02"]), job(2, "b", 10, 1)]
+    out = plan(Snapshot(100.0, drained, busy, quota(a={10: 3}, b={10: 1})))
+    assert "1 node(s) of default are drained" in out.waits[2] and "until they return" not in out.waits[2]
