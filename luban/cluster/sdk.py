@@ -10,7 +10,8 @@ import os
 from luban.cluster.client import Client
 from luban.errors import LubanError
 
-__all__ = ["Client", "get_whole_life_state", "go_suspend", "receive_suspend_command", "set_whole_life_state"]
+__all__ = ["Client", "get_whole_life_state", "go_suspend", "receive_suspend_command", "report_run_dir",
+           "set_whole_life_state"]
 
 RETRY_FOR = 300.0  # seconds a job keeps retrying while the service restarts
 
@@ -32,6 +33,13 @@ def go_suspend() -> None:
     """Acknowledge: the checkpoint is saved; the scheduler stops this attempt and requeues it."""
     client, job_id = _job()
     client.call("POST", f"/jobs/{job_id}/go_suspend")
+
+
+def report_run_dir(path: str) -> None:
+    """Tell the scheduler where this job's run writes ``metrics.jsonl`` (and ``plan.json``): the
+    dashboard's job page draws its loss, tokens/s and MFU from there. ``luban train`` calls it."""
+    client, job_id = _job()
+    client.call("PUT", f"/jobs/{job_id}/run", json={"dir": str(path)})
 
 
 def get_whole_life_state() -> int:

@@ -9,6 +9,8 @@ alone manage users, groups, quotas and nodes. A bad spec is a 422 naming the key
 from __future__ import annotations
 
 import contextlib
+import pwd
+import stat
 import json
 import logging
 import re
@@ -165,6 +167,34 @@ class Guard:
         await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})
+
+
+METRIC_KEYS = ("step", "loss", "val_loss", "tokens_per_s", "mfu", "time_step_s", "tokens")
+MAX_METRICS = 16 << 20  # bytes of metrics.jsonl the service reads for a job page
+
+
+def _read_json(path: Path, owner: str | None, lines: bool = False) -> list[dict]:
+    """JSON objects from a file a job named: no symlinks, owned by ``owner`` (per-user mode),
+    at most MAX_METRICS bytes; anything else reads as nothing."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return []
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode) or (owner is not None and st.st_uid != pwd.getpwnam(owner).pw_uid):
+            return []
+        f.seek(max(0, st.st_size - MAX_METRICS))
+        text = f.read(MAX_METRICS).decode(errors="replace")
+    out = []
+    for chunk in (text.splitlines() if lines else [text]):
+        try:
+            value = json.loads(chunk)
+        except ValueError:
+            continue
+        if isinstance(value, dict):
+            out.append(value)
+    return out
 
 
 def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool = True,
@@ -376,6 +406,36 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
     def release(job_id: int, p: Principal = Depends(person)):
         return hold_flag(job_id, p, False)
 
+    @app.put("/api/jobs/{job_id}/run")
+    def set_run(job_id: int, body: dict, p: Principal = Depends(principal)):
+        """The job (its own token) says where its run writes metrics; recorded as a ``run`` event."""
+        if p.job_id is None:
+            raise HTTPException(403, "only the job itself (its LUBAN_CLUSTER_TOKEN) reports its run directory")
+        path = str_field(object_body(body), "dir", limit=1024)
+        if not path.startswith("/"):
+            raise bad_value("dir", path, "an absolute path")
+        with sessions.begin() as s:
+            record(s, "run", path, get_job(s, p, job_id).id)
+        return {"dir": path}
+
+    @app.get("/api/jobs/{job_id}/metrics")
+    def metrics(job_id: int, p: Principal = Depends(person), s: Session = Depends(db)):
+        """Numbers only, from the chain's reported run: the job chose the path, so the service reads
+        two fixed file names there, never through a symlink, only files the job's account owns, and
+        returns nothing but the known numeric fields (no file content can leak through this)."""
+        job = get_job(s, p, job_id)
+        ids = s.scalars(select(Job.id).where(Job.chain_id == job.chain_id)).all()
+        event = s.scalars(select(Event).where(Event.job_id.in_(ids), Event.kind == "run")
+                          .order_by(Event.id.desc())).first()
+        if event is None:
+            return {"dir": None, "points": [], "plan": None}
+        owner = s.get(User, job.user).os_user if per_user else None
+        points = [{k: r[k] for k in METRIC_KEYS if isinstance(r.get(k), (int, float)) and math.isfinite(r[k])}
+                  for r in _read_json(Path(event.message) / "metrics.jsonl", owner, lines=True)]
+        plan = (_read_json(Path(event.message) / "plan.json", owner) or [None])[0]
+        plan = {k: plan[k] for k in ("step_time_s",) if isinstance(plan.get(k), (int, float))} if plan else None
+        return {"dir": event.message, "points": [q for q in points if "step" in q], "plan": plan}
+
     @app.get("/api/usage")
     def usage(since: float = 0.0, until: float | None = None, by: str = "user", p: Principal = Depends(person),
               s: Session = Depends(db)):
@@ -397,6 +457,26 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
             row["node_hours"] += hours
         return sorted(({**r, "node_hours": round(r["node_hours"], 4)} for r in rows.values()),
                       key=lambda r: -r["node_hours"])
+
+    @app.get("/api/usage/daily")
+    def usage_daily(days: int = 7, p: Principal = Depends(person), s: Session = Depends(db)):
+        """Node-hours per user per calendar day (UTC) over the last ``days`` days, oldest first."""
+        if not 1 <= days <= 366:
+            raise bad_value("days", days, "an integer from 1 to 366")
+        today = math.floor(time.time() / 86400) * 86400
+        starts = [today - 86400 * i for i in range(days - 1, -1, -1)]
+        jobs = s.scalars(select(Job).where(visible(p), Job.started_at.is_not(None),
+                                           or_(Job.ended_at.is_(None), Job.ended_at >= starts[0]))).all()
+        out = []
+        for t in starts:
+            per: dict[str, float] = {}
+            for job in jobs:
+                hours = node_hours(job, t, t + 86400)
+                if hours > 0:
+                    per[job.user] = per.get(job.user, 0.0) + hours
+            out.append({"day": time.strftime("%Y-%m-%d", time.gmtime(t)), "t": t,
+                        "users": {u: round(h, 4) for u, h in sorted(per.items())}})
+        return out
 
     @app.get("/api/jobs/{job_id}/logs")
     def logs(job_id: int, rank: int = 0, offset: int = 0, p: Principal = Depends(person), s: Session = Depends(db)):

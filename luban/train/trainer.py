@@ -144,6 +144,7 @@ class Trainer:
             log.message(f"resumed from {ckpt} at step {self.step}" if ckpt else "no checkpoint found: starting fresh")
         if self.is_main:
             (self.run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
+            self._report_to_cluster(log)
         tokens_per_step = t.global_batch * cfg.seq_len
         peak = peak_flops(self.device.type, cfg.parallel.precision) * self.engine.world_size
         loss, saved, step_times, memory = None, None, [], {}
@@ -189,6 +190,17 @@ class Trainer:
             self.loader.close()
             log.close()
         return TrainResult(self.step, False, saved, loss)
+
+    def _report_to_cluster(self, log: MetricsLogger) -> None:
+        """Inside a luban job: tell the scheduler where metrics.jsonl is (its dashboard's job page)."""
+        if not (os.environ.get("LUBAN_JOB_ID") and os.environ.get("LUBAN_CLUSTER_TOKEN")):
+            return
+        from luban.cluster.sdk import report_run_dir
+
+        try:
+            report_run_dir(str(self.run_dir.resolve()))
+        except Exception as err:  # noqa: BLE001 - the dashboard is a convenience, training goes on
+            log.message(f"could not tell the cluster where this run writes ({err}); its job page shows no curves")
 
     def _report_plan(self, memory: dict, step_times: list[float], log: MetricsLogger) -> None:
         """Predicted vs measured, when ``--parallel auto`` planned this run (``plan_check``)."""
