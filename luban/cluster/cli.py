@@ -257,7 +257,7 @@ def cmd_admin(args) -> int:
         q = client.set_quota(args.owner, args.priority, args.nodes, args.node_group)
         print(f"quota {q['owner']} {q['node_group']} priority {q['priority']}: {q['nodes']} node(s)")
     elif what == "node":
-        node = client.set_node(args.name, "drain" if action == "drain" else "up")
+        node = client.set_node(args.name, action)
         print(f"node {node['name']}: {node['state']}")
     return 0
 
@@ -313,7 +313,7 @@ def cmd_serve(args) -> int:
                if args.executor == "local" else {"partition": args.partition, "state_dir": str(state)})
     settings = Settings(state_dir=str(state), url=args.public_url or f"http://{args.host}:{args.port}",
                         tick=args.tick, quantum=args.quantum, suspend_timeout=args.suspend_timeout,
-                        sample_every=args.sample_every, run_jobs_as=run_as)
+                        sample_every=args.sample_every, run_jobs_as=run_as, on_shutdown=args.on_shutdown)
     scheduler = Scheduler(sessions, make(args.executor, **options), settings)
     token_path = ensure_admin(sessions, state)
     if token_path:
@@ -431,7 +431,7 @@ def register(subparsers) -> None:
     p.add_argument("nodes", type=int)
     p.add_argument("--node-group", help="default: the nodes' group when the cluster has one")
     node = what.add_parser("node").add_subparsers(dest="action", required=True, metavar="ACTION")
-    for action in ("drain", "up"):
+    for action in ("drain", "down", "up"):
         node.add_parser(action, parents=[conn]).add_argument("name")
     admin.set_defaults(func=cmd_admin)
 
@@ -454,6 +454,9 @@ def register(subparsers) -> None:
     p.add_argument("--suspend-timeout", type=float, default=600.0, help="seconds to checkpoint before a kill")
     p.add_argument("--sample-every", type=float, default=10.0, help="seconds between occupancy samples")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--on-shutdown", choices=["keep", "kill"], default="keep",
+                   help="keep (default): jobs run on and are adopted when the service starts again; "
+                        "kill: stop every job (all its processes) before the service exits")
     p.add_argument("--run-jobs-as", choices=["user", "service"], default=None,
                    help="user: each user's own OS account (default when root); service: this service's account")
     p.add_argument("--max-body", type=int, default=1 << 20, help="largest request body in bytes (default 1 MiB)")

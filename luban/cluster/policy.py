@@ -42,6 +42,7 @@ class NodeView:
     node_group: str
     zone: str
     schedulable: bool = True
+    down: bool = False  # taken down by an admin: its jobs are suspended now (rule 6)
 
 
 @dataclasses.dataclass(slots=True)
@@ -170,6 +171,7 @@ def plan(snap: Snapshot) -> Plan:
             free[node.node_group][node.zone].append(node.name)
             free_count[node.node_group] += 1
 
+    down = {node.name for node in snap.nodes if node.down}
     yielding = _yielders(snap, free_count)
     yielding_users = {(j.node_group, j.priority, j.user) for j in snap.jobs if j.id in yielding}
     # rule 1/2 order: (-priority, class, place, id); class 0 running, 1 queued, 2 yielding,
@@ -196,6 +198,10 @@ def plan(snap: Snapshot) -> Plan:
     for entry in keyed:
         job = entry[4]
         group, n, queued = job.node_group, job.nnodes, job.state == QUEUED
+        lost = sorted(set(job.nodes) & down) if not queued else []
+        if lost:  # rule 6: a job on a node taken down checkpoints and is requeued elsewhere
+            result.suspends.append((job.id, f"node {', '.join(lost)} taken down by an admin", False))
+            continue
         key = (job.owner, group, job.priority)
         held_quota = used_quota.get(key, 0)
         if queued and displaced and (group, job.user, job.priority) in displaced:

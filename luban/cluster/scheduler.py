@@ -41,6 +41,7 @@ class Settings:
     suspend_timeout: float = 600.0        # seconds a job has to checkpoint before it is killed
     sample_every: float = 10.0            # seconds between occupancy samples
     run_jobs_as: str = "service"          # "user": each user's OS account (root only, cluster/accounts.py)
+    on_shutdown: str = "keep"             # keep: jobs run on, adopted on restart; kill: end them all first
 
 
 def token_hash(token: str) -> str:
@@ -92,6 +93,25 @@ class Scheduler:
         self._stop.set()
         if self._thread:
             self._thread.join(timeout=30)
+
+    def kill_all(self, timeout: float = 30.0) -> int:
+        """Service shutdown with ``on_shutdown = kill``: every active attempt is stopped (ADMIN_STOP)
+        and killed; returns once the executor reports none running (or after ``timeout``)."""
+        with self.sessions.begin() as s:
+            jobs = s.scalars(select(Job).where(Job.state.in_(ACTIVE), Job.handle.is_not(None))).all()
+            for job in jobs:
+                job.requested |= StopReason.ADMIN_STOP
+                job.stop_reason |= StopReason.ADMIN_STOP
+                record(s, "kill", "service shutting down (--on-shutdown kill)", job.id)
+            handles = [job.handle for job in jobs]
+        for handle in handles:
+            self.executor.kill(handle)
+        deadline = time.monotonic() + timeout
+        while handles and time.monotonic() < deadline:
+            handles = [h for h in handles if not self.executor.poll(h).done]
+            time.sleep(0.1)
+        self.observe(time.time())  # record the ends now, not at the next start
+        return len(handles)
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -219,7 +239,8 @@ class Scheduler:
 
     # -- (2) snapshot ------------------------------------------------------------------------
     def snapshot(self, s: Session, now: float) -> policy.Snapshot:
-        nodes = [policy.NodeView(n.name, n.node_group, (n.labels or {}).get("zone", "default"), n.state == "up")
+        nodes = [policy.NodeView(n.name, n.node_group, (n.labels or {}).get("zone", "default"), n.state == "up",
+                                 n.state == "down")
                  for n in s.scalars(select(Node))]
         jobs = [policy.JobView(j.id, j.user, j.owner, j.priority, j.node_group, j.nnodes, j.state,
                                j.place, j.started_at if j.state != states.QUEUED else j.queued_at,

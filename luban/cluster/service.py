@@ -209,6 +209,8 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
             scheduler.start()
         yield
         scheduler.stop()
+        if scheduler.settings.on_shutdown == "kill":
+            scheduler.kill_all()
 
     app = FastAPI(title="luban cluster", lifespan=lifespan)
 
@@ -533,8 +535,8 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
     @app.patch("/api/nodes/{name}")
     def set_node(name: str, body: dict, p: Principal = Depends(admin)):
         state = object_body(body).get("state")
-        if state not in ("up", "drain"):
-            raise bad_value("state", state, "up or drain")
+        if state not in ("up", "drain", "down"):
+            raise bad_value("state", state, "up, drain (no new jobs) or down (no new jobs; its jobs are suspended now)")
         with sessions.begin() as s:
             node = s.get(Node, name)
             if node is None:

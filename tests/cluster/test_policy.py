@@ -205,3 +205,11 @@ def test_wait_reasons_name_drained_nodes():
     busy = [job(1, "a", 10, 3, "running", held=["n00", "n01", "n02"]), job(2, "b", 10, 1)]
     out = plan(Snapshot(100.0, drained, busy, quota(a={10: 3}, b={10: 1})))
     assert "1 node(s) of default are drained" in out.waits[2] and "until they return" not in out.waits[2]
+
+
+def test_jobs_on_a_node_taken_down_are_suspended_and_requeued_elsewhere():
+    ns = [NodeView(n.name, n.node_group, n.zone, schedulable=n.name != "n00", down=n.name == "n00") for n in nodes(3)]
+    out = plan(Snapshot(100.0, ns, [job(1, "a", 10, 2, "running", held=["n00", "n01"]), job(2, "b", 10, 1, "running",
+                                                                                          held=["n02"])],
+                        quota(a={10: 2}, b={10: 1})))
+    assert out.suspends == [(1, "node n00 taken down by an admin", False)] and out.starts == []

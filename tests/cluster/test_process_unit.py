@@ -205,3 +205,20 @@ def test_a_partial_start_before_a_crash_is_killed_and_requeued(service, tmp_path
     wait_for(lambda: len(again.admin().jobs(all_attempts=True)) == 2, 60, what="requeued attempt")
     assert again.admin().job(job)["state"] == "suspended" and "LOST" in again.admin().job(job)["stop_reasons"]
     wait_for(lambda: gone(first), 30, what="the partial first copy to be killed")
+
+
+def test_node_down_and_service_shutdown_end_every_process(service, tmp_path, spawner):
+    svc = service("--nodes", "2", "--tick", "0.2", "--suspend-timeout", "2", "--on-shutdown", "kill")
+    token, alice = svc.user("alice", {"NORMAL": 2})
+    job = alice.submit({"name": "a", "command": PYTHON, "args": [str(spawner), str(tmp_path / "a"), "stay"]})["id"]
+    first = spawned(tmp_path / "a")
+    node = alice.job(job)["nodes"][0]
+    svc.cli("admin", "node", "down", node)  # the spawner ignores SIGUSR1's checkpoint: killed after 2 s
+    wait_for(lambda: gone(first), 60, what="the job on the downed node to end")
+    for k in ("child", "daemon"):
+        Path(f"{tmp_path / 'a'}.{k}").unlink()
+    wait_for(lambda: alice.latest(job)["nodes"] not in ([], [node]), 60, what="the requeued attempt elsewhere")
+    pids = spawned(tmp_path / "a")  # the second attempt's, on the other node
+    assert first[0] not in pids and all(procs.alive(p) for p in pids)
+    svc.stop()  # SIGTERM: --on-shutdown kill ends every job before the service exits
+    assert gone(pids)
