@@ -3,30 +3,41 @@
 Each input file is one document, tokenised and ended with the tokenizer's EOS id. Documents
 are assigned to the validation split by a seeded permutation (``split_documents``), then
 streamed into ``train-NNNNN.bin`` / ``val-NNNNN.bin`` shards of about ``shard_size_mb`` each
-(a document is never split across shards). Shards are committed atomically one by one; the
-manifest is written last, after the old one was deleted first, so a crashed build never
-leaves a directory that looks like a valid dataset.
+(a document is never split across shards).
+
+A build is a transaction. Every argument and the destination are checked before anything is
+written (a folder holding files luban did not write is refused, untouched). The new dataset is
+built in a hidden sibling ``.NAME.building-PID`` — shards, tokenizer, then the checksummed
+manifest — and swapped in with one atomic ``renameat2(RENAME_EXCHANGE)``, after which the old
+copy is deleted. A kill at any moment therefore leaves, at NAME, the old dataset or the new one,
+complete and verifiable; a staging folder left by a killed build is removed by the next build.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import fcntl
+import fnmatch
+import math
 import os
+import shutil
 from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 
-from luban.data.atomic import TEMP_GLOB
+from luban.data.atomic import TEMP_GLOB, _fsync_dir
 from luban.data.corpus import (DEFAULT_MAX_BYTES, cap_files, collect_files,
                                default_corpus_files, read_text, stdlib_dir)
-from luban.data.manifest import FORMAT, MANIFEST, open_dataset, write_manifest
+from luban.data.manifest import FORMAT, MANIFEST, SHARD_NAME, open_dataset, write_manifest
 from luban.data.shards import (DEFAULT_CHUNK_TOKENS, FORMAT_VERSION, ShardWriter,
                                dtype_for_vocab)
-from luban.data.tokenizer import BPE_FILE, BpeTokenizer, ByteTokenizer
+from luban.data.tokenizer import BPE_FILE, MAX_BPE_VOCAB, MIN_BPE_VOCAB, BpeTokenizer, ByteTokenizer
 from luban.errors import LubanError, bad_value
 
 SPLITS = ("train", "val")
+MAX_SHARD_MB = 1 << 14  # 16 GiB per shard: far above any sensible size, far below int overflow
 DEFAULT_SHARD_MB = 256.0
 DEFAULT_VAL_FRACTION = 0.01
 DEFAULT_BPE_VOCAB = 4096
@@ -81,34 +92,89 @@ class _SplitWriter:
 
 def _check_options(tokenizer, vocab_size, shard_size_mb, val_fraction, seed,
                    chunk_tokens) -> None:
+    """Every argument, before anything on disk is touched."""
     if tokenizer not in ("byte", "bpe"):
         raise bad_value("--tokenizer", tokenizer, "one of 'byte', 'bpe'")
     if vocab_size is not None and tokenizer != "bpe":
         raise bad_value("--vocab-size", vocab_size, "only with --tokenizer bpe (byte has 257)")
-    if not shard_size_mb > 0:
-        raise bad_value("--shard-size-mb", shard_size_mb, "a number > 0")
-    if not 0 <= val_fraction < 1:
+    if vocab_size is not None and not MIN_BPE_VOCAB <= vocab_size <= MAX_BPE_VOCAB:
+        raise bad_value("--vocab-size", vocab_size, f"an integer from {MIN_BPE_VOCAB} to {MAX_BPE_VOCAB}")
+    if not (math.isfinite(shard_size_mb) and 0 < shard_size_mb <= MAX_SHARD_MB):
+        raise bad_value("--shard-size-mb", shard_size_mb, f"a number > 0 and <= {MAX_SHARD_MB}")
+    if not (math.isfinite(val_fraction) and 0 <= val_fraction < 1):
         raise bad_value("--val-fraction", val_fraction, "a fraction in [0, 1)")
-    if seed < 0:
-        raise bad_value("--seed", seed, "an integer >= 0")
+    if not 0 <= seed < 1 << 32:
+        raise bad_value("--seed", seed, "an integer from 0 to 2**32 - 1")
     if not 1 <= chunk_tokens < 1 << 32:
         raise bad_value("--chunk-tokens", chunk_tokens, "an integer from 1 to 2**32 - 1")
 
 
-def _clear_previous(out_dir: Path) -> None:
-    """Delete the old manifest first (the dataset is invalid from now on), temps, tokenizer."""
-    (out_dir / MANIFEST).unlink(missing_ok=True)
-    (out_dir / BPE_FILE).unlink(missing_ok=True)
-    for temp in out_dir.glob(TEMP_GLOB):
-        temp.unlink(missing_ok=True)
+def check_output(out_dir: Path) -> None:
+    """Refuse a destination luban must not overwrite: empty, a file, or a non-empty folder holding
+    anything but a luban dataset's own files (manifest, tokenizer, shards, temporaries)."""
+    if str(out_dir) in ("", "."):
+        raise bad_value("--out", str(out_dir), "a folder for the dataset (not the current folder)")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise bad_value("--out", str(out_dir), "a folder, not a file")
+    if not out_dir.is_dir():
+        return
+    own = {MANIFEST, BPE_FILE}
+    foreign = sorted(p.name for p in out_dir.iterdir() if p.name not in own and not (
+        p.is_file() and (SHARD_NAME.match(p.name) or fnmatch.fnmatch(p.name, TEMP_GLOB))))
+    if foreign:
+        raise bad_value("--out", str(out_dir), f"holds {foreign[0]!r}, which luban did not write; "
+                                                "choose a new or empty folder (nothing was changed)")
+    if any(out_dir.iterdir()) and not (out_dir / MANIFEST).is_file():
+        raise bad_value("--out", str(out_dir), "holds shards but no manifest.json (not a complete luban "
+                                                "dataset); choose a new or empty folder")
 
 
-def _remove_stale_shards(out_dir: Path, splits: dict) -> None:
-    keep = {s["file"] for split in splits.values() for s in split["shards"]}
-    for split in SPLITS:
-        for path in out_dir.glob(f"{split}-*.bin"):
-            if path.name not in keep:
-                path.unlink()
+def _staging(out_dir: Path) -> Path:
+    return out_dir.parent / f".{out_dir.name}.building-{os.getpid()}"
+
+
+def _swap_in(staging: Path, out_dir: Path) -> None:
+    """Make ``staging`` the dataset at ``out_dir`` in one step: rename when there is none, else
+    exchange the two paths atomically (Linux renameat2 RENAME_EXCHANGE) and delete the old one.
+    A kill at any moment leaves the old dataset or the new one at ``out_dir``, never neither."""
+    if not out_dir.exists():
+        os.rename(staging, out_dir)
+    elif _exchange(staging, out_dir):
+        shutil.rmtree(staging)  # now the old dataset
+    else:  # no renameat2: two renames; recover() finds the new one if a crash falls between
+        old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
+        os.rename(out_dir, old)
+        os.rename(staging, out_dir)
+        shutil.rmtree(old)
+    _fsync_dir(out_dir.parent)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    AT_FDCWD, RENAME_EXCHANGE = -100, 2  # <fcntl.h>, <linux/fs.h>
+    if renameat2(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def recover(out_dir: Path) -> None:
+    """After a crash between the two renames of the fallback swap, put the newest complete copy
+    back at ``out_dir``; remove staging folders of builds that died (luban's own, by name)."""
+    siblings = sorted(out_dir.parent.glob(f".{out_dir.name}.*-*"), key=lambda p: p.stat().st_mtime)
+    for sibling in reversed(siblings):
+        if not out_dir.exists() and (sibling / MANIFEST).is_file():
+            os.rename(sibling, out_dir)
+    for sibling in out_dir.parent.glob(f".{out_dir.name}.*-*"):
+        pid = sibling.name.rsplit("-", 1)[-1]
+        if not (pid.isdigit() and int(pid) != os.getpid() and Path(f"/proc/{pid}").exists()):
+            shutil.rmtree(sibling, ignore_errors=True)
 
 
 def build_dataset(inputs=None, out_dir=".", *, tokenizer: str = "byte",
@@ -132,10 +198,27 @@ def build_dataset(inputs=None, out_dir=".", *, tokenizer: str = "byte",
         files = default_corpus_files(max_bytes)
         source = {"kind": "default-corpus", "root": str(stdlib_dir()), "max_bytes": max_bytes}
     source.update(files=len(files), bytes=sum(f.stat().st_size for f in files))
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    _clear_previous(out_dir)
+    if not str(out_dir).strip():
+        raise bad_value("--out", str(out_dir), "a folder for the dataset (not the current folder)")
+    final_dir = Path(out_dir)
+    recover(final_dir) if final_dir.parent.is_dir() else None
+    check_output(final_dir)
+    final_dir.parent.mkdir(parents=True, exist_ok=True)
+    out_dir = _staging(final_dir)  # everything is written here, then swapped in (_swap_in)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    out_dir.mkdir()
+    try:
+        manifest = _build_into(out_dir, files, source, tokenizer, vocab_size, shard_size_mb, val_fraction, seed,
+                               chunk_tokens)
+        _swap_in(out_dir, final_dir)
+    except BaseException:
+        shutil.rmtree(out_dir, ignore_errors=True)
+        raise
+    return manifest
 
+
+def _build_into(out_dir: Path, files, source, tokenizer, vocab_size, shard_size_mb, val_fraction, seed,
+                chunk_tokens) -> dict:
     is_val = split_documents(len(files), val_fraction, seed)
     if tokenizer == "bpe":
         train_texts = (read_text(f) for f, val in zip(files, is_val) if not val)
@@ -156,14 +239,12 @@ def build_dataset(inputs=None, out_dir=".", *, tokenizer: str = "byte",
         for w in writers.values():
             w.abort()
         raise
-    _remove_stale_shards(out_dir, splits)
     manifest = {
         "format": FORMAT, "format_version": FORMAT_VERSION, "dtype": dtype.name,
         "chunk_tokens": chunk_tokens, "tokenizer": tok.manifest_entry(), "source": source,
         "val_fraction": val_fraction, "seed": seed, "splits": splits,
     }
-    write_manifest(out_dir, manifest)
-    return manifest
+    return write_manifest(out_dir, manifest)
 
 
 def _batches(files: list[Path]):
@@ -188,8 +269,8 @@ def ensure_default_dataset(out_dir, tokenizer: str = "byte",
     example several ranks) serialise on a lock file, so only one of them builds.
     """
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with open(out_dir / ".build.lock", "w") as lock:
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with open(out_dir.parent / f".{out_dir.name}.lock", "w") as lock:  # beside it: the build swaps the folder
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             manifest, _ = open_dataset(out_dir)
@@ -198,6 +279,6 @@ def ensure_default_dataset(out_dir, tokenizer: str = "byte",
                     and source.get("max_bytes") == max_bytes):
                 return out_dir
         except LubanError:
-            pass
+            shutil.rmtree(out_dir, ignore_errors=True)  # luban's own cache: an unusable copy is rebuilt
         build_dataset(None, out_dir, tokenizer=tokenizer, max_bytes=max_bytes)
     return out_dir

@@ -9,12 +9,19 @@ manifest first) never looks valid. Schema (docs/data.md)::
      "source": {"kind": "default-corpus" | "files", "files", "bytes", "max_bytes"},
      "val_fraction": F, "seed": S,
      "splits": {"train"|"val": {"tokens", "documents",
-                                "shards": [{"file", "tokens", "documents", "bytes"}]}}}
+                                "shards": [{"file", "tokens", "documents", "bytes"}]}},
+     "checksum": SHA-256 of the rest}
+
+``load_manifest`` checks the checksum, then the structure: split names, shard names exactly
+``SPLIT-00000.bin``, ``SPLIT-00001.bin``... in order (so no path can leave the folder and no
+shard can be dropped or reordered unnoticed), integer counts, and totals equal to the sums.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 from pathlib import Path
 
 from luban.data.atomic import write_bytes
@@ -26,8 +33,49 @@ FORMAT = "luban-tokens"
 _REQUIRED = ("format_version", "dtype", "tokenizer", "splits")
 
 
-def write_manifest(dataset_dir: Path, manifest: dict) -> None:
+SPLIT_NAMES = ("train", "val")
+SHARD_NAME = re.compile(r"^(train|val)-\d{5}\.bin$")
+COUNTS = ("tokens", "documents", "bytes")
+
+
+def content_checksum(manifest: dict) -> str:
+    """SHA-256 of the manifest's content (every key but ``checksum``, canonical JSON)."""
+    body = {k: v for k, v in manifest.items() if k != "checksum"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def write_manifest(dataset_dir: Path, manifest: dict) -> dict:
+    """Write ``manifest`` with its checksum (atomically); returns what was written."""
+    manifest = {**manifest, "checksum": content_checksum(manifest)}
     write_bytes(Path(dataset_dir) / MANIFEST, (json.dumps(manifest, indent=2) + "\n").encode())
+    return manifest
+
+
+def _check_splits(path: Path, splits) -> None:
+    """Splits, shard order, names (confined to the dataset folder), counts and totals."""
+    def bad(where: str, value, allowed: str):
+        return bad_value(f"{path}: {where}", value, allowed)
+
+    if not isinstance(splits, dict) or not splits or not set(splits) <= set(SPLIT_NAMES):
+        raise bad("splits", splits if not isinstance(splits, dict) else sorted(splits),
+                  "a mapping of train/val to their shards")
+    for split, entry in splits.items():
+        if not isinstance(entry, dict) or not isinstance(entry.get("shards"), list):
+            raise bad(f"splits.{split}", entry, "a mapping with tokens, documents and a list of shards")
+        totals = dict.fromkeys(("tokens", "documents"), 0)
+        for i, shard in enumerate(entry["shards"]):
+            want = f"{split}-{i:05d}.bin"  # order and confinement: names are exactly these, in this order
+            if not isinstance(shard, dict) or shard.get("file") != want:
+                raise bad(f"splits.{split}.shards[{i}].file", shard.get("file") if isinstance(shard, dict) else shard,
+                          f"{want!r} (shards are named in order inside the dataset folder)")
+            for key in COUNTS:
+                if isinstance(shard.get(key), bool) or not isinstance(shard.get(key), int) or shard[key] < 0:
+                    raise bad(f"splits.{split}.shards[{i}].{key}", shard.get(key), "an integer >= 0")
+            for key in totals:
+                totals[key] += shard[key]
+        for key, total in totals.items():
+            if entry.get(key) != total:
+                raise bad(f"splits.{split}.{key}", entry.get(key), f"{total}, the sum over its shards")
 
 
 def load_manifest(dataset_dir: str | Path) -> dict:
@@ -44,12 +92,18 @@ def load_manifest(dataset_dir: str | Path) -> dict:
                          "build one with `luban data build --out DIR`") from None
     except (OSError, ValueError) as err:
         raise LubanError(f"{path}: unreadable ({err})") from None
+    if not isinstance(manifest, dict):
+        raise LubanError(f"{path}: not a {FORMAT} manifest (not a JSON object)")
     missing = [key for key in _REQUIRED if key not in manifest]
     if manifest.get("format") != FORMAT or missing:
         raise LubanError(f"{path}: not a {FORMAT} manifest (missing {missing or 'format'})")
+    if manifest.get("checksum") != content_checksum(manifest):
+        raise LubanError(f"{path}: content checksum {'missing' if 'checksum' not in manifest else 'mismatch'} "
+                         "(edited or damaged); rebuild the dataset with `luban data build`")
     if manifest["format_version"] != FORMAT_VERSION:
         raise bad_value(f"{path}: format_version", manifest["format_version"],
                         f"this luban reads version {FORMAT_VERSION}; rebuild the dataset")
+    _check_splits(path, manifest["splits"])
     return manifest
 
 
@@ -59,7 +113,11 @@ def open_split(dataset_dir: str | Path, manifest: dict, split: str) -> list[Shar
         raise bad_value("split", split, f"one of {sorted(manifest['splits'])}")
     readers = []
     for entry in manifest["splits"][split]["shards"]:
-        reader = ShardReader(Path(dataset_dir) / entry["file"])
+        path = Path(dataset_dir) / entry["file"]
+        if not path.is_file() or path.is_symlink():
+            raise LubanError(f"{path}: {'missing' if not path.exists() else 'not a regular file'}, but "
+                             f"{MANIFEST} names it; rebuild the dataset")
+        reader = ShardReader(path)
         found = {"tokens": reader.tokens, "documents": reader.documents, "bytes": reader.size}
         wrong = {k: v for k, v in found.items() if v != entry[k]}
         if wrong:
