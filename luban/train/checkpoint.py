@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from luban.errors import LubanError
+from luban.errors import CheckpointWriteError, LubanError
 
 # DCP warns on every single-process save/load; that is the intended mode for one rank.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -130,7 +130,52 @@ def resolve(resume: str, root: Path) -> Path | None:
 
 
 def save(root: Path, step: int, state: dict, meta: dict, keep: int) -> Path:
-    """Collective: every rank calls it with its own ``state``; returns the final directory."""
+    """Collective: every rank calls it with its own ``state``; returns the final directory.
+
+    A storage error (disk full, read-only, permission) is one line and exit code 74
+    (``CheckpointWriteError``); the half-written ``.tmp-`` directory is removed and the previous
+    checkpoint is untouched."""
+    try:
+        return _save(root, step, state, meta, keep)
+    except (OSError, dcp.api.CheckpointException) as err:
+        shutil.rmtree(root / f".tmp-step_{step:07d}", ignore_errors=True)
+        raise CheckpointWriteError(f"checkpoint step {step} could not be written under {root}: {_storage_error(err)}; "
+                                   "the previous checkpoint is intact — free space or fix the folder, then "
+                                   "resume with --resume auto") from None
+
+
+def _storage_error(err: BaseException) -> str:
+    """The OSError behind ``err`` (DCP wraps each rank's failure), as 'No space left on device'."""
+    seen = [err]
+    while seen:
+        e = seen.pop()
+        if isinstance(e, OSError) and e.strerror:
+            return e.strerror
+        seen += [x for x in (e.__cause__, e.__context__) if x is not None]
+        failures = getattr(e, "failures", None)  # DCP: {rank: (exception, traceback summary)}
+        for failure in (failures.values() if isinstance(failures, dict) else []):
+            seen += [x for x in (failure if isinstance(failure, tuple) else (failure,)) if isinstance(x, BaseException)]
+    return str(err).splitlines()[0][:200]
+
+
+def check_writable(root: Path, need_bytes: int) -> None:
+    """At start-up, before any work: ``root`` can be created and written, and its file system
+    has room for one more checkpoint of ``need_bytes`` (one line, exit 2, otherwise)."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe = root / f".write-test-{os.getpid()}"
+        probe.write_bytes(b"x")
+        probe.unlink()
+    except OSError as err:
+        raise LubanError(f"run.dir: checkpoints cannot be written under {root} ({err.strerror or err}); "
+                         "choose a writable run.dir") from None
+    free = shutil.disk_usage(root).free
+    if free < need_bytes:
+        raise LubanError(f"run.dir: {root} has {free / 2**30:.2f} GiB free, a checkpoint needs about "
+                         f"{need_bytes / 2**30:.2f} GiB; free space or choose another run.dir")
+
+
+def _save(root: Path, step: int, state: dict, meta: dict, keep: int) -> Path:
     final = root / f"step_{step:07d}"
     tmp = root / f".tmp-{final.name}"
     if _rank() == 0:

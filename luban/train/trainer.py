@@ -113,18 +113,59 @@ class Trainer:
         return checkpoint.save(self.ckpt_root, self.step, self.engine.state_dict(), self.meta(),
                                self.cfg.train.keep_checkpoints)
 
+    def checkpoint_bytes(self) -> int:
+        """About one checkpoint's size: the model's global tensors, times (1 + optimizer states)."""
+        model = self.engine.state_dict().get("model", {})
+        weights = sum(t.numel() * t.element_size() for t in model.values() if isinstance(t, torch.Tensor))
+        t = self.cfg.train
+        states = 2 if t.optimizer == "adamw" else (1 if t.momentum else 0)
+        return int(weights * (1 + states) * 1.05) + (1 << 20)  # + metadata, RNG, meta.json
+
     def resume(self, resume: str) -> Path | None:
         ckpt = checkpoint.resolve(resume, self.ckpt_root)
         if ckpt is None:
             return None
+        saved = json.loads((ckpt / "meta.json").read_text())["config"]
+        self._check_compatible(ckpt, saved)  # before loading: DCP's own errors are tracebacks
         state = self.engine.state_dict()
         meta = checkpoint.load(ckpt, state)
         self.engine.load_state_dict(state)
-        if meta["config"]["model"] != self.cfg.model.to_dict():
-            raise LubanError(f"--resume: checkpoint {ckpt} holds a different model ([model] differs from the config)")
         self.step = meta["step"]
         self.loader.load_state_dict(meta["loader"])
+        self.resume_notes = [f"[train] {k} = {saved['train'].get(k)!r} in the checkpoint, {v!r} now"
+                             for k, v in self.cfg.to_dict()["train"].items() if saved.get("train", {}).get(k) != v]
+        if resume != "auto":
+            self._branch_from(ckpt)
         return ckpt
+
+    def _check_compatible(self, ckpt: Path, saved: dict) -> None:
+        """The checkpoint's model shape and optimizer must be the config's; name the first key that is not."""
+        now = self.cfg.to_dict()
+        for key, value in now["model"].items():
+            if saved.get("model", {}).get(key) != value:
+                raise LubanError(f"--resume: checkpoint {ckpt} has [model] {key} = {saved['model'].get(key)!r}, "
+                                 f"the config {value!r}; resume with the checkpoint's [model] (or start a new run.dir)")
+        if saved.get("train", {}).get("optimizer") != now["train"]["optimizer"]:
+            raise LubanError(f"--resume: checkpoint {ckpt} has [train] optimizer = "
+                             f"{saved.get('train', {}).get('optimizer')!r}, the config {now['train']['optimizer']!r}; "
+                             "its optimizer state cannot be loaded into another optimizer")
+
+    def _branch_from(self, ckpt: Path) -> None:
+        """Resuming from an explicit older checkpoint of this run starts a branch: the newer ones are
+        moved aside (kept, named) so retention cannot delete the branch point and --resume auto
+        follows the branch."""
+        newer = [p for p in checkpoint.step_dirs(self.ckpt_root) if p.resolve() != ckpt.resolve()
+                 and int(p.name.split("_")[1]) > int(ckpt.name.split("_")[1])] \
+            if ckpt.resolve().parent == self.ckpt_root.resolve() else []
+        aside = self.ckpt_root / f"aside-{time.strftime('%Y%m%d-%H%M%S')}-after-{ckpt.name}"
+        if newer and self.is_main:
+            aside.mkdir(parents=True, exist_ok=True)
+            for path in newer:
+                path.rename(aside / path.name)
+        if newer:
+            self.resume_notes.append(f"branching from {ckpt.name}: {len(newer)} newer checkpoint(s) kept in {aside}")
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.barrier()
 
     # -- the loop ------------------------------------------------------------------------
     def validate(self) -> float:
@@ -139,9 +180,13 @@ class Trainer:
         cfg, t = self.cfg, self.cfg.train
         suspend = preempt.install()
         log = MetricsLogger(self.run_dir, t.steps, cfg.run.tensorboard, cfg.run.progress, enabled=self.is_main)
+        if self.is_main:
+            checkpoint.check_writable(self.ckpt_root, self.checkpoint_bytes())
         if resume:
             ckpt = self.resume(resume)
             log.message(f"resumed from {ckpt} at step {self.step}" if ckpt else "no checkpoint found: starting fresh")
+            for note in getattr(self, "resume_notes", []) if ckpt else []:
+                log.message(note)
         if self.is_main:
             (self.run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
             self._report_to_cluster(log)

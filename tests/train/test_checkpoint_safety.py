@@ -1,0 +1,73 @@
+"""Checkpoints never surprise: unwritable or full storage is one line (start-up check; exit 74
+at save time with the previous checkpoint intact), a changed model or optimizer is named before
+loading, and resuming from an older checkpoint starts a branch instead of being undone."""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+from pathlib import Path
+
+import pytest
+
+from luban.train import checkpoint
+from tests.train.conftest import luban
+
+
+def sets(overrides):
+    return sum((["--set", o] for o in overrides), [])
+
+
+def test_unwritable_run_dir_is_refused_before_any_work(tiny, tmp_path):
+    (tmp_path / "afile").write_text("x")
+    for where, words in ((tmp_path / "afile" / "run", "cannot be written"), (Path("/proc/luban-run"), "cannot be")):
+        out = luban("train", *sets(tiny(**{"run.dir": f'"{where}"'})))
+        assert out.returncode == 2, out.stderr
+        lines = out.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("luban: error: ") and words in lines[0], out.stderr
+
+
+def test_a_full_disk_at_save_time_exits_74_and_keeps_the_previous_checkpoint(tiny, tmp_path):
+    run = tmp_path / "run"
+    luban("train", *sets(tiny(**{"train.steps": 4, "train.checkpoint_every": 2})), check=0)
+    size = max(f.stat().st_size for f in (run / "checkpoints" / "step_0000004").iterdir())
+
+    def small_files():  # writes past this size fail with EFBIG, as on a full disk (CPython ignores SIGXFSZ)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (size // 2, size // 2))
+
+    out = luban("train", "--resume", "auto", *sets(tiny(**{"train.steps": 8, "train.checkpoint_every": 2})),
+                preexec_fn=small_files)
+    assert out.returncode == 74, out.stdout[-2000:] + out.stderr
+    line = out.stderr.strip().splitlines()[-1]
+    assert "checkpoint step 6 could not be written" in line and "File too large" in line and "intact" in line
+    assert "Traceback" not in out.stderr
+    assert [p.name for p in checkpoint.step_dirs(run / "checkpoints")] == ["step_0000004", "step_0000002"]
+    assert checkpoint.verify(run / "checkpoints" / "step_0000004") is None
+    assert not list((run / "checkpoints").glob(".tmp-*"))
+
+
+@pytest.mark.parametrize("change,words", [
+    ({"model.hidden": 64}, "[model] hidden = 32"),
+    ({"train.optimizer": '"sgd"'}, "[train] optimizer = 'adamw'"),
+])
+def test_a_changed_model_or_optimizer_is_named_before_loading(tiny, tmp_path, change, words):
+    luban("train", *sets(tiny(**{"train.steps": 2, "train.checkpoint_every": 2, "model.hidden": 32})), check=0)
+    out = luban("train", "--resume", "auto", *sets(tiny(**{"train.steps": 4, "model.hidden": 32, **change})))
+    assert out.returncode == 2 and words in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def test_resuming_an_older_checkpoint_starts_a_branch(tiny, tmp_path):
+    run = tmp_path / "run"
+    base = {"train.steps": 6, "train.checkpoint_every": 2, "train.keep_checkpoints": 3}
+    luban("train", *sets(tiny(**base)), check=0)
+    out = luban("train", "--resume", run / "checkpoints" / "step_0000002",
+                *sets(tiny(**{**base, "train.steps": 4, "train.lr": 1e-3})), check=0)
+    assert "[train] lr = 0.003 in the checkpoint, 0.001 now" in out.stdout, out.stdout
+    assert "branching from step_0000002: 2 newer checkpoint(s) kept in" in out.stdout
+    aside = [p for p in (run / "checkpoints").iterdir() if p.name.startswith("aside-")]
+    assert len(aside) == 1 and sorted(p.name for p in aside[0].iterdir()) == ["step_0000004", "step_0000006"]
+    newest = checkpoint.latest_valid(run / "checkpoints")
+    assert newest.name == "step_0000004" and json.loads((newest / "meta.json").read_text())["config"]["train"]["lr"] == 1e-3
+    out = luban("train", "--resume", "auto", *sets(tiny(**{**base, "train.steps": 6, "train.lr": 1e-3})), check=0)
+    assert f"resumed from {newest}" in out.stdout  # auto follows the branch, not the old step 6
