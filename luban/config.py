@@ -9,6 +9,7 @@ allowed. The resolved config is saved in every checkpoint. Schema: docs/training
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -86,6 +87,22 @@ NON_NEGATIVE = {("train", k) for k in ("checkpoint_every", "eval_every", "warmup
                                                                           ("data", "eval_batches")}
 
 
+# upper bounds (inclusive) and a few tighter lower ones: past these a run cannot be meant
+# (steps for 3 years at 1 step/s; a global batch beyond 2^20 sequences), or a library breaks
+# (torch/numpy seeds are 32-bit here; Adam's betas must be < 1)
+RANGES = {("train", "steps"): (1, 10**8), ("train", "global_batch"): (1, 1 << 20), ("train", "seed"): (0, (1 << 32) - 1),
+          ("train", "lr"): (1e-12, 10.0), ("train", "min_lr"): (0.0, 10.0), ("train", "beta1"): (0.0, 0.999999),
+          ("train", "beta2"): (0.0, 0.999999999), ("train", "momentum"): (0.0, 0.999999),
+          ("train", "warmup_steps"): (0, 10**8), ("train", "checkpoint_every"): (0, 10**8),
+          ("train", "eval_every"): (0, 10**8), ("train", "log_every"): (1, 10**8), ("train", "keep_checkpoints"): (1, 10**4),
+          ("train", "grad_clip"): (0.0, 1e6), ("train", "weight_decay"): (0.0, 10.0),
+          ("data", "eval_batches"): (1, 10**6), ("data", "prefetch"): (0, 64), ("data", "seq_len"): (0, 1 << 24)}
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() and abs(x) < 1e15 else f"{x:g}"
+
+
 def _section(cls, raw: dict, name: str):
     known = {f.name: f for f in dataclasses.fields(cls)}
     values = {}
@@ -96,9 +113,16 @@ def _section(cls, raw: dict, name: str):
         if (name, key) in CHOICES and value not in CHOICES[(name, key)]:
             raise bad_value(f"{name}.{key}", value, f"one of {', '.join(CHOICES[(name, key)])}")
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not math.isfinite(value):
+                raise bad_value(f"{name}.{key}", value, "a finite number")
             floor = 0 if (name, key) in NON_NEGATIVE else 1e-300
             if value < floor:
                 raise bad_value(f"{name}.{key}", value, "must be >= 0" if floor == 0 else "must be positive")
+            lo, hi = RANGES.get((name, key), (floor, math.inf))
+            if not lo <= value <= hi:
+                raise bad_value(f"{name}.{key}", value, f"from {_num(lo)} to {_num(hi)}")
+        if isinstance(value, str) and (name, key) == ("run", "dir") and not value.strip():
+            raise bad_value("run.dir", value, "a folder for the run (checkpoints, metrics)")
         values[key] = value
     return cls(**values)
 
@@ -145,6 +169,8 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
             raw = tomllib.loads(path.read_text())
         except tomllib.TOMLDecodeError as err:
             raise LubanError(f"{path}: not valid TOML: {err}") from None
+        except (UnicodeDecodeError, OSError) as err:
+            raise bad_value("CONFIG", str(path), f"a readable UTF-8 TOML file ({type(err).__name__})") from None
     for item in overrides:
         section, key, value = parse_override(item)
         raw.setdefault(section, {})[key] = value

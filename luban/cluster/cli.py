@@ -337,6 +337,8 @@ def cmd_simulate(args) -> int:
     from luban.cluster import simulate, trace
 
     if args.trace:
+        if not Path(args.trace).is_file():
+            raise bad_value("--trace", args.trace, "no such file (make one with `luban cluster trace -o FILE`)")
         jobs = trace.load(args.trace)
     else:
         jobs = trace.synthetic(trace.TraceConfig(jobs=args.jobs, days=args.days, nodes=args.nodes,

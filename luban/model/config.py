@@ -31,6 +31,8 @@ init_std            std of the normal initialisation                           0
 
 from __future__ import annotations
 
+import math
+
 import dataclasses
 from dataclasses import dataclass, field
 
@@ -131,6 +133,11 @@ class ModelConfig:
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise bad_value(f"{section}.{key}", value, "must be a positive integer")
+            if value > MAX_SIZE[key]:  # beyond any model the planner studies (seed 003's 128T: h ~ 160k)
+                raise bad_value(f"{section}.{key}", value, f"at most {MAX_SIZE[key]}")
+        for key in ("norm_eps", "init_std", "rope_theta", "dropout"):
+            if not math.isfinite(getattr(self, key)):
+                raise bad_value(f"{section}.{key}", getattr(self, key), "a finite number")
         for key, allowed in CHOICES.items():
             if getattr(self, key) not in allowed:
                 raise bad_value(f"{section}.{key}", getattr(self, key), f"one of {', '.join(allowed)}")
@@ -142,6 +149,10 @@ class ModelConfig:
             raise bad_value(f"{section}.dropout", self.dropout, "must be in [0, 1)")
         if self.norm_eps <= 0 or self.init_std <= 0 or self.rope_theta <= 0:
             raise LubanError(f"{section}: norm_eps, init_std and rope_theta must be positive")
+
+
+MAX_SIZE = {"hidden": 1 << 20, "layers": 1 << 16, "heads": 1 << 14, "kv_heads": 1 << 14, "head_dim": 1 << 14,
+            "vocab": 1 << 24, "seq_len": 1 << 24, "ffn_hidden": 1 << 22}
 
 
 def default_ffn(hidden: int, activation: str) -> int:

@@ -6,6 +6,9 @@ Layout flags are the keys of ``ParallelLayout`` with dashes (``--virtual-stages`
 
 from __future__ import annotations
 
+import math
+import os
+
 import argparse
 import json
 import sys
@@ -84,8 +87,23 @@ def _problem(args):
     from luban.plan.problem import Problem
     from luban.plan.system import load_system
 
+    for key in ("gpus", "global_batch"):
+        if not 1 <= getattr(args, key) <= 1 << 24:
+            raise bad_value("--" + key.replace("_", "-"), getattr(args, key), "an integer from 1 to 16777216")
     model = load_model(args.model)
     seq = args.seq or model.seq_len
+    if args.seq is not None and not 1 <= args.seq <= (model.seq_len if model.position == "learned" else 1 << 24):
+        raise bad_value("--seq", args.seq, f"from 1 to {model.seq_len}, the model's learned positions" if
+                        model.position == "learned" else "from 1 to 16777216")
+    for key in ("train_tokens", "price_per_gpu_hour"):
+        value = getattr(args, key, None)
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            raise bad_value("--" + key.replace("_", "-"), value, "a finite number >= 0")
+    chart = getattr(args, "chart", None)
+    if chart:  # before a search that may take a while, not after
+        parent = Path(chart).parent
+        if not parent.is_dir() or not os.access(parent, os.W_OK) or Path(chart).is_dir():
+            raise bad_value("--chart", chart, "a PNG path in an existing, writable folder")
     system = load_system(args.system)
     runtime = args.runtime or ("luban" if system.cpu else "megatron")
     return Problem(model, system, args.gpus, seq, args.global_batch, runtime, args.optimizer)
@@ -95,6 +113,9 @@ def _layout(args, gpus: int):
     from luban.parallel.layout import ParallelLayout
 
     raw = {k: getattr(args, k) for k in LAYOUT_FLAGS if getattr(args, k) is not None}
+    for key in ("dp", "tp", "pp", "cp", "ep", "micro_batch", "virtual_stages"):
+        if key in raw and (isinstance(raw[key], bool) or not isinstance(raw[key], int) or not 1 <= raw[key] <= 1 << 20):
+            raise bad_value("--" + key.replace("_", "-"), raw[key], "an integer from 1 to 1048576")
     if args.sp:
         raw["sp"] = True
     if "dp" not in raw:

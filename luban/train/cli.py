@@ -82,9 +82,10 @@ def _run_training(args) -> int:
 
     cfg = load_config(args.config, args.set)
     resolve_rendezvous(args)
-    for key in ("nproc", "nnodes"):
-        if getattr(args, key) < 1:
-            raise bad_value(f"--{key}", getattr(args, key), "must be >= 1")
+    for key, lo, hi in (("nproc", 1, 1024), ("nnodes", 1, 100_000), ("node_rank", 0, args.nnodes - 1),
+                        ("master_port", 0, 65535)):
+        if not lo <= getattr(args, key) <= hi:
+            raise bad_value("--" + key.replace("_", "-"), getattr(args, key), f"an integer from {lo} to {hi}")
     world = args.nproc * args.nnodes
     sets = list(args.set)
     if "WORLD_SIZE" not in os.environ:  # the launching process (not a rank it started)

@@ -1,0 +1,183 @@
+"""Bad input anywhere is one line, ``luban: error: <key> = <value>: <what is allowed>``, exit 2:
+the concrete cases users hit (regressions), then property-based fuzzing of configs, planner
+flags and manifests (hypothesis) asserting no traceback and no file changed."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from luban.cli import main
+from luban.config import load_config
+from luban.errors import LubanError
+
+PLAN = ["plan", "estimate", "--model", "gpt2-124m", "--system", "dgx-a100-80g", "--gpus", "8", "--global-batch", "8"]
+
+
+def run(capsys, argv) -> tuple[int, str]:
+    code = main(argv)
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("override,words", [
+    ("train.lr=nan", "train.lr = nan: a finite number"),
+    ("train.lr=inf", "train.lr = inf: a finite number"),
+    ("train.min_lr=nan", "train.min_lr = nan"),
+    ("model.norm_eps=nan", "model.norm_eps = nan"),
+    ("model.init_std=inf", "model.init_std = inf"),
+    ("data.eval_batches=0", "data.eval_batches = 0: from 1"),
+    ('run.dir=""', "run.dir = ''"),
+    ("train.steps=1e23", "train.steps"),
+    ("train.global_batch=1000000000", "train.global_batch = 1000000000: from 1 to 1048576"),
+    ("train.beta1=1.5", "train.beta1 = 1.5"),
+    ("train.seed=1180591620717411303424", "train.seed"),
+    ("model.hidden=1099511627776", "model.hidden = 1099511627776: at most 1048576"),
+    ("model.seq_len=1e9", "model.seq_len"),
+])
+def test_train_config_cases(capsys, override, words):
+    code, err = run(capsys, ["train", "--set", override])
+    assert code == 2 and err.startswith("luban: error: ") and words in err and len(err.strip().splitlines()) == 1
+
+
+def test_train_file_and_flag_cases(capsys, tmp_path):
+    binary = tmp_path / "bin.toml"
+    binary.write_bytes(bytes(range(256)) * 4)
+    (tmp_path / "afile").write_text("x")
+    cases = [(["train", str(binary)], "a readable UTF-8 TOML file"),
+             (["train", "--set", f'run.dir="{tmp_path / "afile" / "run"}"'], "run.dir"),
+             (["train", "--set", 'run.dir="/proc/luban"'], "run.dir"),
+             (["train", "--nproc", "2", "--master-port", "99999"], "--master-port = 99999"),
+             (["train", "--nproc", "0"], "--nproc = 0")]
+    for argv, words in cases:
+        code, err = run(capsys, argv)
+        assert code == 2 and words in err and len(err.strip().splitlines()) == 1, (argv, err)
+
+
+@pytest.mark.parametrize("extra,words", [
+    (["--seq", "100000"], "--seq = 100000: from 1 to 1024"),
+    (["--train-tokens", "nan"], "--train-tokens = nan"),
+    (["--train-tokens", "-5"], "--train-tokens = -5.0"),
+    (["--price-per-gpu-hour", "inf"], "--price-per-gpu-hour = inf"),
+])
+def test_planner_flag_cases(capsys, extra, words):
+    code, err = run(capsys, PLAN + extra)
+    assert code == 2 and words in err and len(err.strip().splitlines()) == 1
+
+
+def test_other_commands_cases(capsys, tmp_path):
+    cases = [(["plan", "search", "--model", "gpt2-124m", "--system", "dgx-a100-80g", "--gpus", "8",
+               "--global-batch", "8", "--chart", "/unwritable/x.png"], "--chart"),
+             (["cluster", "simulate", "--trace", str(tmp_path / "missing.jsonl")], "--trace"),
+             (["cluster", "serve", "--state", str(tmp_path / "s"), "--nodes", "-3"], "--nodes = -3"),
+             (["cluster", "serve", "--state", str(tmp_path / "s"), "--gpus", "-4"], "--gpus = -4"),
+             (["cluster", "serve", "--state", str(tmp_path / "s"), "--tick", "-1"], "--tick = -1.0"),
+             (["cluster", "serve", "--state", str(tmp_path / "s"), "--port", "99999"], "--port = 99999")]
+    for argv, words in cases:
+        code, err = run(capsys, argv)
+        assert code == 2 and words in err and len(err.strip().splitlines()) == 1, (argv, err)
+
+
+# -- fuzz --------------------------------------------------------------------------------------
+KEYS = [f"{s}.{k}" for s, ks in {
+    "train": ("steps", "global_batch", "lr", "min_lr", "seed", "beta1", "beta2", "momentum", "warmup_steps",
+              "checkpoint_every", "eval_every", "grad_clip", "weight_decay", "optimizer", "keep_checkpoints"),
+    "data": ("seq_len", "eval_batches", "prefetch", "path"),
+    "model": ("hidden", "layers", "heads", "vocab", "seq_len", "norm_eps", "init_std", "dropout", "arch"),
+    "parallel": ("dp", "tp", "pp", "zero", "micro_batch", "schedule", "precision"),
+    "run": ("dir", "device", "progress"), "bogus": ("key",)}.items() for k in ks]
+NASTY = st.one_of(
+    st.sampled_from(["nan", "inf", "-inf", "1e308", "-1", "0", "2**70", "1180591620717411303424", "true", "[1, 2]",
+                     "{a = 1}", '""', '"x"', "1.5", "-0.0", "1e-320", "'", "\"\\u0000\"", "=", "9" * 40]),
+    st.integers(min_value=-(1 << 80), max_value=1 << 80).map(str),
+    st.floats(allow_nan=True, allow_infinity=True).map(lambda f: repr(f).replace("inf", "inf")),
+    st.text(max_size=12))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.sampled_from(KEYS), NASTY), min_size=1, max_size=3))
+def test_fuzzed_config_values_are_one_line_errors_or_valid(pairs):
+    try:
+        cfg = load_config(None, [f"{k}={v}" for k, v in pairs])
+    except LubanError as err:
+        assert "\n" not in str(err) and str(err)
+        return
+    for section in ("train", "data"):  # accepted: then every number in it is finite
+        for value in cfg.to_dict()[section].values():
+            assert not isinstance(value, float) or math.isfinite(value)
+
+
+FLAGS = ["--seq", "--train-tokens", "--price-per-gpu-hour", "--gpus", "--global-batch", "--tp", "--pp", "--dp",
+         "--micro-batch", "--zero"]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                   HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(st.sampled_from(FLAGS), NASTY.filter(lambda v: not v.startswith("-") or v[1:2].isdigit())),
+                min_size=1, max_size=3))
+def test_fuzzed_planner_flags_never_trace(capsys, pairs):
+    argv = ["plan", "estimate", "--model", "gpt2-124m", "--system", "dgx-a100-80g", "--gpus", "8",
+            "--global-batch", "8", *sum(([f, v] for f, v in pairs), [])]
+    try:
+        code = main(argv)
+    except SystemExit as exit_:  # argparse's own type errors: usage + one error line, exit 2
+        code = exit_.code
+    err = capsys.readouterr().err
+    assert code in (0, 2), err
+    assert "Traceback" not in err
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory, request):
+    from luban.data.build import build_dataset
+    from tests.data.conftest import write_docs
+
+    root = tmp_path_factory.mktemp("fuzz")
+    build_dataset([write_docs(root / "text", n_docs=12)], root / "ds", shard_size_mb=0.001, val_fraction=0.25)
+    return root / "ds"
+
+
+def _paths(value, prefix=()):
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from _paths(v, (*prefix, k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            yield from _paths(v, (*prefix, i))
+    yield prefix
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                   HealthCheck.too_slow])
+@given(data=st.data())
+def test_fuzzed_manifests_are_named_and_nothing_changes(dataset, tmp_path_factory, data):
+    from luban.data.manifest import load_manifest, open_dataset, write_manifest
+
+    work = tmp_path_factory.mktemp("m") / "ds"
+    shutil.copytree(dataset, work)
+    manifest = json.loads((work / "manifest.json").read_text())
+    paths = [p for p in _paths(manifest) if p]
+    where = data.draw(st.sampled_from(paths))
+    new = data.draw(st.one_of(st.integers(-5, 10**6), st.text(max_size=8), st.none(), st.booleans(),
+                              st.just([]), st.just({}), st.floats(allow_nan=True)))
+    target = manifest
+    for key in where[:-1]:
+        target = target[key]
+    target[where[-1]] = new
+    resign = data.draw(st.booleans())  # a consistent-looking manifest, or a plainly edited one
+    if resign:
+        write_manifest(work, {k: v for k, v in manifest.items() if k != "checksum"})
+    else:
+        (work / "manifest.json").write_text(json.dumps(manifest))
+    before = {p.name: p.read_bytes() for p in work.iterdir()}
+    try:
+        open_dataset(work)
+    except LubanError as err:
+        assert "\n" not in str(err)
+    else:  # accepted only if the change did not matter to what the manifest checks
+        load_manifest(work)
+    assert {p.name: p.read_bytes() for p in work.iterdir()} == before
