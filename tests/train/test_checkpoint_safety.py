@@ -71,3 +71,33 @@ def test_resuming_an_older_checkpoint_starts_a_branch(tiny, tmp_path):
     assert newest.name == "step_0000004" and json.loads((newest / "meta.json").read_text())["config"]["train"]["lr"] == 1e-3
     out = luban("train", "--resume", "auto", *sets(tiny(**{**base, "train.steps": 6, "train.lr": 1e-3})), check=0)
     assert f"resumed from {newest}" in out.stdout  # auto follows the branch, not the old step 6
+
+
+def test_kill_9_at_random_moments_of_saving_always_leaves_a_valid_newest_checkpoint(tiny, tmp_path):
+    """A save every step, kill -9 at random moments (mostly inside a save): after each kill the
+    newest valid checkpoint loads, and training resumes from it."""
+    import random
+    import signal
+    import subprocess
+    import time
+
+    root_dir = Path(__file__).resolve().parents[2]
+
+    run = tmp_path / "run"
+    rng = random.Random(0)
+    args = ["train", "--resume", "auto", *sets(tiny(**{"train.steps": 400, "train.checkpoint_every": 1,
+                                                       "train.keep_checkpoints": 2, "model.hidden": 256}))]
+    steps = []
+    for _ in range(4):
+        proc = subprocess.Popen([sys.executable, "-m", "luban", *args], cwd=root_dir, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+        for line in proc.stdout:  # into the loop, then somewhere within the next steps' saves
+            if line.startswith("step "):
+                break
+        time.sleep(rng.uniform(0.0, 1.5))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        newest = checkpoint.latest_valid(run / "checkpoints")
+        assert newest is not None and checkpoint.verify(newest) is None
+        steps.append(int(newest.name.split("_")[1]))
+    assert steps == sorted(steps) and steps[-1] > steps[0]  # every restart resumed, none went back
