@@ -87,3 +87,33 @@ def test_a_preempted_job_names_the_job_it_yielded_to(service, tmp_path):
     first = [j for j in lo.jobs(all_attempts=True) if j["id"] == low][0]
     assert first["state"] == "suspended" and f"(for job {high})" in first["reason"], first["reason"]
     lo.stop(lo.latest(low)["id"])
+
+
+def test_jobs_get_the_submitters_environment_or_exactly_what_is_listed(service, tmp_path):
+    import os
+
+    svc = service("--nodes", "1", "--tick", "0.2")
+    token, alice = svc.user("alice", {"NORMAL": 1})
+    show = "for k in LUBAN_SOAK_A LUBAN_SOAK_B RANK WORLD_SIZE; do eval echo $k=\\${$k:-unset}; done; " \
+           "case \"$LUBAN_CLUSTER_TOKEN\" in \"$SUBMITTER_TOKEN\") echo TOKEN-COPIED;; *) echo TOKEN-OWN;; esac"
+
+    def submit(*flags):
+        env = dict(os.environ, LUBAN_CLUSTER_URL=svc.url, LUBAN_CLUSTER_TOKEN=token, LUBAN_SOAK_A="a1",
+                   LUBAN_SOAK_B="b1", RANK="7", WORLD_SIZE="9", SUBMITTER_TOKEN=token)
+        import subprocess
+
+        from tests.cluster.conftest import LUBAN
+
+        out = subprocess.run([*LUBAN, "submit", *flags, "--", "sh", "-c", show], env=env, capture_output=True,
+                             text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        job = int(re.search(r"submitted job (\d+)", out.stdout).group(1))
+        assert alice.wait(job, timeout=60)["state"] == "succeeded"
+        return alice.logs(job)["text"]
+
+    everything = submit()
+    assert "LUBAN_SOAK_A=a1" in everything and "LUBAN_SOAK_B=b1" in everything
+    assert "RANK=unset" in everything and "WORLD_SIZE=unset" in everything  # rank variables are never copied
+    listed = submit("--export", "LUBAN_SOAK_A,SUBMITTER_TOKEN")
+    assert "LUBAN_SOAK_A=a1" in listed and "LUBAN_SOAK_B=unset" in listed
+    assert "TOKEN-OWN" in everything and "TOKEN-OWN" in listed  # the job's token is its own, never the submitter's
