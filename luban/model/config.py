@@ -101,7 +101,7 @@ class ModelConfig:
             if "arch" in raw and raw["arch"] != base["arch"]:
                 base = {k: v for k, v in base.items() if k not in ARCH_DEFAULTS["gpt2"]}
         arch = raw.get("arch", base.get("arch", "gpt2"))
-        if arch not in ARCH_DEFAULTS:
+        if not isinstance(arch, str) or arch not in ARCH_DEFAULTS:
             raise bad_value(f"{section}.arch", arch, f"one of {', '.join(ARCH_DEFAULTS)}")
         values = {**ARCH_DEFAULTS[arch], **base, **raw}
         if base and "name" not in raw:

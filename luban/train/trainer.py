@@ -114,9 +114,9 @@ class Trainer:
                                self.cfg.train.keep_checkpoints)
 
     def checkpoint_bytes(self) -> int:
-        """About one checkpoint's size: the model's global tensors, times (1 + optimizer states)."""
-        model = self.engine.state_dict().get("model", {})
-        weights = sum(t.numel() * t.element_size() for t in model.values() if isinstance(t, torch.Tensor))
+        """About one checkpoint's size: the model's fp32 weights, times (1 + optimizer states). From the
+        config, not ``engine.state_dict()``: building an optimizer state dict initialises its states."""
+        weights = flops.param_count(self.cfg.model) * 4
         t = self.cfg.train
         states = 2 if t.optimizer == "adamw" else (1 if t.momentum else 0)
         return int(weights * (1 + states) * 1.05) + (1 << 20)  # + metadata, RNG, meta.json
