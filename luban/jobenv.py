@@ -27,6 +27,8 @@ import os
 import re
 from dataclasses import dataclass
 
+from luban import procs
+
 NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")  # also the job spec's rule (cluster.spec.ENV_RE)
 
 NNODES = "LUBAN_NNODES"
@@ -63,7 +65,7 @@ def rendezvous(env=os.environ) -> Rendezvous | None:
 # gets its own), torchrun's "I am a rank" variables, and the variables the scheduler sets itself
 NOT_INHERITED = ("LUBAN_CLUSTER_TOKEN", "LUBAN_CLUSTER_URL", "RANK", "WORLD_SIZE", "LOCAL_RANK",
                  "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT",
-                 "LUBAN_LAUNCHER_PID", "LUBAN_JOB_TAG")
+                 procs.PARENT_VAR, procs.TAG_VAR)
 MINIMAL = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
 
 

@@ -19,3 +19,15 @@ def small_dataset(tmp_path_factory) -> Path:
     build_dataset([str(f) for f in files], out, tokenizer="byte")
     assert json.loads((out / "manifest.json").read_text())["tokenizer"]["kind"] == "byte"
     return out
+
+
+def tiny_toml(run, train: dict, parallel: dict | None = None, run_keys: dict | None = None) -> str:
+    """A config file for subprocess tests: a 1-layer, 32-wide tiny model on the embedded corpus."""
+    import json
+
+    def table(name, keys):
+        return [f"[{name}]", *(f"{k} = {json.dumps(v)}" for k, v in keys.items())]
+
+    lines = table("model", {"preset": "tiny", "layers": 1, "hidden": 32, "heads": 2}) + table("data", {"path": ""})
+    lines += table("train", train) + (table("parallel", parallel) if parallel else [])
+    return "\n".join(lines + table("run", {"dir": str(run), **(run_keys or {})})) + "\n"

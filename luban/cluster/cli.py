@@ -200,7 +200,7 @@ def cmd_stop(args) -> int:
     (the launchers write the exit code only after killing the whole job, luban.procs)."""
     import time
 
-    from luban.cluster.models import FINAL
+    from luban.cluster.states import FINAL
 
     client = _client(args)
     ids = _ids(args.jobs)

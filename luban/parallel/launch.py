@@ -97,8 +97,8 @@ def launch(argv: list[str], nproc: int, nnodes: int = 1, node_rank: int = 0, mas
     try:
         from luban.train import preempt
 
-        if preempt._FLAG is not None and preempt._FLAG.requested:
-            print(f"suspended on {preempt._FLAG.reason} before any rank started; exit {EXIT_SUSPENDED} "
+        if preempt.early_signal():
+            print(f"suspended on {preempt.early_signal()} before any rank started; exit {EXIT_SUSPENDED} "
                   "(resume with --resume auto)", flush=True)
             return EXIT_SUSPENDED
         # between fork and exec: die with this launcher (PR_SET_PDEATHSIG survives exec); luban ranks

@@ -158,23 +158,6 @@ def _storage_error(err: BaseException) -> str:
     return str(err).splitlines()[0][:200]
 
 
-def check_writable(root: Path, need_bytes: int) -> None:
-    """At start-up, before any work: ``root`` can be created and written, and its file system
-    has room for one more checkpoint of ``need_bytes`` (one line, exit 2, otherwise)."""
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        probe = root / f".write-test-{os.getpid()}"
-        probe.write_bytes(b"x")
-        probe.unlink()
-    except OSError as err:
-        raise LubanError(f"run.dir: checkpoints cannot be written under {root} ({err.strerror or err}); "
-                         "choose a writable run.dir") from None
-    free = shutil.disk_usage(root).free
-    if free < need_bytes:
-        raise LubanError(f"run.dir: {root} has {free / 2**30:.2f} GiB free, a checkpoint needs about "
-                         f"{need_bytes / 2**30:.2f} GiB; free space or choose another run.dir")
-
-
 def _save(root: Path, step: int, state: dict, meta: dict, keep: int) -> Path:
     final = root / f"step_{step:07d}"
     tmp = root / f".tmp-{final.name}"

@@ -91,7 +91,9 @@ def _run_training(args) -> int:
     if "WORLD_SIZE" not in os.environ:  # the launching process (not a rank it started)
         from luban.train import plan_check
 
-        _check_run_dir(cfg.run.dir)
+        from luban.train.rundir import check_run_dir
+
+        check_run_dir(cfg.run.dir)
         Path(cfg.run.dir, "plan.json").unlink(missing_ok=True)
         if args.parallel == "auto":
             cfg, prediction = plan_check.plan(cfg, world)
@@ -111,20 +113,6 @@ def _run_training(args) -> int:
 
     result = Trainer(cfg).train(args.resume)
     return EXIT_SUSPENDED if result.suspended else 0
-
-
-def _check_run_dir(run_dir: str) -> None:
-    """Before any work: the run folder can be created and written (the trainer also checks its
-    room for a checkpoint once it knows the model's size)."""
-    path = Path(run_dir)
-    try:
-        (path / "checkpoints").mkdir(parents=True, exist_ok=True)
-        probe = path / f".write-test-{os.getpid()}"
-        probe.write_bytes(b"x")
-        probe.unlink()
-    except OSError as err:
-        raise bad_value("run.dir", run_dir, f"checkpoints cannot be written there ({err.strerror or err}); "
-                                            "choose a writable folder") from None
 
 
 def cmd_train(args) -> int:

@@ -38,9 +38,6 @@ class SuspendFlag:
         self.requested = True
         self.reason = signal.Signals(signum).name
 
-    def pending(self) -> bool:
-        return self.requested
-
     def agreed(self) -> bool:
         """True on every rank as soon as any rank was signalled."""
         import torch
@@ -56,6 +53,11 @@ class SuspendFlag:
 
 _FLAG: SuspendFlag | None = None
 HANDLED = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
+
+
+def early_signal() -> str | None:
+    """The signal recorded before any work (by ``install``'s handlers), if one came."""
+    return _FLAG.reason if _FLAG is not None and _FLAG.requested else None
 
 
 def install() -> SuspendFlag:

@@ -28,6 +28,7 @@ from luban.train import checkpoint
 from luban.train.metrics import MetricsLogger
 from luban.train.peak import peak_flops
 from luban.train import preempt
+from luban.train.rundir import check_run_dir
 from luban.train.schedule import lr_at
 
 
@@ -181,7 +182,7 @@ class Trainer:
         suspend = preempt.install()
         log = MetricsLogger(self.run_dir, t.steps, cfg.run.tensorboard, cfg.run.progress, enabled=self.is_main)
         if self.is_main:
-            checkpoint.check_writable(self.ckpt_root, self.checkpoint_bytes())
+            check_run_dir(self.run_dir, self.checkpoint_bytes())
         if resume:
             ckpt = self.resume(resume)
             log.message(f"resumed from {ckpt} at step {self.step}" if ckpt else "no checkpoint found: starting fresh")

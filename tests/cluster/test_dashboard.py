@@ -81,24 +81,6 @@ def test_dashboard_shows_queue_nodes_quota_and_charts(service, browser, tmp_path
         admin.stop(job)
 
 
-TRAIN = """
-[model]
-preset = "tiny"
-layers = 1
-hidden = 32
-heads = 2
-[data]
-path = ""
-[train]
-steps = 30
-global_batch = 2
-log_every = 1
-checkpoint_every = 0
-eval_every = 10
-[run]
-dir = "{run}"
-system = "dgx-a100-80g"
-"""
 
 
 def test_job_page_shows_events_log_and_training_curves(service, browser, tmp_path):
@@ -107,11 +89,13 @@ def test_job_page_shows_events_log_and_training_curves(service, browser, tmp_pat
     from selenium.webdriver.common.by import By
 
     from tests.cluster.conftest import ROOT
+    from tests.conftest import tiny_toml
 
     svc = service("--nodes", "1", "--tick", "0.2")
     token, alice = svc.user("alice", {"NORMAL": 1})
     cfg = tmp_path / "train.toml"
-    cfg.write_text(TRAIN.format(run=tmp_path / "run"))
+    cfg.write_text(tiny_toml(tmp_path / "run", {"steps": 30, "global_batch": 2, "log_every": 1, "checkpoint_every": 0,
+                                                "eval_every": 10}, run_keys={"system": "dgx-a100-80g"}))
     out = svc.cli("submit", "--name", "tiny", "--workdir", str(ROOT), "--", PYTHON, "-m", "luban", "train",
                   str(cfg), "--parallel", "auto", token=token).stdout
     job = int(out.split("submitted job ")[1].split()[0])

@@ -15,26 +15,9 @@ import pytest
 
 from luban import procs
 from luban.cluster import launcher
+from tests.conftest import tiny_toml
 
 ROOT = Path(__file__).resolve().parents[2]
-CONFIG = """
-[model]
-preset = "tiny"
-layers = 1
-hidden = 32
-heads = 2
-[data]
-path = ""
-[train]
-steps = 400
-global_batch = 2
-checkpoint_every = 0
-eval_every = 0
-[parallel]
-dp = 2
-[run]
-dir = "{run}"
-"""
 
 
 @pytest.mark.slow
@@ -45,7 +28,8 @@ def test_sigusr1_at_any_moment_of_start_up_gives_75_and_no_survivor(tmp_path):
         case = tmp_path / f"d{delay}"
         case.mkdir()
         cfg = case / "c.toml"
-        cfg.write_text(CONFIG.format(run=case / "run"))
+        cfg.write_text(tiny_toml(case / "run", {"steps": 400, "global_batch": 2, "checkpoint_every": 0,
+                                                "eval_every": 0}, parallel={"dp": 2}))
         tag = f"luban-sigtest-{os.getpid()}-{delay}"
         job = launcher.spawn(["--run-dir", str(case), "--log", str(case / "log{rank}"), "--rank", "0", "--tag", tag,
                               "--", sys.executable, "-m", "luban", "train", str(cfg), "--nproc", "2"], cwd=ROOT,

@@ -1,0 +1,31 @@
+"""The run folder's start-up check (torch-free: the launching process runs it before any rank).
+
+``check_run_dir`` creates ``RUN/checkpoints`` and writes a probe file there, and with
+``need_bytes`` also checks the file system has room for one more checkpoint: a read-only,
+unwritable or full run folder is one line and exit 2 before any work, not a traceback at the
+first save (which, should storage fail later anyway, exits 74: ``train.checkpoint.save``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from luban.errors import bad_value
+
+
+def check_run_dir(run_dir: str | Path, need_bytes: int = 0) -> None:
+    root = Path(run_dir) / "checkpoints"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe = root / f".write-test-{os.getpid()}"
+        probe.write_bytes(b"x")
+        probe.unlink()
+    except OSError as err:
+        raise bad_value("run.dir", str(run_dir), f"checkpoints cannot be written there ({err.strerror or err}); "
+                                                 "choose a writable folder") from None
+    free = shutil.disk_usage(root).free
+    if free < need_bytes:
+        raise bad_value("run.dir", str(run_dir), f"{free / 2**30:.2f} GiB free, a checkpoint needs about "
+                                                 f"{need_bytes / 2**30:.2f} GiB; free space or choose another")
