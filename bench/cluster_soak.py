@@ -11,8 +11,9 @@ arrive to preempt LOW ones, and a watcher samples every 0.25 s:
 - at the end, lost: a submitted chain that never reached succeeded/failed/stopped, and orphans:
   live processes of these jobs (LUBAN_JOB_TAG) after every chain ended.
 
-Usage: python bench/cluster_soak.py [--jobs 40] [--kills 12] [--seed 0] [--out FILE.json]
-(the service runs jobs as its own account: --run-jobs-as service).
+Usage: python bench/cluster_soak.py [--jobs 40] [--kills 12] [--seed 0] [--run-jobs-as namespace|service]
+[--out FILE.json] (namespace, the default: each job in the namespaces that hide the service's state,
+as a non-root service runs them; service: unisolated, as the service's account).
 """
 
 from __future__ import annotations
@@ -83,15 +84,15 @@ def live_job_processes(url: str) -> list[tuple[int, dict]]:
 
 
 class Service:
-    def __init__(self, state: Path, port: int, nodes: int):
-        self.state, self.port, self.nodes = state, port, nodes
+    def __init__(self, state: Path, port: int, nodes: int, run_jobs_as: str):
+        self.state, self.port, self.nodes, self.run_jobs_as = state, port, nodes, run_jobs_as
         self.url, self.proc = f"http://127.0.0.1:{port}", None
 
     def start(self) -> None:
         log = open(self.state.parent / "service.log", "a")
         self.proc = subprocess.Popen([sys.executable, "-m", "luban", "cluster", "serve", "--state", str(self.state),
                                       "--port", str(self.port), "--nodes", str(self.nodes), "--tick", "0.2",
-                                      "--suspend-timeout", "20", "--run-jobs-as", "service"],
+                                      "--suspend-timeout", "20", "--run-jobs-as", self.run_jobs_as],
                                      stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
         deadline = time.time() + 60
         while time.time() < deadline:
@@ -117,6 +118,7 @@ def main() -> int:
     parser.add_argument("--kills", type=int, default=12)
     parser.add_argument("--nodes", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--run-jobs-as", choices=["namespace", "service"], default="namespace")
     parser.add_argument("--out")
     args = parser.parse_args()
     rng = random.Random(args.seed)
@@ -129,7 +131,7 @@ def main() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    svc = Service(work / "state", port, args.nodes)
+    svc = Service(work / "state", port, args.nodes, args.run_jobs_as)
     svc.start()
     admin = Client(svc.url, (svc.state / "admin.token").read_text().strip(), retry_for=120)
     users = {}
@@ -208,7 +210,7 @@ def main() -> int:
     attempts = admin.jobs(all_attempts=True)
     svc.stop()
     report = {
-        "jobs": args.jobs, "kills": kills, "seconds": round(elapsed, 1), "nodes": args.nodes,
+        "jobs": args.jobs, "kills": kills, "seconds": round(elapsed, 1), "nodes": args.nodes, "run_jobs_as": args.run_jobs_as,
         "attempts": len(attempts), "suspended_attempts": sum(a["state"] == "suspended" for a in attempts),
         "outcomes": {s: sum(f["state"] == s for f in finals) for s in FINAL},
         "lost": sum(f["state"] not in FINAL for f in finals),

@@ -5,12 +5,29 @@ the service through ``Client`` (LUBAN_CLUSTER_URL / LUBAN_CLUSTER_TOKEN or --url
 from __future__ import annotations
 
 import argparse
+import getpass
 import json
+import math
 import os
+import re
 import sys
 from pathlib import Path
 
+from luban import schema
+from luban.cluster import priority as prio
+from luban.cluster import trace as traces
+from luban.cluster.spec import MAX_TIME_LIMIT, NAME_RE
 from luban.errors import LubanError, bad_value
+
+# the flags' declarations (luban.schema); what the service checks again, the client checks first
+NAME = schema.text(NAME_RE.pattern, f"a name matching {NAME_RE.pattern}")
+NODES = schema.integer(*schema.CLUSTER_NODES)
+JOB_ID = schema.integer(1, schema.INT32[1])  # the SQL Integer id column
+SECONDS = schema.number(0, MAX_TIME_LIMIT, open_lo=True)
+QUANTUM = schema.number(0, MAX_TIME_LIMIT, open_lo=True, also=(math.inf,))  # inf: no time-sharing
+LEVELS = ", ".join(p.name for p in prio.LEVELS)
+DB_URL = "a file path, or a database URL whose driver is installed (sqlite:///FILE, postgresql://USER@HOST/DB)"
+TIME_FORMS = f"MINUTES, MM:SS, H:MM:SS, D-H, D-H:MM or D-H:MM:SS (as Slurm's --time), from 1 s to {MAX_TIME_LIMIT} s"
 
 
 def _client(args):
@@ -27,13 +44,6 @@ def _table(rows: list[dict], columns: list[str]) -> None:
     widths = [max([len(h)] + [len(row[i]) for row in cells]) for i, h in enumerate(heads)]
     for row in [heads] + cells:
         print("  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip())
-
-
-def _ids(values: list[str]) -> list[int]:
-    try:
-        return [int(v) for v in values]
-    except ValueError:
-        raise bad_value("JOB", values, "job ids are integers") from None
 
 
 # -- user commands -------------------------------------------------------------------------------
@@ -70,7 +80,7 @@ def cmd_submit(args) -> int:
     if "workdir" not in data and command:
         data["workdir"] = os.getcwd()
     if args.time is not None:
-        data["time_limit"] = parse_duration(args.time)
+        data["time_limit"] = args.time
     _export(data, args.export)
     for item in args.env:
         key, sep, value = item.partition("=")
@@ -85,23 +95,52 @@ def cmd_submit(args) -> int:
     return 0
 
 
+DURATION = re.compile(r"(?:(?P<days>[0-9]+)-)?(?P<a>[0-9]+)(?::(?P<b>[0-9]+))?(?::(?P<c>[0-9]+))?")
+
+
 def parse_duration(text: str) -> int:
-    """Slurm's --time forms: MINUTES, MM:SS, H:MM:SS, D-H, D-H:MM, D-H:MM:SS -> seconds."""
+    """Slurm's --time forms: MINUTES, MM:SS, H:MM:SS, D-H, D-H:MM, D-H:MM:SS -> seconds. Only the
+    first field may exceed its unit (90 minutes, 30 hours), not the ones after it (1:99:99)."""
+    found = DURATION.fullmatch(text) if isinstance(text, str) else None
     try:
-        days, _, rest = text.rpartition("-") if "-" in text else ("0", "", text)
-        parts = [int(x) for x in rest.split(":")]
-        if any(x < 0 for x in parts) or int(days) < 0 or not 1 <= len(parts) <= 3:
-            raise ValueError
-        if "-" in text:  # D-H[:MM[:SS]]
-            h, m, sec = (parts + [0, 0])[:3]
-        else:  # MINUTES, MM:SS or H:MM:SS
-            h, m, sec = {1: (0, parts[0], 0), 2: (0, *parts), 3: tuple(parts)}[len(parts)]
-        seconds = ((int(days) * 24 + h) * 60 + m) * 60 + sec
-    except ValueError:
-        raise bad_value("--time", text, "MINUTES, MM:SS, H:MM:SS or D-H:MM:SS (as Slurm's --time)") from None
-    if seconds < 1:
-        raise bad_value("--time", text, "at least one second")
+        fields = [int(found[k] or 0) for k in ("days", "a", "b", "c")] if found else None
+    except ValueError:  # more digits than int() reads
+        fields = None
+    if fields:
+        days, a, b, c = fields
+        hours_first = found["days"] is not None or found["c"] is not None  # D-H..., H:MM:SS
+        h, m, sec = (a, b, c) if hours_first else (0, a, b)
+        seconds = ((days * 24 + h) * 60 + m) * 60 + sec
+        if sec > 59 or (hours_first and m > 59) or (found["days"] is not None and h > 23) or \
+                not 1 <= seconds <= MAX_TIME_LIMIT:
+            fields = None
+    if not fields:
+        raise bad_value("--time", text, TIME_FORMS)
     return seconds
+
+
+def _priority(auto: bool):
+    """A priority level's name or number; AUTO too where ``auto``."""
+    allowed = f"one of {LEVELS}" + (f" or {prio.AUTO}" if auto else " (a concrete level)")
+
+    def level(text):
+        if prio.parse(text) == prio.AUTO and not auto:
+            raise ValueError(text)
+        return text
+
+    return schema.custom(level, allowed)
+
+
+def _db_url(text: str) -> str:
+    from luban.cluster import db
+
+    return db.check_url(schema.text()(text))
+
+
+def _check_zones(zones: int, nodes: int) -> None:
+    """Nodes are split into zones (``serve`` and ``simulate`` alike): at most one zone per node."""
+    if zones > nodes:
+        raise bad_value("--zones", zones, f"an integer from 1 to --nodes = {nodes}")
 
 
 def _export(data: dict, export: str) -> None:
@@ -149,11 +188,8 @@ def cmd_jobs(args) -> int:
 
 def cmd_usage(args) -> int:
     """Node-hours per user (or per quota owner) over a period, like sreport."""
-    import math
     import time
 
-    if not (math.isfinite(args.days) and args.days > 0):
-        raise bad_value("--days", args.days, "a number of days > 0")
     since = time.time() - args.days * 86400
     rows = _client(args).usage(since=since, by=args.by)
     if args.json:
@@ -168,7 +204,7 @@ def cmd_usage(args) -> int:
 
 def cmd_hold(args) -> int:
     client = _client(args)
-    for job_id in _ids(args.jobs):
+    for job_id in args.jobs:
         job = client.hold(job_id) if args.command_name == "hold" else client.release(job_id)
         print(f"job {job['id']}: {job['reason']}")
     return 0
@@ -203,7 +239,7 @@ def cmd_stop(args) -> int:
     from luban.cluster.states import FINAL
 
     client = _client(args)
-    ids = _ids(args.jobs)
+    ids = args.jobs
     for job_id in ids:
         job = client.suspend(job_id) if args.command_name == "suspend" else client.stop(job_id)
         print(f"{args.command_name} requested for job {job['id']} ({job['state']})", flush=True)
@@ -263,22 +299,15 @@ def cmd_admin(args) -> int:
 
 
 # -- service-side commands -----------------------------------------------------------------------
-def _check_serve_args(args) -> None:
-    """Every number of ``cluster serve`` within its range, before anything starts."""
-    import math
+def secret_dirs(state: Path, db_url: str | None) -> tuple[str, ...]:
+    """What a job must not reach: the state directory and, for SQLite, the database's folder."""
+    from luban.cluster import db
 
-    ints = {"--port": (args.port, 1, 65535), "--nodes": (args.nodes, 1, 100_000), "--gpus": (args.gpus, 0, 1024),
-            "--zones": (args.zones, 1, max(1, args.nodes)), "--max-body": (args.max_body, 1024, 1 << 30),
-            "--max-queued": (args.max_queued, 1, 10_000_000)}
-    for key, (value, lo, hi) in ints.items():
-        if not lo <= value <= hi:
-            raise bad_value(key, value, f"an integer from {lo} to {hi}")
-    for key, value in {"--tick": args.tick, "--quantum": args.quantum, "--suspend-timeout": args.suspend_timeout,
-                       "--sample-every": args.sample_every}.items():
-        if not (math.isfinite(value) and value > 0) and not (key == "--quantum" and value == math.inf):
-            raise bad_value(key, value, "a number of seconds > 0")
-    if args.tick < 0.01:
-        raise bad_value("--tick", args.tick, "at least 0.01 seconds (a smaller tick is a busy loop)")
+    dirs = [str(state)]
+    url = db.url_for(db_url) if db_url else ""
+    if url.startswith("sqlite:///"):
+        dirs.append(str(Path(url[len("sqlite:///"):]).absolute().parent))
+    return tuple(dict.fromkeys(dirs))
 
 
 def cmd_serve(args) -> int:
@@ -289,7 +318,7 @@ def cmd_serve(args) -> int:
     from luban.cluster.scheduler import Scheduler, Settings
     from luban.cluster.service import create_app, ensure_admin
 
-    _check_serve_args(args)
+    _check_zones(args.zones, args.nodes)
     state = Path(args.state).absolute()
     try:
         state.mkdir(parents=True, exist_ok=True)
@@ -298,13 +327,26 @@ def cmd_serve(args) -> int:
         raise bad_value("--state", args.state, f"cannot create it or make it private ({err.strerror})") from None
     from luban.cluster import accounts
 
-    run_as = args.run_jobs_as or ("user" if accounts.privileged() else "service")
+    from luban.cluster import jobguard
+
+    run_as = args.run_jobs_as or ("user" if accounts.privileged() else "namespace")
+    hidden = secret_dirs(state, args.db)
     if run_as == "user" and not accounts.privileged():
         raise bad_value("--run-jobs-as", "user", "needs the service to run as root (it creates OS accounts and "
                                                  "starts jobs as them)")
+    if run_as == "namespace":
+        why = jobguard.available()
+        if why:
+            raise bad_value("--run-jobs-as", "namespace", f"{why}; pass --run-jobs-as service to run jobs "
+                                                          "unisolated, as this service's account")
+        jobguard.undumpable()  # jobs share our uid: they must not read /proc/<service>/environ|mem|root
+        print(f"luban cluster: not root: jobs run as this service's OS account ({getpass.getuser()}) in namespaces "
+              f"that hide {', '.join(hidden)} and make {', '.join(jobguard.protected())} "
+              "read-only; other files of this account stay writable to jobs (docs/platform.md); run as root "
+              "for per-user accounts", file=sys.stderr, flush=True)
     if run_as == "service":
         print("luban cluster: WARNING: jobs run as this service's own OS account "
-              f"({__import__('getpass').getuser()}) and can read its state directory (tokens, database): "
+              f"({getpass.getuser()}) and can read its state directory (tokens, database): "
               "share it only with users you trust; run as root for per-user accounts", file=sys.stderr, flush=True)
     engine = db.make_engine(args.db or str(state / "luban.db"))
     db.upgrade(engine)
@@ -313,7 +355,8 @@ def cmd_serve(args) -> int:
                if args.executor == "local" else {"partition": args.partition, "state_dir": str(state)})
     settings = Settings(state_dir=str(state), url=args.public_url or f"http://{args.host}:{args.port}",
                         tick=args.tick, quantum=args.quantum, suspend_timeout=args.suspend_timeout,
-                        sample_every=args.sample_every, run_jobs_as=run_as, on_shutdown=args.on_shutdown)
+                        sample_every=args.sample_every, run_jobs_as=run_as, on_shutdown=args.on_shutdown,
+                        secret_dirs=hidden)
     scheduler = Scheduler(sessions, make(args.executor, **options), settings)
     token_path = ensure_admin(sessions, state)
     if token_path:
@@ -326,8 +369,7 @@ def cmd_serve(args) -> int:
 def cmd_trace(args) -> int:
     from luban.cluster import trace
 
-    jobs = trace.synthetic(trace.TraceConfig(jobs=args.jobs, days=args.days, nodes=args.nodes, users=args.users,
-                                             load=args.load, seed=args.seed))
+    jobs = trace.synthetic(_trace_config(args))
     trace.save(jobs, args.output)
     print(f"wrote {len(jobs)} jobs to {args.output}")
     return 0
@@ -336,34 +378,36 @@ def cmd_trace(args) -> int:
 def cmd_simulate(args) -> int:
     from luban.cluster import simulate, trace
 
-    if args.trace:
-        if not Path(args.trace).is_file():
-            raise bad_value("--trace", args.trace, "no such file (make one with `luban cluster trace -o FILE`)")
-        jobs = trace.load(args.trace)
-    else:
-        jobs = trace.synthetic(trace.TraceConfig(jobs=args.jobs, days=args.days, nodes=args.nodes,
-                                                 users=args.users, load=args.load, seed=args.seed))
+    _check_zones(args.zones, args.nodes)
+    jobs = trace.load(args.trace) if args.trace else trace.synthetic(_trace_config(args))
     report = simulate.run(jobs, simulate.SimConfig(nodes=args.nodes, zones=args.zones, quantum=args.quantum,
                                                    tick=args.tick, checkpoint_s=args.checkpoint_s))
     print(json.dumps(report, indent=1) if args.json else simulate.format_report(report))
     return 0
 
 
+def _trace_config(args):
+    from luban.cluster import trace
+
+    return trace.TraceConfig(**{key: getattr(args, key) for key in ("jobs", "days", "nodes", "users", "load", "seed")})
+
+
 def register(subparsers) -> None:
     conn = argparse.ArgumentParser(add_help=False)
-    conn.add_argument("--url", help="service URL (default $LUBAN_CLUSTER_URL or http://127.0.0.1:8765)")
-    conn.add_argument("--token", help="API token (default $LUBAN_CLUSTER_TOKEN)")
+    conn.add_argument("--url", type=schema.text(), help="service URL (default $LUBAN_CLUSTER_URL or http://127.0.0.1:8765)")
+    conn.add_argument("--token", type=schema.text(), help="API token (default $LUBAN_CLUSTER_TOKEN)")
 
     p = subparsers.add_parser("submit", parents=[conn], help="submit a job to the cluster scheduler")
-    p.add_argument("-n", "--nodes", type=int, help="whole nodes")
-    p.add_argument("-p", "--priority", help="EXTREME_HIGH ... LOW, or AUTO")
-    p.add_argument("--name")
-    p.add_argument("--group", help="charge the job to this user group's quota")
-    p.add_argument("--node-group")
-    p.add_argument("--workdir")
-    p.add_argument("-e", "--env", action="append", default=[], help="KEY=VALUE (repeatable)")
-    p.add_argument("-t", "--time", help="time limit of each attempt, as Slurm: MINUTES, H:MM:SS or D-HH:MM:SS")
-    p.add_argument("--export", default="ALL", metavar="ALL|NONE|NAME,...",
+    p.add_argument("-n", "--nodes", type=NODES, help="whole nodes")
+    p.add_argument("-p", "--priority", type=_priority(auto=True), help="EXTREME_HIGH ... LOW, or AUTO")
+    p.add_argument("--name", type=NAME)
+    p.add_argument("--group", type=NAME, help="charge the job to this user group's quota")
+    p.add_argument("--node-group", type=NAME)
+    p.add_argument("--workdir", type=schema.text())
+    p.add_argument("-e", "--env", action="append", default=[], type=schema.text(), help="KEY=VALUE (repeatable)")
+    p.add_argument("-t", "--time", type=schema.custom(parse_duration, TIME_FORMS),
+                   help="time limit of each attempt, as Slurm: MINUTES, H:MM:SS or D-HH:MM:SS")
+    p.add_argument("--export", default="ALL", metavar="ALL|NONE|NAME,...", type=schema.text(),
                    help="environment for the job, as Slurm's --export: ALL (default) = yours, less tokens and "
                         "rank variables; NONE or NAME,... = exactly those (plus --env and luban's variables)")
     p.add_argument("rest", nargs=argparse.REMAINDER, metavar="JOB.yaml | -- COMMAND ARGS...",
@@ -378,25 +422,25 @@ def register(subparsers) -> None:
     p.set_defaults(func=cmd_jobs)
 
     p = subparsers.add_parser("logs", parents=[conn], help="print a job's log (all attempts of its chain)")
-    p.add_argument("job", type=int)
+    p.add_argument("job", type=JOB_ID)
     p.add_argument("-f", "--follow", action="store_true", help="keep printing until the chain ends")
-    p.add_argument("--rank", type=int, default=0)
+    p.add_argument("--rank", type=schema.integer(0, schema.CLUSTER_NODES[1] - 1), default=0)
     p.set_defaults(func=cmd_logs)
 
     for name, text in (("stop", "stop jobs"), ("suspend", "suspend jobs (checkpoint, requeue)")):
         p = subparsers.add_parser(name, parents=[conn], help=text)
-        p.add_argument("jobs", nargs="+")
+        p.add_argument("jobs", nargs="+", type=JOB_ID)
         p.add_argument("--no-wait", action="store_true", help="return once requested, not when the job has ended")
-        p.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for the end (default 900)")
+        p.add_argument("--timeout", type=schema.number(0, MAX_TIME_LIMIT), default=900.0, help="seconds to wait for the end (default 900)")
         p.set_defaults(func=cmd_stop, command_name=name)
 
     for name, text in (("hold", "keep queued jobs from starting"), ("release", "let held jobs start")):
         p = subparsers.add_parser(name, parents=[conn], help=text)
-        p.add_argument("jobs", nargs="+")
+        p.add_argument("jobs", nargs="+", type=JOB_ID)
         p.set_defaults(func=cmd_hold, command_name=name)
 
     p = subparsers.add_parser("usage", parents=[conn], help="node-hours per user over a period (like sreport)")
-    p.add_argument("--days", type=float, default=30.0, help="the period: the last N days (default 30)")
+    p.add_argument("--days", type=schema.number(0, 36500, open_lo=True), default=30.0, help="the period: the last N days (default 30)")
     p.add_argument("--by", choices=["user", "owner"], default="user", help="owner: per quota owner (user:/group:)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_usage)
@@ -410,76 +454,85 @@ def register(subparsers) -> None:
     what = admin.add_subparsers(dest="what", required=True, metavar="WHAT")
     user = what.add_parser("user").add_subparsers(dest="action", required=True, metavar="ACTION")
     p = user.add_parser("add", parents=[conn], help="create a user; prints its token")
-    p.add_argument("name")
+    p.add_argument("name", type=NAME)
     p.add_argument("--admin", action="store_true")
-    p.add_argument("--os-user", help="user add: run this user's jobs as this existing OS account (service as root)")
-    p.add_argument("--group")
+    p.add_argument("--os-user", type=schema.text(),
+                   help="user add: run this user's jobs as this existing OS account (service as root)")
+    p.add_argument("--group", type=NAME)
     p = user.add_parser("token", parents=[conn], help="issue a new token (the old one stops working)")
-    p.add_argument("name")
+    p.add_argument("name", type=NAME)
     p = user.add_parser("set", parents=[conn], help="move a user to a group")
-    p.add_argument("name")
-    p.add_argument("--group")
+    p.add_argument("name", type=NAME)
+    p.add_argument("--group", type=NAME)
     user.add_parser("list", parents=[conn])
     group = what.add_parser("group").add_subparsers(dest="action", required=True, metavar="ACTION")
     p = group.add_parser("add", parents=[conn])
-    p.add_argument("name")
-    p.add_argument("--data-dir")
-    p.add_argument("--env-dir")
+    p.add_argument("name", type=NAME)
+    p.add_argument("--data-dir", type=schema.text())
+    p.add_argument("--env-dir", type=schema.text())
     group.add_parser("list", parents=[conn])
     quota = what.add_parser("quota").add_subparsers(dest="action", required=True, metavar="ACTION")
     p = quota.add_parser("set", parents=[conn], help="OWNER (user:NAME or group:NAME) PRIORITY NODES")
-    p.add_argument("owner")
-    p.add_argument("priority")
-    p.add_argument("nodes", type=int)
-    p.add_argument("--node-group", help="default: the nodes' group when the cluster has one")
+    p.add_argument("owner", type=schema.text(f"(user|group):{NAME_RE.pattern.strip('^$')}",
+                                             "user:NAME or group:NAME"))
+    p.add_argument("priority", type=_priority(auto=False))
+    p.add_argument("nodes", type=schema.integer(0, schema.CLUSTER_NODES[1]))
+    p.add_argument("--node-group", type=NAME, help="default: the nodes' group when the cluster has one")
     node = what.add_parser("node").add_subparsers(dest="action", required=True, metavar="ACTION")
     for action in ("drain", "down", "up"):
-        node.add_parser(action, parents=[conn]).add_argument("name")
+        node.add_parser(action, parents=[conn]).add_argument("name", type=schema.text())
     admin.set_defaults(func=cmd_admin)
 
     cluster = subparsers.add_parser("cluster", help="run the scheduler service, simulate, make traces")
     sub = cluster.add_subparsers(dest="cluster_command", required=True, metavar="ACTION")
     p = sub.add_parser("serve", help="run the scheduler and its HTTP API")
-    p.add_argument("--state", default="luban-cluster", help="state directory (logs, SQLite file, admin token)")
-    p.add_argument("--db", help="database URL (postgresql://...); default STATE/luban.db (SQLite)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8765)
-    p.add_argument("--public-url", help="URL jobs use to reach the service (default http://HOST:PORT)")
+    p.add_argument("--state", default="luban-cluster", type=schema.path("new-dir"),
+                   help="state directory (logs, SQLite file, admin token)")
+    p.add_argument("--db", type=schema.custom(_db_url, DB_URL),
+                   help="database URL (postgresql://...); default STATE/luban.db (SQLite)")
+    p.add_argument("--host", default="127.0.0.1", type=schema.text())
+    p.add_argument("--port", type=schema.integer(1, schema.PORT[1]), default=8765)
+    p.add_argument("--public-url", type=schema.text(), help="URL jobs use to reach the service (default http://HOST:PORT)")
     p.add_argument("--executor", choices=["local", "slurm"], default="local")
-    p.add_argument("--nodes", type=int, default=1, help="local: virtual nodes on this machine")
-    p.add_argument("--gpus", type=int, default=0, help="local: GPUs per virtual node")
-    p.add_argument("--zones", type=int, default=1, help="local: network zones the nodes are split into")
-    p.add_argument("--node-group", default="default", help="local: the nodes' group")
-    p.add_argument("--partition", help="slurm: only this partition's nodes")
-    p.add_argument("--tick", type=float, default=1.0, help="seconds between scheduling ticks")
-    p.add_argument("--quantum", type=float, default=3600.0, help="time-sharing quantum, seconds")
-    p.add_argument("--suspend-timeout", type=float, default=600.0, help="seconds to checkpoint before a kill")
-    p.add_argument("--sample-every", type=float, default=10.0, help="seconds between occupancy samples")
+    p.add_argument("--nodes", type=NODES, default=1, help="local: virtual nodes on this machine")
+    p.add_argument("--gpus", type=schema.integer(0, 1024), default=0, help="local: GPUs per virtual node")
+    p.add_argument("--zones", type=NODES, default=1, help="local: network zones the nodes are split into (<= --nodes)")
+    p.add_argument("--node-group", default="default", type=NAME, help="local: the nodes' group")
+    p.add_argument("--partition", type=schema.text(), help="slurm: only this partition's nodes")
+    p.add_argument("--tick", type=schema.number(0.01, 3600), default=1.0,
+                   help="seconds between scheduling ticks (from 0.01: a smaller tick is a busy loop)")
+    p.add_argument("--quantum", type=QUANTUM, default=3600.0, help="time-sharing quantum, seconds (inf: none)")
+    p.add_argument("--suspend-timeout", type=SECONDS, default=600.0, help="seconds to checkpoint before a kill")
+    p.add_argument("--sample-every", type=SECONDS, default=10.0, help="seconds between occupancy samples")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--on-shutdown", choices=["keep", "kill"], default="keep",
                    help="keep (default): jobs run on and are adopted when the service starts again; "
                         "kill: stop every job (all its processes) before the service exits")
-    p.add_argument("--run-jobs-as", choices=["user", "service"], default=None,
-                   help="user: each user's own OS account (default when root); service: this service's account")
-    p.add_argument("--max-body", type=int, default=1 << 20, help="largest request body in bytes (default 1 MiB)")
-    p.add_argument("--max-queued", type=int, default=1000, help="queued jobs one user may have (default 1000)")
+    p.add_argument("--run-jobs-as", choices=["user", "namespace", "service"], default=None,
+                   help="user: each user's own OS account (default when root); namespace: this service's account "
+                        "in namespaces that hide its state (default otherwise); service: this service's account, "
+                        "unisolated")
+    p.add_argument("--max-body", type=schema.integer(1024, 1 << 30), default=1 << 20, help="largest request body in bytes (default 1 MiB)")
+    p.add_argument("--max-queued", type=schema.integer(1, 10_000_000), default=1000, help="queued jobs one user may have (default 1000)")
     p.set_defaults(func=cmd_serve)
 
     sim_args = argparse.ArgumentParser(add_help=False)
-    sim_args.add_argument("--jobs", type=int, default=10_000)
-    sim_args.add_argument("--days", type=float, default=30.0)
-    sim_args.add_argument("--nodes", type=int, default=1000)
-    sim_args.add_argument("--users", type=int, default=50)
-    sim_args.add_argument("--load", type=float, default=0.9, help="offered load / capacity")
-    sim_args.add_argument("--seed", type=int, default=0)
+    limits = traces.LIMITS
+    sim_args.add_argument("--jobs", type=limits["jobs"], default=10_000)
+    sim_args.add_argument("--days", type=limits["days"], default=30.0)
+    sim_args.add_argument("--nodes", type=limits["nodes"], default=1000)
+    sim_args.add_argument("--users", type=limits["users"], default=50)
+    sim_args.add_argument("--load", type=limits["load"], default=0.9, help="offered load / capacity")
+    sim_args.add_argument("--seed", type=limits["seed"], default=0)
     p = sub.add_parser("trace", parents=[sim_args], help="write a synthetic job trace (JSON lines)")
-    p.add_argument("-o", "--output", required=True)
+    p.add_argument("-o", "--output", required=True, type=schema.path("new-file"))
     p.set_defaults(func=cmd_trace)
     p = sub.add_parser("simulate", parents=[sim_args], help="replay a trace through the policy in virtual time")
-    p.add_argument("--trace", help="JSON-lines trace (default: a synthetic one from the options)")
-    p.add_argument("--zones", type=int, default=10)
-    p.add_argument("--quantum", type=float, default=4 * 3600.0)
-    p.add_argument("--tick", type=float, default=60.0, help="virtual seconds between ticks")
-    p.add_argument("--checkpoint-s", type=float, default=120.0, help="virtual seconds a job needs to suspend")
+    p.add_argument("--trace", type=schema.path("file"),
+                   help="JSON-lines trace (default: a synthetic one from the options; make one with luban cluster trace)")
+    p.add_argument("--zones", type=NODES, default=10, help="network zones the nodes are split into (<= --nodes)")
+    p.add_argument("--quantum", type=QUANTUM, default=4 * 3600.0, help="time-sharing quantum (inf: none)")
+    p.add_argument("--tick", type=SECONDS, default=60.0, help="virtual seconds between ticks")
+    p.add_argument("--checkpoint-s", type=SECONDS, default=120.0, help="virtual seconds a job needs to suspend")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_simulate)

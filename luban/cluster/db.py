@@ -21,6 +21,19 @@ def url_for(path_or_url: str) -> str:
     return "sqlite:///" + os.path.abspath(path_or_url)
 
 
+def check_url(path_or_url: str) -> str:
+    """``path_or_url`` if SQLAlchemy can parse it and has its driver, else ValueError; nothing is
+    created or connected to."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError, NoSuchModuleError
+
+    try:
+        make_url(url_for(path_or_url)).get_dialect()
+    except (ArgumentError, NoSuchModuleError, ImportError, ValueError) as err:
+        raise ValueError(f"{path_or_url!r}: {err}") from None
+    return path_or_url
+
+
 def make_engine(url: str) -> Engine:
     """An engine; SQLite gets WAL mode and a busy timeout so the API and the scheduler share it."""
     url = url_for(url)

@@ -31,9 +31,11 @@ import time
 from pathlib import Path
 
 from luban import jobenv, procs
-from luban.cluster import accounts
+from luban.cluster import accounts, jobguard
+from luban.train import preempt
 
 FORWARDED = (signal.SIGUSR1, signal.SIGINT)
+JOB_SIGNALS = preempt.HANDLED  # FORWARDED + SIGTERM: what the launcher handles, and holds until it can
 EXIT_KILLED = 128 + int(signal.SIGKILL)  # what the job got: kill_job sends SIGKILL
 
 
@@ -58,8 +60,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rank", type=int, default=None)
     parser.add_argument("--tag", default=None, help="the job's tag (LUBAN_JOB_TAG of CMD and its descendants)")
     parser.add_argument("--user", default=None, help="run CMD as this OS account (the launcher must be root)")
+    parser.add_argument("--hide", action="append", default=[], metavar="DIR",
+                        help="run CMD in namespaces where DIR is covered (jobguard; repeatable)")
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
+    if args.hide:
+        jobguard.undumpable()  # the job must not reach the uncovered tree through /proc/<launcher>
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     rank = args.rank if args.rank is not None else int(os.environ.get("SLURM_NODEID", "0"))
     args.run_dir.mkdir(parents=True, exist_ok=True)
@@ -86,13 +92,13 @@ def main(argv: list[str] | None = None) -> int:
             except ProcessLookupError:
                 pass
 
-    for sig in (*FORWARDED, signal.SIGTERM):
+    for sig in JOB_SIGNALS:
         signal.signal(sig, on_signal)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, (*FORWARDED, signal.SIGTERM))  # held since spawn()
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, JOB_SIGNALS)  # held since spawn()
     cgroup = procs.make_cgroup(tag)
 
     with open(log_path, "ab", buffering=0) as log:
-        account = args.user or (f"{pwd.getpwuid(os.geteuid()).pw_name} (the service's own account: the job can "
+        account = args.user or ("the service's account, in namespaces hiding the service's state" if args.hide else f"{pwd.getpwuid(os.geteuid()).pw_name} (the service's own account: the job can "
                                 "read the service's state; share it only with users you trust)")
         log.write(f"== luban: job {env.get('LUBAN_JOB_ID', '?')} rank {rank} started "
                   f"{time.strftime('%Y-%m-%d %H:%M:%S')} on {env.get('LUBAN_NODE', '?')} as {account} ==\n".encode())
@@ -117,8 +123,13 @@ def main(argv: list[str] | None = None) -> int:
                     procs.enter_cgroup(cgroup)
                     if who is not None:
                         who.become()
+                    if args.hide:
+                        try:
+                            jobguard.enter(args.hide, env.get("LUBAN_WORKDIR") or None)
+                        except OSError as err:
+                            jobguard.fail(str(err) if err.errno else err.strerror)  # GuardError(0, why): no "[Errno 0]"
                     if block:  # luban's trainer unblocks them once its handlers are in
-                        signal.pthread_sigmask(signal.SIG_BLOCK, (*FORWARDED, signal.SIGTERM))
+                        signal.pthread_sigmask(signal.SIG_BLOCK, JOB_SIGNALS)
 
                 child = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
                                          start_new_session=True, cwd=env.get("LUBAN_WORKDIR") or None,
@@ -148,11 +159,11 @@ def main(argv: list[str] | None = None) -> int:
 def spawn(argv: list[str], **popen) -> subprocess.Popen:
     """Start a launcher (``python -m luban.cluster.launcher ...``) with its signals held until its
     handlers are installed: a suspend or kill sent at once is delivered late, never lost or fatal."""
-    signal.pthread_sigmask(signal.SIG_BLOCK, (*FORWARDED, signal.SIGTERM))  # this thread only
+    signal.pthread_sigmask(signal.SIG_BLOCK, JOB_SIGNALS)  # this thread only
     try:
         return subprocess.Popen([sys.executable, "-m", "luban.cluster.launcher", *argv], **popen)
     finally:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, (*FORWARDED, signal.SIGTERM))
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, JOB_SIGNALS)
 
 
 def node_tag(job_tag: str, rank: int) -> str:
@@ -182,4 +193,6 @@ def _wait(child: subprocess.Popen, state: dict) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_code = main()
+    preempt.settle()  # the exit file is written: late signals change nothing
+    sys.exit(exit_code)

@@ -40,7 +40,9 @@ class Settings:
     quantum: float = 3600.0               # time-sharing quantum (policy rule 2)
     suspend_timeout: float = 600.0        # seconds a job has to checkpoint before it is killed
     sample_every: float = 10.0            # seconds between occupancy samples
-    run_jobs_as: str = "service"          # "user": each user's OS account (root only, cluster/accounts.py)
+    run_jobs_as: str = "service"          # "user": each user's OS account (root only, cluster/accounts.py);
+                                          # "namespace": the service's account in namespaces (jobguard.py)
+    secret_dirs: tuple[str, ...] = ()     # covered in each job's namespaces (state dir, database folder)
     on_shutdown: str = "keep"             # keep: jobs run on, adopted on restart; kill: end them all first
 
 
@@ -321,7 +323,8 @@ class Scheduler:
         if self.settings.run_jobs_as == "user":
             with self.sessions() as s:
                 run_as = s.get(User, job.user).os_user
-        return Launch(job_id=job.id, name=job_tag(job), nodes=list(nodes or job.nodes), run_as=run_as,
+        hide = self.settings.secret_dirs if self.settings.run_jobs_as == "namespace" else ()
+        return Launch(job_id=job.id, name=job_tag(job), nodes=list(nodes or job.nodes), run_as=run_as, hide=hide,
                       command=[spec["command"], *spec.get("args", [])], env=env,
                       run_dir=str(state / "runs" / str(job.id)),
                       log_pattern=str(state / "logs" / job.chain_id / "rank{rank}.log"), workdir=spec.get("workdir"))

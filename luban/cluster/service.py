@@ -34,12 +34,12 @@ from luban.cluster import states
 from luban.cluster.models import ACTIVE, LIVE, Event, Job, Node, Quota, Sample, StopReason, User, UserGroup
 from luban.cluster.scheduler import Scheduler, new_token, record, token_hash
 from luban.errors import LubanError, bad_value
+from luban.schema import INT32  # the SQL Integer columns; the CLI checks ids against it too
 
 DASHBOARD = Path(__file__).with_name("dashboard")
 LOG_CHUNK = 1 << 20
 MAX_BODY = 1 << 20            # bytes of a request body (--max-body); checked before reading it
 MAX_QUEUED_PER_USER = 1000    # queued attempts one user may have (--max-queued)
-INT32 = (-(1 << 31), (1 << 31) - 1)  # the SQL Integer columns (PostgreSQL int4)
 ID_MAX = INT32[1]
 
 

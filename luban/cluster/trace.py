@@ -12,6 +12,7 @@ import math
 import random
 from pathlib import Path
 
+from luban import schema
 from luban.cluster.priority import Priority
 from luban.errors import bad_value
 
@@ -33,6 +34,17 @@ class TraceJob:
     node_group: str = "default"
 
 
+LIMITS = {  # TraceConfig's fields, declared once: `luban cluster trace|simulate` take them as flags
+    "jobs": schema.integer(1, 1_000_000),
+    "days": schema.number(0, 3650, open_lo=True),
+    "nodes": schema.integer(*schema.CLUSTER_NODES),
+    "users": schema.integer(1, 100_000),
+    "load": schema.number(0, 10, open_lo=True),  # offered node-seconds / (nodes * days)
+    "checkpointable": schema.number(0, 1),
+    "seed": schema.integer(*schema.SEED),
+}
+
+
 @dataclasses.dataclass
 class TraceConfig:
     jobs: int = 10_000
@@ -52,11 +64,8 @@ def _pick(rng: random.Random, table):
 def synthetic(cfg: TraceConfig) -> list[TraceJob]:
     """Poisson arrivals with a daily cycle, heavy-tailed sizes and durations, Zipf-like users;
     durations are scaled so the offered load is ``cfg.load`` of the cluster over ``cfg.days``."""
-    for key in ("jobs", "nodes", "users"):
-        if getattr(cfg, key) < 1:
-            raise bad_value(key, getattr(cfg, key), "an integer >= 1")
-    if cfg.days <= 0 or not 0 < cfg.load <= 10:
-        raise bad_value("days/load", (cfg.days, cfg.load), "days > 0 and 0 < load <= 10")
+    for key, parse in LIMITS.items():  # nan days would be an endless loop, 10**11 jobs a very long one
+        schema.check(key, getattr(cfg, key), parse)
     rng = random.Random(cfg.seed)
     horizon = cfg.days * 86400.0
     users = [f"user{i:03d}" for i in range(cfg.users)]
@@ -77,9 +86,12 @@ def synthetic(cfg: TraceConfig) -> list[TraceJob]:
 
 
 def save(jobs: list[TraceJob], path: str | Path) -> None:
-    with open(path, "w") as f:
-        for job in jobs:
-            f.write(json.dumps(dataclasses.asdict(job)) + "\n")
+    try:
+        with open(path, "w") as f:
+            for job in jobs:
+                f.write(json.dumps(dataclasses.asdict(job)) + "\n")
+    except OSError as err:
+        raise bad_value("--output", str(path), f"cannot be written ({err.strerror or err})") from None
 
 
 def load(path: str | Path) -> list[TraceJob]:

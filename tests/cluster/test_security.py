@@ -87,7 +87,7 @@ def test_group_jobs_are_shared_with_members_only(svc):
 
 
 def test_job_token_is_limited_to_its_own_job(svc):
-    _, gina = svc.user("gina", {"NORMAL": 2})
+    gina_token, gina = svc.user("gina", {"NORMAL": 2})
     show = "import os; print(os.environ['LUBAN_CLUSTER_TOKEN']); import time; time.sleep(600)"
     job = gina.submit({"name": "tok", "command": PYTHON, "args": ["-c", show]})["id"]
     other = gina.submit(SLEEP)["id"]
@@ -100,6 +100,9 @@ def test_job_token_is_limited_to_its_own_job(svc):
         as_job.jobs()
     with pytest.raises(LubanError, match="HTTP 404"):
         as_job.call("GET", f"/jobs/{other}/whole_life_state")
+    # tokens are stored hashed: no plaintext token (admin, user, live job) anywhere in the database files
+    stored = b"".join(p.read_bytes() for p in svc.state.glob("luban.db*"))
+    assert stored and all(t.encode() not in stored for t in (svc.admin_token, gina_token, token))
     for j in (job, other):
         gina.stop(j)
         gina.wait(j, timeout=60)

@@ -121,9 +121,15 @@ def _train_in_a_job(svc, tmp_path, nproc_flag, group="default", nodes=1):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc_flag", [["--nproc", "2"], []], ids=["nproc2", "one-rank-per-gpu"])
+@pytest.mark.parametrize("nproc_flag", [["--nproc", "2"], [], ["--parallel", "auto"]],
+                         ids=["nproc2", "one-rank-per-gpu", "parallel-auto"])
 def test_luban_train_uses_the_nodes_gpus_inside_a_job(service, tmp_path, nproc_flag):
     _train_in_a_job(service("--nodes", "1", "--gpus", "2", "--tick", "0.2"), tmp_path, nproc_flag)
+    if "auto" in nproc_flag:  # the planner chose a layout for the job's n x g = 2 ranks
+        import json
+
+        layout = json.loads((tmp_path / "run" / "plan.json").read_text())["layout"]
+        assert layout["dp"] * layout["tp"] * layout["pp"] * layout["cp"] == 2, layout
 
 
 @pytest.mark.slow

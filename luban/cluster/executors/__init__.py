@@ -34,6 +34,7 @@ class Launch:
     log_pattern: str  # contains {rank}
     workdir: str | None = None
     run_as: str | None = None  # OS account the command runs as (None: the service's own)
+    hide: tuple[str, ...] = ()  # directories covered in the job's namespaces (jobguard; non-root service)
 
 
 @dataclasses.dataclass

@@ -69,6 +69,7 @@ class SlurmExecutor:
         run_dir.mkdir(parents=True, exist_ok=True)
         rank = [self.python, "-m", "luban.cluster.launcher", "--run-dir", str(run_dir), "--log",
                 launch.log_pattern, "--tag", launch.name, *(["--user", launch.run_as] if launch.run_as else []),
+                *[a for d in launch.hide for a in ("--hide", d)],
                 "--", *launch.command]
         script = run_dir / "job.sbatch"
         script.write_text("#!/bin/bash\n# luban job %d\nexec srun --kill-on-bad-exit=0 --ntasks-per-node=1 "
