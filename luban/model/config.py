@@ -26,6 +26,17 @@ rope_theta          RoPE base                                                  1
 bias                biases in linear layers                                    gpt2: true
 dropout             dropout probability                                        0.0
 init_std            std of the normal initialisation                           0.02
+qk_norm             RMSNorm on each query/key head before RoPE (Qwen3)         false
+experts             routed experts per MoE layer; 0 = dense (``model.moe``)     0
+experts_per_token   experts each token is routed to (top-k)                    2
+expert_ffn_hidden   inner width of one expert                                  ffn_hidden
+shared_experts      always-on experts (DeepSeekMoE), each expert_ffn_hidden     0
+dense_layers        the first k layers keep a dense MLP (ffn_hidden)           0
+router              ``softmax`` top-k, or ``sigmoid`` with DeepSeek-V3's        softmax
+                    auxiliary-loss-free bias balancing
+router_bias_rate    sigmoid router: bias update per step (DeepSeek-V3's gamma)  0.001
+aux_loss_coef       weight of the load-balancing loss (Switch); 0 = none        0.01
+capacity_factor     0 = dropless; c > 0 caps an expert at ceil(c*T*k/E) tokens  0.0
 ==================  =========================================================  =============
 """
 
@@ -49,6 +60,7 @@ CHOICES = {
     "norm": ("layernorm", "rmsnorm"),
     "activation": ("gelu", "swiglu"),
     "position": ("learned", "rope"),
+    "router": ("softmax", "sigmoid"),
 }
 
 
@@ -72,6 +84,16 @@ class ModelConfig:
     bias: bool = True
     dropout: float = 0.0
     init_std: float = 0.02
+    qk_norm: bool = False
+    experts: int = 0  # 0: dense
+    experts_per_token: int = 2
+    expert_ffn_hidden: int = 0  # 0: ffn_hidden
+    shared_experts: int = 0
+    dense_layers: int = 0
+    router: str = "softmax"
+    router_bias_rate: float = 0.001  # DeepSeek-V3 (Liu et al. 2024), Sec. 2.1.2: gamma
+    aux_loss_coef: float = 0.01  # Switch Transformer (Fedus et al. 2021), Sec. 2.2: alpha = 1e-2
+    capacity_factor: float = 0.0  # 0: dropless
     name: str = field(default="custom", compare=False)
 
     def __post_init__(self):
@@ -83,6 +105,8 @@ class ModelConfig:
             object.__setattr__(self, "head_dim", self.hidden // self.heads)
         if self.ffn_hidden == 0:
             object.__setattr__(self, "ffn_hidden", default_ffn(self.hidden, self.activation))
+        if self.expert_ffn_hidden == 0 and isinstance(self.ffn_hidden, int):
+            object.__setattr__(self, "expert_ffn_hidden", self.ffn_hidden)
         self.validate()
 
     @classmethod
@@ -149,10 +173,46 @@ class ModelConfig:
             raise bad_value(f"{section}.dropout", self.dropout, "must be in [0, 1)")
         if self.norm_eps <= 0 or self.init_std <= 0 or self.rope_theta <= 0:
             raise LubanError(f"{section}: norm_eps, init_std and rope_theta must be positive")
+        self._validate_moe(section)
+
+    @property
+    def moe(self) -> bool:
+        return self.experts > 0
+
+    @property
+    def moe_layers(self) -> int:
+        """Number of layers whose feed-forward is a mixture of experts."""
+        return self.layers - self.dense_layers if self.moe else 0
+
+    def _validate_moe(self, section: str) -> None:
+        for key in ("experts", "shared_experts", "dense_layers"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0 or value > MAX_SIZE[key]:
+                raise bad_value(f"{section}.{key}", value, f"an integer in [0, {MAX_SIZE[key]}]")
+        for key in ("experts_per_token", "expert_ffn_hidden"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 < value <= MAX_SIZE[key]:
+                raise bad_value(f"{section}.{key}", value, f"an integer in [1, {MAX_SIZE[key]}]")
+        for key in ("router_bias_rate", "aux_loss_coef", "capacity_factor"):
+            value = getattr(self, key)
+            if not math.isfinite(value) or value < 0:
+                raise bad_value(f"{section}.{key}", value, "a finite number >= 0")
+        if not self.moe:
+            return
+        if self.experts_per_token > self.experts:
+            raise bad_value(f"{section}.experts_per_token", self.experts_per_token,
+                            f"at most experts = {self.experts}")
+        if self.dense_layers >= self.layers:
+            raise bad_value(f"{section}.dense_layers", self.dense_layers,
+                            f"must be < layers = {self.layers} (use experts = 0 for a dense model)")
+        if self.capacity_factor and self.capacity_factor * self.experts_per_token < 1:
+            raise bad_value(f"{section}.capacity_factor", self.capacity_factor,
+                            f"0 (dropless) or >= 1/experts_per_token = {1 / self.experts_per_token:g}")
 
 
 MAX_SIZE = {"hidden": 1 << 20, "layers": 1 << 16, "heads": 1 << 14, "kv_heads": 1 << 14, "head_dim": 1 << 14,
-            "vocab": 1 << 24, "seq_len": 1 << 24, "ffn_hidden": 1 << 22}
+            "vocab": 1 << 24, "seq_len": 1 << 24, "ffn_hidden": 1 << 22, "expert_ffn_hidden": 1 << 22,
+            "experts": 1 << 16, "experts_per_token": 1 << 16, "shared_experts": 1 << 10, "dense_layers": 1 << 16}
 
 
 def default_ffn(hidden: int, activation: str) -> int:

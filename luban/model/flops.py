@@ -14,6 +14,10 @@ Counting rules (per token, one multiply-add = 2 FLOPs):
   With full recompute this reproduces Narayanan Eq. 3:
   F = 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)).
 * Norms, biases, activations and softmax are not counted (they are <1% for real shapes).
+* Mixture of experts (``luban.model.moe``): a MoE layer holds the router (E·h), E routed
+  experts and the shared experts; a token runs the router, its k routed experts and the
+  shared ones. *Total* parameters count every expert, *active* parameters (and all FLOPs,
+  hence MFU) only what a token runs. Dropped tokens (capacity factor) are not discounted.
 """
 
 from __future__ import annotations
@@ -29,12 +33,32 @@ def attention_params(cfg: ModelConfig) -> int:
     return qkv + out + bias
 
 
+def ffn_matrices(cfg: ModelConfig) -> int:
+    """Weight matrices of one feed-forward network: GELU has up+down, SwiGLU gate+up+down."""
+    return 3 if cfg.activation == "swiglu" else 2
+
+
 def mlp_params(cfg: ModelConfig) -> int:
-    """MLP of one layer: GELU has up+down, SwiGLU gate+up+down."""
-    mats = 3 if cfg.activation == "swiglu" else 2
+    """Dense MLP of one layer (weights and biases)."""
+    mats = ffn_matrices(cfg)
     weights = mats * cfg.hidden * cfg.ffn_hidden
     bias = ((mats - 1) * cfg.ffn_hidden + cfg.hidden) if cfg.bias else 0
     return weights + bias
+
+
+def expert_params(cfg: ModelConfig) -> int:
+    """One routed or shared expert (no biases)."""
+    return ffn_matrices(cfg) * cfg.hidden * cfg.expert_ffn_hidden
+
+
+def router_params(cfg: ModelConfig) -> int:
+    return cfg.experts * cfg.hidden
+
+
+def moe_params(cfg: ModelConfig, active: bool = False) -> int:
+    """Feed-forward of one MoE layer: router + routed experts (all, or the k a token uses) + shared."""
+    routed = cfg.experts_per_token if active else cfg.experts
+    return router_params(cfg) + (routed + cfg.shared_experts) * expert_params(cfg)
 
 
 def norm_params(cfg: ModelConfig) -> int:
@@ -42,8 +66,20 @@ def norm_params(cfg: ModelConfig) -> int:
     return 2 * cfg.hidden if cfg.norm == "layernorm" else cfg.hidden
 
 
-def layer_params(cfg: ModelConfig) -> int:
-    return attention_params(cfg) + mlp_params(cfg) + 2 * norm_params(cfg)
+def qk_norm_params(cfg: ModelConfig) -> int:
+    return 2 * cfg.head_dim if cfg.qk_norm else 0
+
+
+def layer_params(cfg: ModelConfig, moe: bool = False, active: bool = False) -> int:
+    """One block: a dense one, or (``moe``) one whose feed-forward is a MoE (``active``: per token)."""
+    ffn = moe_params(cfg, active) if moe else mlp_params(cfg)
+    return attention_params(cfg) + qk_norm_params(cfg) + ffn + 2 * norm_params(cfg)
+
+
+def _layers(cfg: ModelConfig, per_layer) -> float:
+    """Sum of ``per_layer(moe)`` over the model's dense and MoE layers."""
+    dense = cfg.layers - cfg.moe_layers
+    return dense * per_layer(False) + (cfg.moe_layers * per_layer(True) if cfg.moe_layers else 0)
 
 
 def embedding_params(cfg: ModelConfig) -> int:
@@ -57,8 +93,13 @@ def embedding_params(cfg: ModelConfig) -> int:
 
 
 def param_count(cfg: ModelConfig) -> int:
-    """Exact number of parameters of ``luban.model.transformer.Transformer(cfg)``."""
-    return cfg.layers * layer_params(cfg) + embedding_params(cfg) + norm_params(cfg)
+    """Exact number of parameters of ``luban.model.transformer.Transformer(cfg)`` (all experts)."""
+    return _layers(cfg, lambda moe: layer_params(cfg, moe)) + embedding_params(cfg) + norm_params(cfg)
+
+
+def active_param_count(cfg: ModelConfig) -> int:
+    """Parameters one token uses (equal to ``param_count`` for a dense model)."""
+    return _layers(cfg, lambda moe: layer_params(cfg, moe, active=True)) + embedding_params(cfg) + norm_params(cfg)
 
 
 def narayanan_eq2(layers: int, hidden: int, vocab: int, seq: int) -> float:
@@ -71,10 +112,11 @@ def narayanan_eq3(batch: int, seq: int, layers: int, hidden: int, vocab: int) ->
     return 96 * batch * seq * layers * hidden**2 * (1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
 
 
-def layer_matmul_flops(cfg: ModelConfig) -> int:
-    """Forward matmul FLOPs per token of one layer's weight matrices (biases excluded)."""
-    mats = 3 if cfg.activation == "swiglu" else 2
-    return 2 * (cfg.hidden * (cfg.q_dim + 2 * cfg.kv_dim) + cfg.q_dim * cfg.hidden + mats * cfg.hidden * cfg.ffn_hidden)
+def layer_matmul_flops(cfg: ModelConfig, moe: bool = False) -> int:
+    """Forward matmul FLOPs per token of one layer's weight matrices (biases excluded); a MoE
+    layer counts the router, the k routed experts and the shared experts a token runs."""
+    ffn = (moe_params(cfg, active=True) if moe else ffn_matrices(cfg) * cfg.hidden * cfg.ffn_hidden)
+    return 2 * (cfg.hidden * (cfg.q_dim + 2 * cfg.kv_dim) + cfg.q_dim * cfg.hidden + ffn)
 
 
 def attention_core_flops(cfg: ModelConfig, seq: int, causal: bool = False) -> float:
@@ -90,10 +132,16 @@ def head_flops(cfg: ModelConfig) -> int:
 
 def recompute_fraction(recompute: str, layers: int) -> float:
     """Fraction of layers whose forward is repeated: ``full`` = all, ``full:k`` = every k-th."""
-    if recompute.startswith("full"):
-        every = int(recompute.split(":")[1]) if ":" in recompute else 1
-        return len(range(0, layers, every)) / layers
-    return 0.0
+    from luban.parallel.layout import parse_recompute
+
+    mode, every = parse_recompute(recompute)
+    return recomputed_share(layers, every) if mode == "full" else 0.0
+
+
+def recomputed_share(layers, every):
+    """Share of ``layers`` recomputed by ``full:every`` (layers 0, k, 2k, ...: ⌈l/k⌉ of l);
+    ints or numpy arrays (the planner's grids)."""
+    return -(-layers // every) / layers
 
 
 def flops_per_token(cfg: ModelConfig, seq: int | None = None, *, attention: bool = True,
@@ -105,10 +153,10 @@ def flops_per_token(cfg: ModelConfig, seq: int | None = None, *, attention: bool
     """
     seq = cfg.seq_len if seq is None else seq
     attn = attention_core_flops(cfg, seq, causal) if attention else 0.0
-    layer_fwd = layer_matmul_flops(cfg) + attn
-    total = 3 * (cfg.layers * layer_fwd + head_flops(cfg))
+    layers_fwd = _layers(cfg, lambda moe: layer_matmul_flops(cfg, moe) + attn)
+    total = 3 * (layers_fwd + head_flops(cfg))
     if recompute == "selective":
         total += cfg.layers * attn
     else:
-        total += recompute_fraction(recompute, cfg.layers) * cfg.layers * layer_fwd
+        total += recompute_fraction(recompute, cfg.layers) * layers_fwd
     return total

@@ -4,6 +4,11 @@ Sources: GPT-2 (Radford et al. 2019, HF ``gpt2*`` configs); Llama 3 / 3.1 / 3.2 
 (1B, 8B, 70B, 405B); Megatron GPT models of Narayanan et al. SC'21 Table 1 and Korthikanti
 et al. 2022 Table 5 (vocab 51200, seq 2048); the Calculon repository's model files
 (``../shared/reference/calculon_model_jsons.csv``; gpt3-13B hidden corrected to 5120).
+Mixtures of experts: Mixtral 8x7B (Jiang et al. 2024; HF ``mistralai/Mixtral-8x7B-v0.1``
+config.json), Qwen3-30B-A3B (HF ``Qwen/Qwen3-30B-A3B`` config.json), DeepSeek-V3 (Liu et al.
+2024, Table/App. B and HF ``deepseek-ai/DeepSeek-V3`` config.json: the MoE part; MLA is
+replaced by multi-head attention with 128 heads of 128, YaRN by plain RoPE at 4K, group-limited
+routing and the routed scaling factor are not modelled, the MTP module is left out).
 """
 
 from __future__ import annotations
@@ -33,6 +38,10 @@ _PRESETS = [
     ModelConfig(name="tiny-llama", arch="llama", hidden=128, layers=4, heads=4, kv_heads=2, ffn_hidden=352,
                 vocab=257, seq_len=128, norm="rmsnorm", activation="swiglu", position="rope", bias=False,
                 tie_embeddings=False),
+    ModelConfig(name="tiny-moe", arch="llama", hidden=128, layers=4, heads=4, kv_heads=2, ffn_hidden=352,
+                vocab=257, seq_len=128, norm="rmsnorm", activation="swiglu", position="rope", bias=False,
+                tie_embeddings=False, experts=8, experts_per_token=2, expert_ffn_hidden=64,
+                shared_experts=1, dense_layers=1, router="sigmoid"),
     _gpt2("gpt2-124m", 768, 12, 12),
     _gpt2("gpt2-355m", 1024, 24, 16),
     _gpt2("gpt2-774m", 1280, 36, 20),
@@ -66,6 +75,15 @@ _PRESETS = [
     _megatron("gopher-280b", 16384, 80, 128),
     _megatron("lamda", 8192, 64, 128, head_dim=128, ffn=65536),
     _megatron("palm-540b", 18432, 118, 48, head_dim=256),
+    # mixtures of experts (sources in the module docstring)
+    _llama("mixtral-8x7b", 4096, 32, 32, 14336, vocab=32000).replace(
+        seq_len=32768, rope_theta=1e6, experts=8, experts_per_token=2, expert_ffn_hidden=14336, aux_loss_coef=0.02),
+    _llama("qwen3-30b-a3b", 2048, 48, 32, 6144, vocab=151936, kv_heads=4).replace(
+        head_dim=128, seq_len=40960, rope_theta=1e6, norm_eps=1e-6, qk_norm=True, experts=128, experts_per_token=8,
+        expert_ffn_hidden=768, aux_loss_coef=0.001),
+    _llama("deepseek-v3", 7168, 61, 128, 18432, vocab=129280, kv_heads=128).replace(
+        head_dim=128, seq_len=4096, norm_eps=1e-6, experts=256, experts_per_token=8, expert_ffn_hidden=2048,
+        shared_experts=1, dense_layers=3, router="sigmoid", router_bias_rate=0.001, aux_loss_coef=0.0001),
 ]
 PRESETS: dict[str, ModelConfig] = {m.name: m for m in _PRESETS}
 

@@ -27,6 +27,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from luban.model.config import ModelConfig
+from luban.model.moe import MoE, is_moe_layer
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float = 0.0) -> torch.Tensor:
@@ -67,6 +68,10 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.hidden, cfg.kv_dim, bias=cfg.bias)
         self.wv = nn.Linear(cfg.hidden, cfg.kv_dim, bias=cfg.bias)
         self.wo = nn.Linear(cfg.q_dim, cfg.hidden, bias=cfg.bias)
+        if cfg.qk_norm:  # Qwen3: RMSNorm over each head's query and key
+            self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps)
+            self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps)
+        self.qk_norm = cfg.qk_norm
         self.attention_fn = causal_attention
         self.recompute_core = False  # selective recompute (Korthikanti et al. 2022, Sec. 4.2)
 
@@ -76,6 +81,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(b, s, -1, self.head_dim)
         k = self.wk(x).view(b, s, -1, self.head_dim)
         v = self.wv(x).view(b, s, -1, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
@@ -103,12 +110,12 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self.norm1 = make_norm(cfg)
         self.attn = Attention(cfg)
         self.norm2 = make_norm(cfg)
-        self.mlp = MLP(cfg)
+        self.mlp = MoE(cfg) if is_moe_layer(cfg, layer) else MLP(cfg)
         self.drop = nn.Dropout(cfg.dropout)
         self.recompute = False  # full recompute of this block
 
@@ -129,7 +136,7 @@ class Transformer(nn.Module):
         self.tok_emb = nn.Embedding(cfg.vocab, cfg.hidden)
         self.pos_emb = nn.Embedding(cfg.seq_len, cfg.hidden) if cfg.position == "learned" else None
         self.drop = nn.Dropout(cfg.dropout)
-        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.layers)})
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.layers)})
         self.norm = make_norm(cfg)
         self.lm_head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
         if cfg.tie_embeddings:
@@ -168,20 +175,38 @@ class Transformer(nn.Module):
 
 def init_weights(model: nn.Module, cfg: ModelConfig, seed: int) -> None:
     """GPT-2 initialisation: N(0, σ) weights, residual output projections N(0, σ/√(2l)),
-    zero biases, unit norms. Each tensor draws from a generator seeded by (seed, name)."""
+    zero biases, unit norms, zero buffers (the MoE router's balancing bias). Each tensor draws
+    from a generator seeded by (seed, name); a stacked MoE weight [E, ...] draws expert by
+    expert from (seed, name.e), so expert parallel can build any subset of the experts."""
     residual_std = cfg.init_std / math.sqrt(2 * cfg.layers)
     norms = {f"{mod_name}.{leaf}" for mod_name, mod in model.named_modules()
              if isinstance(mod, (nn.LayerNorm, nn.RMSNorm)) for leaf, _ in mod.named_parameters(recurse=False)}
     with torch.no_grad():
+        for _, buf in model.named_buffers():
+            buf.zero_()
         for name, p in model.named_parameters():
             if name in norms:
                 p.fill_(1.0 if name.endswith("weight") else 0.0)
             elif name.endswith("bias"):
                 p.zero_()
             else:
-                gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-                std = residual_std if name.endswith(("attn.wo.weight", "mlp.w_down.weight")) else cfg.init_std
-                p.copy_(torch.normal(0.0, std, p.shape, generator=gen).to(p.dtype))
+                std = residual_std if name.endswith(RESIDUAL_OUTPUTS) else cfg.init_std
+                offset = getattr(model.get_submodule(name.rsplit(".", 1)[0]), "expert_offset", None) \
+                    if "experts." in name else None
+                if offset is None:
+                    p.copy_(_normal(seed, name, std, p.shape, p.dtype))
+                else:  # stacked experts: one draw per global expert index
+                    for e in range(p.shape[0]):
+                        p[e].copy_(_normal(seed, f"{name}.{offset + e}", std, p.shape[1:], p.dtype))
+
+
+# the projections writing into the residual stream (scaled by 1/sqrt(2l), GPT-2)
+RESIDUAL_OUTPUTS = ("attn.wo.weight", "mlp.w_down.weight", "mlp.experts.w_down", "mlp.shared.w_down.weight")
+
+
+def _normal(seed: int, name: str, std: float, shape, dtype) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    return torch.normal(0.0, std, tuple(shape), generator=gen).to(dtype)
 
 
 def build_model(cfg: ModelConfig, seed: int = 0, recompute: str = "none") -> Transformer:

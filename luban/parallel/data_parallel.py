@@ -32,6 +32,7 @@ from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
+from luban.parallel.expert_parallel import expert_params
 from luban.parallel.layout import ParallelLayout
 from luban.parallel.mesh import LayoutMesh
 from luban.parallel.precision import DTYPES
@@ -46,11 +47,17 @@ def apply_data_parallel(module: nn.Module, layout: ParallelLayout, mesh: LayoutM
     """Wrap one model part (a whole model or one pipeline stage); returns the module to call."""
     if data_parallel_size(layout) == 1:
         return module
+    experts = expert_params(module)  # reduced over the expert-data-parallel group instead
     if layout.zero == 0:
+        if experts:
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+                module, [n for n, p in module.named_parameters() if any(p is e for e in experts)])
         # Under pp the schedule runs several backward passes per step (DDP's reducer would
         # record every micro-batch's gradient order when rebuilding buckets and fail): keep
         # the initial buckets (no rebuild happens when unused parameters are searched for).
-        return DistributedDataParallel(module, process_group=mesh["dp_cp"].get_group(),
+        # No buffer sync per forward: the only buffers are MoE routers' balancing bias (updated
+        # identically on every rank from all-reduced loads) and per-rank load counters.
+        return DistributedDataParallel(module, process_group=mesh["dp_cp"].get_group(), forward_sync_buffers=False,
                                        bucket_cap_mb=layout.bucket_mb, find_unused_parameters=layout.pp > 1,
                                        device_ids=[torch.cuda.current_device()] if device.type == "cuda" else None)
     dp_mesh = mesh["dp_replicate", "dp_shard_cp"] if layout.dp_replicate > 1 else mesh["dp_shard_cp"]
@@ -58,12 +65,18 @@ def apply_data_parallel(module: nn.Module, layout: ParallelLayout, mesh: LayoutM
     options = dict(mesh=dp_mesh, reshard_after_forward=layout.zero == 3,
                    mp_policy=MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32),
                    offload_policy=(CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
-                                   if layout.offload == "params" else OffloadPolicy()))
+                                   if layout.offload == "params" else OffloadPolicy()),
+                   ignored_params=set(experts) or None)
     layers = getattr(module, "layers", None)
     for block in (layers.values() if isinstance(layers, nn.ModuleDict) else ()):
         fully_shard(block, **options)
     fully_shard(module, **options)
     return module
+
+
+def unwrap(module: nn.Module) -> nn.Module:
+    """The model inside a DDP wrapper (FSDP2 and DTensor modify modules in place)."""
+    return getattr(module, "module", module)
 
 
 def set_gradient_sync(module: nn.Module, layout: ParallelLayout, sync: bool):

@@ -11,17 +11,29 @@ The trainer only ever calls this API; everything about how the model is split ac
   layout loads under any other;
 * ``memory_report()`` gives this rank's exact bytes of parameters, gradients, optimizer state
   and saved activations per micro-batch;
-* ``any_rank(flag)`` / ``barrier()`` let the trainer agree across ranks (e.g. on suspending).
+* ``any_rank(flag)`` / ``barrier()`` let the trainer agree across ranks (e.g. on suspending);
+* ``before_update``, if set, is called before anything in ``state_dict()`` changes (the
+  optimizer step and router-bias update in ``step``, ``load_state_dict``): an asynchronous
+  checkpoint still copying the state waits there. Forward and backward change no part of
+  the state dict (gradients, activations and the MoE load counters are not in it).
 
-``Engine`` is the single-process engine; ``DistributedEngine`` composes the mesh, tensor,
-context, pipeline and data parallel modules of ``luban.parallel`` on top of the same loop.
+One engine for every layout, built by composition (torchtitan's ``parallelize_llama``):
+
+1. the device mesh (``mesh.py``; none for a single process);
+2. the model parts: one whole model, or this rank's pipeline stages (``pipeline.py``); each
+   part goes through ``parallelize``, a flat sequence of ``apply_*`` steps, one per
+   dimension: ``apply_ac`` (recompute), ``apply_tp`` (``tensor_parallel.py``), ``apply_cp``
+   (``context_parallel.py``), ``apply_ep`` (``expert_parallel.py``), ``apply_dp`` (DDP /
+   FSDP2, ``data_parallel.py``; it leaves expert-parallel parameters to ``reduce_expert_grads``,
+   run in ``_sync_grads``). A step whose degree is 1 does nothing;
+3. a schedule (``microbatch.py``: the plain micro-batch loop or the pipeline's schedule);
+4. the tied embedding copies (``tied.py``) and one optimizer per part (``optimizer.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -31,75 +43,124 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_optimizer_state_dict)
 from torch.distributed.tensor import DTensor
 
+from luban.model import moe
 from luban.model.config import ModelConfig
-from luban.model.transformer import lm_loss
-from luban.parallel.data_parallel import apply_data_parallel, reshard, set_gradient_sync, uses_autocast
+from luban.model.transformer import Transformer, lm_loss
+from luban.parallel.context_parallel import apply_context_parallel, feed_positions, shard_sequence
+from luban.parallel.expert_parallel import apply_expert_parallel, reduce_expert_grads
+from luban.parallel.data_parallel import apply_data_parallel, reshard, unwrap, uses_autocast
 from luban.parallel.layout import ParallelLayout, check_layout
 from luban.parallel.memory import ActivationCounter, optimizer_tensors, tensor_bytes
 from luban.parallel.memory import local as _local
+from luban.parallel.mesh import LayoutMesh, build_mesh, coordinate
+from luban.parallel.microbatch import MicroBatchLoop, PipelineSchedule, Schedule
+from luban.parallel.activation_offload import ActivationOffload
 from luban.parallel.offload import OffloadedOptimizer
+from luban.parallel.optimizer import OptimizerConfig, build_optimizer
 from luban.parallel.pipeline import Pipeline, TransformerPipeline
 from luban.parallel.precision import LossScaler, autocast
+from luban.parallel.tensor_parallel import apply_tensor_parallel, loss_parallel, vocab_parallel_loss
+from luban.parallel.tied import TiedEmbedding
 
 OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
-
-@dataclass(frozen=True)
-class OptimizerConfig:
-    name: str = "adamw"  # adamw | sgd
-    weight_decay: float = 0.1
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    momentum: float = 0.0
+__all__ = ["Engine", "OptimizerConfig", "autocast", "build_engine", "build_optimizer", "parallelize", "unwrap"]
 
 
-def build_optimizer(params, cfg: OptimizerConfig, device: torch.device, offload: bool = False) -> torch.optim.Optimizer:
-    """AdamW (weight decay on matrices only) or SGD over ``params``; lr is set every step by the
-    trainer. ``offload``: states and update on the host (``luban.parallel.offload``)."""
-    params = list(params)
-    groups = ([{"params": params, "weight_decay": cfg.weight_decay}] if cfg.name == "sgd" else
-              [{"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
-               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}])
-    if offload:
-        return OffloadedOptimizer(groups, lambda host_groups: _optimizer(host_groups, cfg, torch.device("cpu")))
-    return _optimizer(groups, cfg, device)
+# ---- the apply_* steps: one per parallel dimension, applied to each model part in this order ----
+def apply_ac(module: Transformer, layout: ParallelLayout) -> None:
+    """Activation recompute (``none`` | ``selective`` | ``full`` | ``full:k``)."""
+    module.set_recompute(layout.recompute)
 
 
-def _optimizer(groups: list[dict], cfg: OptimizerConfig, device: torch.device) -> torch.optim.Optimizer:
-    """The torch optimizer: AdamW with the fused kernel where the device has one (foreach for
-    DTensor parameters), or SGD."""
-    if cfg.name == "sgd":
-        return torch.optim.SGD(groups, lr=0.0, momentum=cfg.momentum)
-    fused = device.type in ("cuda", "cpu") and not any(isinstance(p, DTensor) for g in groups for p in g["params"])
-    return torch.optim.AdamW(groups, lr=0.0, betas=cfg.betas, eps=cfg.eps, fused=fused)
+def apply_tp(module: Transformer, layout: ParallelLayout, mesh: LayoutMesh | None) -> None:
+    """Tensor (and sequence) parallel over the ``tp`` mesh dimension."""
+    if layout.tp > 1:
+        apply_tensor_parallel(module, mesh["tp"], layout.sp)
 
 
-def unwrap(module: nn.Module) -> nn.Module:
-    """The model inside a DDP wrapper (FSDP2 and DTensor modify modules in place)."""
-    return getattr(module, "module", module)
+def apply_cp(module: Transformer, layout: ParallelLayout, mesh: LayoutMesh | None) -> None:
+    """Ring attention over ``cp``; a stage whose input is a sequence shard (cp chunks, and tp
+    shards for a sequence-parallel stage without the embedding) is fed its global positions."""
+    if layout.cp > 1:
+        apply_context_parallel(module, mesh["cp"])
+        moe.set_sequence_group(module, mesh["cp"].get_group())
+    seq_factor = layout.cp * (layout.tp if layout.sp and module.tok_emb is None else 1)
+    if seq_factor > 1:
+        feed_positions(module, layout.cp, coordinate(mesh, "cp"), seq_factor)
+
+
+def apply_ep(module: Transformer, layout: ParallelLayout, mesh: LayoutMesh | None) -> None:
+    """Expert parallel: the MoE layers' experts sharded over ``ep`` ranks borrowed from dp x cp."""
+    if layout.ep > 1:
+        apply_expert_parallel(module, mesh["ep"])
+
+
+def apply_dp(module: Transformer, layout: ParallelLayout, mesh: LayoutMesh | None, device: torch.device) -> nn.Module:
+    """Data parallel / ZeRO over dp x cp (DDP or FSDP2); returns the module to call."""
+    return apply_data_parallel(module, layout, mesh, device)
+
+
+def parallelize(module: Transformer, layout: ParallelLayout, mesh: LayoutMesh | None, device: torch.device) -> nn.Module:
+    """One model part (a whole model or a pipeline stage) under ``layout``."""
+    apply_ac(module, layout)
+    apply_tp(module, layout, mesh)
+    apply_cp(module, layout, mesh)
+    apply_ep(module, layout, mesh)
+    return apply_dp(module, layout, mesh, device)
+
+
+def build_schedule(model: TransformerPipeline, layout: ParallelLayout, mesh: LayoutMesh | None, global_batch: int,
+                   device: torch.device, loss_fn, scaler: LossScaler, autocast_fn) -> Schedule:
+    """The model parts of this rank, parallelized, behind the schedule that runs them."""
+    def prepare(module: nn.Module, _stage_id: int) -> nn.Module:
+        return parallelize(module, layout, mesh, device)
+
+    if layout.pp == 1:
+        return MicroBatchLoop(prepare(model.build_stage(0, 1), 0), layout, loss_fn, scaler, autocast_fn)
+    pipeline = Pipeline(model, mesh["pp"], layout.schedule, layout.virtual_stages,
+                        layout.num_microbatches(global_batch), device, prepare=prepare)
+    return PipelineSchedule(pipeline, loss_fn, scaler, autocast_fn)
 
 
 class Engine:
-    """Single-process engine: gradient accumulation over micro-batches, AMP, clipping."""
-
-    rank = 0
-    world_size = 1
-    dp_rank = 0
-    dp_size = 1
+    """Any layout: a single process (world size 1) or the current process group."""
 
     def __init__(self, model_cfg: ModelConfig, layout: ParallelLayout, optim_cfg: OptimizerConfig,
                  global_batch: int, seed: int, device: torch.device):
         self.model_cfg, self.layout, self.device, self.global_batch = model_cfg, layout, device, global_batch
-        self.parts = self._build_parts(TransformerPipeline(model_cfg, seed, layout.recompute, device, layout.pp_split))
+        self.mesh = self._join(layout, device)
+        self.scaler = LossScaler(layout.precision == "fp16")
+        self.loss_fn = vocab_parallel_loss(self.mesh["tp"], model_cfg.vocab) if layout.tp > 1 else lm_loss
+        self.schedule = build_schedule(TransformerPipeline(model_cfg, seed, device, layout.pp_split), layout,
+                                       self.mesh, global_batch, device, self.loss_fn, self.scaler, self._autocast)
+        self.parts = self.schedule.parts
+        self.tied = TiedEmbedding(self.parts, model_cfg, layout, self.mesh)
         self.optimizers = [build_optimizer(part.parameters(), optim_cfg, device, offload=layout.offload == "optimizer")
                            for part in self.parts]
-        self.scaler = LossScaler(layout.precision == "fp16")
-        self.loss_fn = lm_loss
         self._grad_bytes = 0
+        self.moe_metrics: dict = {}  # per-layer expert load and aux loss of the last forward_backward
         self._activation_bytes: int | None = None  # measured on the first step (``_recording``)
+        self._host_activation_bytes = 0  # of those, moved to host memory (offload = activations)
+        self.offload = ActivationOffload(self.parts, device) if layout.offload == "activations" else None
+        self.before_update = None  # called before the state dict's tensors change (see the module doc)
 
-    def _build_parts(self, model: TransformerPipeline) -> list[nn.Module]:
-        return [model.build_stage(0, 1)]
+    def _join(self, layout: ParallelLayout, device: torch.device) -> LayoutMesh | None:
+        """Join the process group and build the mesh (``None`` for a single process); set this
+        rank's coordinates."""
+        self.rank, self.world_size, self.dp_rank, self.dp_size = 0, 1, 0, 1
+        self.pp_rank = self.cp_rank = self.tp_rank = 0
+        if layout.world_size == 1:
+            return None
+        from luban.parallel.launch import init_distributed
+
+        init_distributed(device)
+        mesh = build_mesh(layout, device)
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.dp_rank = coordinate(mesh, "dp_replicate") * layout.dp_shard + coordinate(mesh, "dp_shard")
+        self.dp_size = layout.dp
+        self.pp_rank, self.cp_rank, self.tp_rank = (coordinate(mesh, d) for d in ("pp", "cp", "tp"))
+        return mesh
 
     @property
     def model(self) -> nn.Module:
@@ -115,42 +176,67 @@ class Engine:
         for part in self.parts:
             part.train()
         tokens, labels = self._local_batch(tokens, labels)
+        counter = ActivationCounter(self.parts)
+        measuring = self._activation_bytes is None and self.schedule.measurable
         with self._loss_context():
-            total = self._run_microbatches(tokens, labels)
+            total = self.schedule.forward_backward(tokens, labels, self._recording(counter, measuring))
+        if measuring:
+            self._activation_bytes = counter.total // self.schedule.recorded_microbatches
+            if self.offload is not None:
+                self._host_activation_bytes = self.offload.host_bytes // self.schedule.recorded_microbatches
         self._grad_bytes = tensor_bytes(p.grad for p in self._params())
+        self.moe_metrics = self._moe_metrics()
         return self._global_mean(total)
 
+    def _moe_metrics(self) -> dict:
+        """MoE load and aux loss per layer, over the global batch and every pipeline stage."""
+        metrics = moe.collect_stats(self.parts, self._sum_over_data)
+        if self.layout.pp > 1 and self.model_cfg.moe:
+            stages: list = [None] * self.layout.pp
+            dist.all_gather_object(stages, metrics, group=self.mesh["pp"].get_group())
+            metrics = moe.merge_stats(stages)
+        return metrics
+
+    def _sum_over_data(self, t: torch.Tensor) -> None:
+        """Sum ``t`` in place over the ranks that see other tokens of the same layers (dp x cp)."""
+        if self.mesh is not None:
+            dist.all_reduce(t, group=self.mesh["dp_cp"].get_group())
+
     def _local_batch(self, tokens, labels):
-        return tokens.to(self.device), labels.to(self.device)
+        """On the device; this cp rank's load-balanced sequence chunks."""
+        tokens, labels = tokens.to(self.device), labels.to(self.device)
+        if self.layout.cp > 1:
+            tokens, labels = (shard_sequence(t, self.layout.cp, self.cp_rank) for t in (tokens, labels))
+        return tokens, labels
 
     def _loss_context(self):
-        return contextlib.nullcontext()
+        """Vocab-parallel cross-entropy needs ``loss_parallel`` around the loss and its backward."""
+        return loss_parallel() if self.layout.tp > 1 else contextlib.nullcontext()
 
     def _autocast(self):
         return autocast(self.layout, self.device) if uses_autocast(self.layout) else contextlib.nullcontext()
 
-    def _run_microbatches(self, tokens, labels) -> torch.Tensor:
-        model, mb = self.parts[0], self.layout.micro_batch
-        n = tokens.shape[0] // mb
-        total = torch.zeros((), device=self.device)
-        counter = ActivationCounter(self.parts)
-        for i, (x, y) in enumerate(zip(tokens.split(mb), labels.split(mb))):
-            with set_gradient_sync(model, self.layout, sync=i == n - 1):
-                with self._recording(counter) if i == 0 else contextlib.nullcontext(), self._autocast():
-                    loss = self.loss_fn(model(x), y) / n
-                (loss * self.scaler.scale).backward()
-            total += _local(loss.detach())
-        if self._activation_bytes is None:
-            self._activation_bytes = counter.total
-        return total
+    def _recording(self, counter: ActivationCounter, first: bool):
+        """The schedule's ``saved(measured)``: activation offload around every micro-batch; the
+        counter around the measured ones of the ``first`` measurable step only (saved-tensor hooks
+        cost a Python call per saved tensor, 10x a tiny model's step, and activations have the
+        same shapes every step)."""
+        if self.offload is not None and first:
+            self.offload.host_bytes = 0
 
-    def _recording(self, counter: ActivationCounter):
-        """Saved-tensor hooks cost a Python call per saved tensor (10x a tiny model's step), and
-        activations have the same shapes every step: they are measured on the first step only."""
-        return counter.record() if self._activation_bytes is None else contextlib.nullcontext()
+        def saved(measured: bool):
+            if self.offload is not None:
+                return self.offload.hooks(counter if first and measured else None)
+            return counter.record() if first and measured else contextlib.nullcontext()
+        return saved
 
     def _global_mean(self, loss: torch.Tensor) -> float:
-        return float(loss)
+        """Every dp x cp rank holds the mean of its share (pp and tp ranks agree already)."""
+        if self.layout.dp * self.layout.cp == 1:
+            return float(loss)
+        loss = loss.detach().reshape(()).float().clone()
+        dist.all_reduce(loss, group=self.mesh["dp_cp"].get_group())
+        return float(loss) / (self.layout.dp * self.layout.cp)
 
     @torch.no_grad()
     def eval_loss(self, tokens: torch.Tensor, labels: torch.Tensor) -> float:
@@ -158,28 +244,49 @@ class Engine:
         for part in self.parts:
             part.eval()
         tokens, labels = self._local_batch(tokens, labels)
-        with self._loss_context(), self._autocast():
-            loss = _local(self._eval(tokens, labels))
+        with self._loss_context():
+            loss = _local(self.schedule.evaluate(tokens, labels))
         for part in self.parts:
             reshard(part)
         return self._global_mean(loss)
-
-    def _eval(self, tokens, labels) -> torch.Tensor:
-        return self.loss_fn(self.parts[0](tokens), labels)
 
     # ---- optimizer step ------------------------------------------------------------------
     def _params(self) -> list[nn.Parameter]:
         return [p for part in self.parts for p in part.parameters()]
 
     def _norm_terms(self):
-        """(gradient, number of ranks holding the same values) for each gradient counted."""
-        return [(p.grad, 1) for p in self._params() if p.grad is not None]
+        """(gradient, number of ranks holding the same values) for each gradient counted: a
+        plain tensor is on every rank of its stage, a DTensor on its replicated mesh dims."""
+        stage_ranks = self.world_size // self.layout.pp
+        skip = self.tied.norm_skip()
+        terms = []
+        for p in self._params():
+            if p.grad is None or id(p) in skip:
+                continue
+            copies = stage_ranks
+            if isinstance(p.grad, DTensor):
+                mesh = p.grad.device_mesh
+                replicated = math.prod(mesh.size(i) for i, pl in enumerate(p.grad.placements) if pl.is_replicate())
+                copies = replicated * stage_ranks // mesh.size()
+            terms.append((p.grad, copies))
+        return terms
 
     def _all_reduce(self, t: torch.Tensor, op=None) -> torch.Tensor:
+        """Over every rank (nothing to do in a single process)."""
+        if self.mesh is not None:
+            dist.all_reduce(t, op=op or dist.ReduceOp.SUM)
         return t
 
     def _sync_grads(self) -> None:
-        """Reductions the data-parallel wrappers do not do (tied embeddings across stages)."""
+        """Give DTensor gradients their parameter's layout (an embedding's gradient may come
+        back replicated), then sum the tied embedding copies' gradients, and the experts'
+        gradients over their expert-data-parallel group."""
+        if self.layout.ep > 1:
+            reduce_expert_grads(self.parts, self.mesh["edp"].get_group(), self.layout.dp * self.layout.cp)
+        for p in self._params():
+            if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+                p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+        self.tied.sync_grads()
 
     def grad_norm(self) -> float:
         """Global L2 norm of all gradients, each element counted once across all ranks."""
@@ -203,10 +310,13 @@ class Engine:
             coef = max_norm / (norm + 1e-6) if max_norm > 0 else 1.0
             if coef < 1.0:
                 torch._foreach_mul_(grads, coef)
+            self._before_update()
             for opt in self.optimizers:
                 for group in opt.param_groups:
                     group["lr"] = lr
                 opt.step()
+            moe.update_router_bias(self.parts)
+        moe.reset_stats(self.parts)
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
         return norm
@@ -218,47 +328,39 @@ class Engine:
 
     def barrier(self) -> None:
         """Wait for every rank."""
-
-    def _tied_copy(self, part: nn.Module) -> bool:
-        """A pipeline stage holding a tied LM head without the embedding: its optimizer state is
-        saved under the embedding's name, the one the unsplit model uses."""
-        inner = unwrap(part)
-        return self.model_cfg.tie_embeddings and inner.tok_emb is None and inner.lm_head is not None
-
-    @staticmethod
-    def _rename(optim_sd: dict, old: str, new: str) -> dict:
-        return {k.replace(f".{old}.", f".{new}.", 1) if k.split(".", 1)[1].startswith(old + ".") else k: v
-                for k, v in optim_sd.items()}
+        if self.mesh is not None:
+            dist.barrier()
 
     def state_dict(self) -> dict:
         model, optim = {}, {}
         for part, opt in zip(self.parts, self.optimizers):
             model.update(get_model_state_dict(part))
-            part_optim = get_optimizer_state_dict(part, opt, options=OPTIM_OPTIONS)
-            if self._tied_copy(part):
-                part_optim = self._rename(part_optim, "lm_head.weight", "tok_emb.weight")
-            optim.update(part_optim)
+            optim.update(self.tied.save_names(part, get_optimizer_state_dict(part, opt, options=OPTIM_OPTIONS)))
         return {"model": model, "optim": optim, "scaler": self.scaler.state_dict()}
 
+    def _before_update(self) -> None:
+        if self.before_update is not None:
+            self.before_update()
+
     def load_state_dict(self, state: dict) -> None:
+        self._before_update()
         for part, opt in zip(self.parts, self.optimizers):
             set_model_state_dict(part, state["model"], options=StateDictOptions(strict=False))
-            optim = state["optim"]
-            if self._tied_copy(part):
-                optim = self._rename(optim, "tok_emb.weight", "lm_head.weight")
-            set_optimizer_state_dict(part, opt, optim, options=OPTIM_OPTIONS)
+            set_optimizer_state_dict(part, opt, self.tied.load_names(part, state["optim"]), options=OPTIM_OPTIONS)
         if state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
 
     def memory_report(self) -> dict:
         """This rank's bytes: parameters, gradients (after the last ``forward_backward``),
-        optimizer state on the device, activations saved per micro-batch (+ peak device memory on
-        GPU, + ``host_optimizer_bytes`` of an offloaded optimizer: states and its copies of the
+        optimizer state on the device, activations saved per micro-batch on the device and
+        (``offload = activations``) moved to the host (+ peak device memory on GPU, +
+        ``host_optimizer_bytes`` of an offloaded optimizer: states and its copies of the
         parameter and gradient shards)."""
         on_device = [opt for opt in self.optimizers if not isinstance(opt, OffloadedOptimizer)]
         report = {"param_bytes": tensor_bytes(self._params()), "grad_bytes": self._grad_bytes,
                   "optimizer_bytes": tensor_bytes(t for opt in on_device for t in optimizer_tensors(opt)),
-                  "activation_bytes": self._activation_bytes or 0}
+                  "activation_bytes": self._activation_bytes or 0,
+                  "host_activation_bytes": self._host_activation_bytes}
         if len(on_device) < len(self.optimizers):
             report["host_optimizer_bytes"] = sum(opt.host_bytes() for opt in self.optimizers
                                                  if isinstance(opt, OffloadedOptimizer))
@@ -267,147 +369,10 @@ class Engine:
         return report
 
 
-class DistributedEngine(Engine):
-    """Any layout over the current process group: ``mesh`` -> tensor/sequence parallel ->
-    context parallel -> data parallel (DDP / FSDP2) per model part, parts from ``Pipeline``."""
-
-    def __init__(self, model_cfg: ModelConfig, layout: ParallelLayout, optim_cfg: OptimizerConfig,
-                 global_batch: int, seed: int, device: torch.device):
-        from luban.parallel.launch import init_distributed
-        from luban.parallel.mesh import build_mesh, coordinate
-        from luban.parallel.tensor_parallel import vocab_parallel_loss
-
-        init_distributed(device)
-        self.mesh = mesh = build_mesh(layout, device)
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.dp_rank = coordinate(mesh, "dp_replicate") * layout.dp_shard + coordinate(mesh, "dp_shard")
-        self.dp_size = layout.dp
-        self.pp_rank, self.cp_rank, self.tp_rank = (coordinate(mesh, d) for d in ("pp", "cp", "tp"))
-        self.layout = layout  # _prepare needs it during super().__init__
-        super().__init__(model_cfg, layout, optim_cfg, global_batch, seed, device)
-        if layout.tp > 1:
-            self.loss_fn = vocab_parallel_loss(mesh["tp"], model_cfg.vocab)
-        self._pipeline_loss = self._scaled_loss  # one object: the pipeline caches a schedule per loss fn
-        self._tied = self._tied_embeddings()
-
-    def _build_parts(self, model: TransformerPipeline) -> list[nn.Module]:
-        if self.layout.pp == 1:
-            return [self._prepare(model.build_stage(0, 1), 0)]
-        n_micro = self.layout.num_microbatches(self.global_batch)
-        self.pipeline = Pipeline(model, self.mesh["pp"], self.layout.schedule, self.layout.virtual_stages, n_micro,
-                                 self.device, prepare=self._prepare)
-        return self.pipeline.parts
-
-    def _prepare(self, module: nn.Module, stage_id: int) -> nn.Module:
-        from luban.parallel.context_parallel import apply_context_parallel, feed_positions
-        from luban.parallel.tensor_parallel import apply_tensor_parallel
-
-        layout = self.layout
-        if layout.tp > 1:
-            apply_tensor_parallel(module, self.mesh["tp"], layout.sp)
-        if layout.cp > 1:
-            apply_context_parallel(module, self.mesh["cp"])
-        seq_factor = layout.cp * (layout.tp if layout.sp and module.tok_emb is None else 1)
-        if seq_factor > 1:
-            feed_positions(module, layout.cp, self.cp_rank, seq_factor)
-        return apply_data_parallel(module, layout, self.mesh, self.device)
-
-    def _tied_embeddings(self) -> list[nn.Parameter]:
-        """Tied embedding copies on this rank when the pipeline splits them over stages."""
-        from luban.parallel.pipeline import SCHEDULES, tie_group
-
-        if self.layout.pp == 1 or not self.model_cfg.tie_embeddings:
-            return []
-        inner = [unwrap(p) for p in self.parts]
-        tied = [m.tok_emb.weight for m in inner if m.tok_emb is not None]
-        tied += [m.lm_head.weight for m in inner if m.lm_head is not None]
-        self._tie_group = tie_group(self.mesh["pp"]) if SCHEDULES[self.layout.schedule][1] == "loop" else None
-        return tied
-
-    def _sync_grads(self) -> None:
-        """Give DTensor gradients their parameter's layout (an embedding's gradient may come
-        back replicated), then sum the tied embedding's two gradients (first stage's lookup,
-        last stage's head)."""
-        for p in self._params():
-            if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
-                p.grad = p.grad.redistribute(p.device_mesh, p.placements)
-        for p in self._tied:  # a copy without a gradient still joins the sum its partner waits in
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        grads = [_local(p.grad) for p in self._tied]
-        if len(grads) == 2:  # V schedules: both stages on this rank
-            grads[0].add_(grads[1])
-            grads[1].copy_(grads[0])
-        elif grads:
-            dist.all_reduce(grads[0], group=self._tie_group)
-
-    def _local_batch(self, tokens, labels):
-        from luban.parallel.context_parallel import shard_sequence
-
-        tokens, labels = tokens.to(self.device), labels.to(self.device)
-        if self.layout.cp > 1:
-            tokens, labels = (shard_sequence(t, self.layout.cp, self.cp_rank) for t in (tokens, labels))
-        return tokens, labels
-
-    def _loss_context(self):
-        from luban.parallel.tensor_parallel import loss_parallel
-
-        return loss_parallel() if self.layout.tp > 1 else contextlib.nullcontext()
-
-    def _scaled_loss(self, logits, labels):
-        return self.loss_fn(logits, labels) * self.scaler.scale
-
-    def _run_microbatches(self, tokens, labels) -> torch.Tensor:
-        if self.layout.pp == 1:
-            return super()._run_microbatches(tokens, labels)
-        counter = ActivationCounter(self.parts)
-        with self._recording(counter), self._autocast():
-            loss = self.pipeline.forward_backward(tokens, labels, self._pipeline_loss)
-        if self._activation_bytes is None:
-            self._activation_bytes = counter.total // self.pipeline.n_microbatches
-        return loss / self.scaler.scale
-
-    def _eval(self, tokens, labels) -> torch.Tensor:
-        if self.layout.pp == 1:
-            return super()._eval(tokens, labels)
-        return self.pipeline.evaluate(tokens, labels, self.loss_fn)
-
-    def _global_mean(self, loss: torch.Tensor) -> float:
-        """Every dp x cp rank holds the mean of its share (pp and tp ranks agree already)."""
-        loss = loss.detach().reshape(()).float().clone()
-        dist.all_reduce(loss, group=self.mesh["dp_cp"].get_group())
-        return float(loss) / (self.layout.dp * self.layout.cp)
-
-    def _all_reduce(self, t: torch.Tensor, op=None) -> torch.Tensor:
-        dist.all_reduce(t, op=op or dist.ReduceOp.SUM)
-        return t
-
-    def _norm_terms(self):
-        stage_ranks = self.world_size // self.layout.pp
-        skip = {id(unwrap(part).lm_head.weight) for part in self.parts  # the last stage's tied copy
-                if self._tied and unwrap(part).lm_head is not None}
-        terms = []
-        for p in self._params():
-            if p.grad is None or id(p) in skip:
-                continue
-            copies = stage_ranks
-            if isinstance(p.grad, DTensor):
-                mesh = p.grad.device_mesh
-                replicated = math.prod(mesh.size(i) for i, pl in enumerate(p.grad.placements) if pl.is_replicate())
-                copies = replicated * stage_ranks // mesh.size()
-            terms.append((p.grad, copies))
-        return terms
-
-    def barrier(self) -> None:
-        dist.barrier()
-
-
 def build_engine(model_cfg: ModelConfig, layout: ParallelLayout, optim_cfg: OptimizerConfig,
                  global_batch: int, seed: int, device: torch.device) -> Engine:
-    """The engine for the current process group and layout (single process for world size 1)."""
+    """The engine for the current process group and layout (after ``check_layout``)."""
     from luban.parallel.launch import world_size
 
     check_layout(layout, model_cfg, global_batch, world_size=world_size())
-    if layout.world_size == 1:
-        return Engine(model_cfg, layout, optim_cfg, global_batch, seed, device)
-    return DistributedEngine(model_cfg, layout, optim_cfg, global_batch, seed, device)
+    return Engine(model_cfg, layout, optim_cfg, global_batch, seed, device)

@@ -31,8 +31,9 @@ import time
 
 from luban import procs
 from luban.errors import EXIT_SUSPENDED
+from luban.train import preempt
 
-FORWARDED = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
+FORWARDED = preempt.HANDLED  # the suspend signals: forwarded to every rank
 
 
 def free_port() -> int:
@@ -95,8 +96,6 @@ def launch(argv: list[str], nproc: int, nnodes: int = 1, node_rank: int = 0, mas
     # trainer's early handler recorded it) means: suspended before any work, start nothing
     previous = {sig: signal.signal(sig, forward) for sig in FORWARDED}
     try:
-        from luban.train import preempt
-
         if preempt.early_signal():
             print(f"suspended on {preempt.early_signal()} before any rank started; exit {EXIT_SUSPENDED} "
                   "(resume with --resume auto)", flush=True)
@@ -176,6 +175,16 @@ def rank_env(env=os.environ) -> dict:
 
 def world_size() -> int:
     return int(rank_env().get("WORLD_SIZE", "1"))
+
+
+def shutdown_distributed() -> None:
+    """Destroy every process group before the interpreter exits: left to C++ destructors at exit,
+    gloo's threads can be torn down while joinable (std::terminate, exit 134 — seen when ranks
+    suspended before their first step)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def init_distributed(device) -> None:

@@ -5,7 +5,7 @@ The key names are shared with the planner's flags (``luban plan estimate --tp 2`
 the one statement of which combinations are valid; the planner's vectorised search is
 tested against it. The compatibility matrix in docs/parallelism.md is written from it.
 
-World size = dp · tp · pp · cp. Ranks are laid out by ``mesh_order`` (outermost first);
+World size = dp · tp · pp · cp (expert parallel ``ep`` divides dp · cp: it borrows those ranks). Ranks are laid out by ``mesh_order`` (outermost first);
 the default ``pp,dp,cp,tp`` puts tensor parallel innermost so that its frequent
 collectives stay inside a node (Narayanan et al. 2021, Sec. 3.3).
 """
@@ -17,10 +17,17 @@ from dataclasses import dataclass, field
 
 from luban.errors import LubanError, bad_value
 from luban.model.config import ModelConfig
+from luban.parallel import schedules
+from luban.parallel.schedules import NAMES as SCHEDULES
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "dualpipev")
-OFFLOADS = ("none", "optimizer", "params")
-PRECISIONS = ("fp32", "bf16", "fp16")
+RECOMPUTES = ("none", "selective", "full")
+# optimizer: ZeRO-Offload's states and update on the host; params: FSDP2 CPU offload (zero 3);
+# activations: saved-for-backward tensors to host memory (seed 002; parallel/activation_offload.py);
+# blocks: seed 003's tensor offload of inactive blocks' weights, gradients, optimizer state and
+# activations to a second memory tier: the planner only (RuntimeRules.offloads)
+OFFLOADS = ("none", "optimizer", "params", "activations", "blocks")
+HOST_STATE_OFFLOADS = ("optimizer", "params")  # model states kept on the host by luban's runtime
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8")  # fp8: the planner only (RuntimeRules.precisions)
 LOSS_SCALES = ("dynamic", "none")
 MESH_DIMS = ("pp", "dp", "cp", "tp")
 
@@ -38,6 +45,7 @@ class ParallelLayout:
     virtual_stages: int = 1
     pp_split: tuple[int, ...] = ()
     cp: int = 1
+    ep: int = 1  # expert parallel: borrows ranks from dp*cp (luban.parallel.expert_parallel)
     micro_batch: int = 1
     recompute: str = "none"
     offload: str = "none"
@@ -55,7 +63,7 @@ class ParallelLayout:
         return self.dp // self.dp_replicate
 
     def num_microbatches(self, global_batch: int) -> int:
-        return global_batch // (self.dp * self.micro_batch)
+        return schedules.microbatches(global_batch, self.dp, self.micro_batch)
 
     def replace(self, **changes) -> "ParallelLayout":
         return dataclasses.replace(self, **changes)
@@ -67,7 +75,7 @@ class ParallelLayout:
         return d
 
     @classmethod
-    def from_dict(cls, raw: dict, section: str = "parallel") -> "ParallelLayout":
+    def from_dict(cls, raw: dict, section: str = "parallel", rules: "RuntimeRules | None" = None) -> "ParallelLayout":
         fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "extra"}
         values = {}
         for key, value in raw.items():
@@ -88,11 +96,13 @@ class ParallelLayout:
                 raise bad_value(f"{section}.{key}", value, "must be a string")
             values[key] = value
         layout = cls(**values)
-        layout.check_keys(section)
+        layout.check_keys(section, rules)
         return layout
 
-    def check_keys(self, section: str = "parallel") -> None:
-        """Checks that need no model: value ranges and key-to-key rules."""
+    def check_keys(self, section: str = "parallel", rules: "RuntimeRules | None" = None) -> None:
+        """Checks that need no model: value ranges and key-to-key rules; ``rules``: those that
+        depend on the runtime (luban's own unless the planner models another one)."""
+        rules = rules or LUBAN_RULES
         def choose(key, allowed):
             if getattr(self, key) not in allowed:
                 raise bad_value(f"{section}.{key}", getattr(self, key), f"one of {', '.join(map(str, allowed))}")
@@ -102,6 +112,12 @@ class ParallelLayout:
         choose("offload", OFFLOADS)
         choose("precision", PRECISIONS)
         choose("loss_scale", LOSS_SCALES)
+        if self.precision not in rules.precisions:
+            raise bad_value(f"{section}.precision", self.precision, f"this runtime runs {', '.join(rules.precisions)} "
+                            "(fp8 is planned with --runtime megatron-core or fsdp2, not yet run by luban)")
+        if self.offload not in rules.offloads:
+            raise bad_value(f"{section}.offload", self.offload, f"this runtime offloads {', '.join(rules.offloads)} "
+                            "(blocks is seed 003's second memory tier: planned, not run by luban)")
         parse_recompute(self.recompute, f"{section}.recompute")
         order = self.mesh_order.split(",")
         if sorted(order) != sorted(MESH_DIMS):
@@ -112,9 +128,15 @@ class ParallelLayout:
         if self.dp_replicate > 1 and self.zero < 2:
             raise bad_value(f"{section}.dp_replicate", self.dp_replicate,
                             f"hybrid sharding needs zero = 2 or 3 (zero = {self.zero}); set dp_replicate = 1")
-        if self.tp > 1 and self.zero == 0 and self.dp * self.cp > 1:
+        if self.tp > 1 and self.zero == 0 and self.dp * self.cp > 1 and not rules.ddp_with_tp:
             raise bad_value(f"{section}.zero", 0, f"tp = {self.tp} with dp*cp = {self.dp * self.cp} needs zero >= 1: "
                             "DDP cannot reduce DTensor (tensor-parallel) parameters, FSDP2 can; nearest: zero = 1")
+        if (self.dp * self.cp) % self.ep:
+            raise bad_value(f"{section}.ep", self.ep, f"must divide dp*cp = {self.dp * self.cp} (expert parallel "
+                            f"borrows data-parallel ranks); nearest: {_nearest(_divisors(self.dp * self.cp), self.ep)}")
+        if self.ep > 1 and self.offload in HOST_STATE_OFFLOADS:
+            raise bad_value(f"{section}.offload", self.offload, f"not with ep = {self.ep} (expert shards are not "
+                            "offloaded); set offload = 'none' or 'activations', or ep = 1")
         if self.sp and self.tp == 1:
             raise bad_value(f"{section}.sp", True, "sequence parallel needs tp > 1")
         if self.precision == "fp16" and self.loss_scale == "none":
@@ -125,22 +147,36 @@ class ParallelLayout:
             raise bad_value(f"{section}.offload", "optimizer", "needs zero >= 1 (the optimizer must be sharded)")
         if self.pp == 1:
             return
-        v = self.virtual_stages
-        if self.schedule in ("gpipe", "1f1b") and v != 1:
-            raise bad_value(f"{section}.virtual_stages", v, f"schedule {self.schedule} uses 1 stage per rank")
-        if self.schedule in ("interleaved-1f1b", "zero-bubble") and v < 2:
-            raise bad_value(f"{section}.virtual_stages", v, f"schedule {self.schedule} needs >= 2 stages per rank")
-        if self.zero == 0 and self.dp * self.cp > 1 and self.schedule in ("zero-bubble", "dualpipev"):
+        v, sched = self.virtual_stages, schedules.get(self.schedule)
+        if v < sched.min_virtual or (sched.max_virtual is not None and v > sched.max_virtual):
+            raise bad_value(f"{section}.virtual_stages", v, f"schedule {self.schedule} takes {sched.virtual_rule()}")
+        if self.zero == 0 and self.dp * self.cp > 1 and sched.split_backward and not rules.ddp_with_split_backward:
             raise bad_value(f"{section}.zero", 0, f"schedule {self.schedule} computes weight gradients after DDP's "
                             "all-reduce has fired; use FSDP2: nearest: zero = 1")
-        if self.schedule == "dualpipev" and v != 2:
-            raise bad_value(f"{section}.virtual_stages", v, "dualpipev needs exactly 2 stages per rank (a V shape)")
+
+
+@dataclass(frozen=True)
+class RuntimeRules:
+    """The layout rules that depend on the training runtime. luban's (``LUBAN_RULES``): DDP
+    cannot reduce DTensor (tensor-parallel) parameters, and its all-reduce fires before a
+    split-backward schedule computes the weight gradients. The planner's runtime models
+    (``luban.plan.runtimes``) carry the same two attributes; e.g. Megatron's DDP reduces its
+    tensor-parallel shards as plain tensors."""
+
+    ddp_with_tp: bool = False
+    ddp_with_split_backward: bool = False
+    precisions: tuple = ("fp32", "bf16", "fp16")  # luban's runtime has no fp8 GEMMs yet
+    offloads: tuple = tuple(o for o in OFFLOADS if o != "blocks")  # no second memory tier for whole blocks (seed 003) yet
+
+
+LUBAN_RULES = RuntimeRules()
 
 
 def check_layout(layout: ParallelLayout, model: ModelConfig, global_batch: int, world_size: int | None = None,
-                 seq_len: int | None = None, section: str = "parallel") -> None:
-    """Raise ``LubanError`` naming the first violated constraint and the nearest valid values."""
-    layout.check_keys(section)
+                 seq_len: int | None = None, section: str = "parallel", rules: "RuntimeRules | None" = None) -> None:
+    """Raise ``LubanError`` naming the first violated constraint and the nearest valid values;
+    ``rules``: the runtime's layout rules (``RuntimeRules``; default luban's)."""
+    layout.check_keys(section, rules)
     seq = model.seq_len if seq_len is None else seq_len
     if world_size is not None and layout.world_size != world_size:
         raise LubanError(f"{section}: dp*tp*pp*cp = {layout.dp}*{layout.tp}*{layout.pp}*{layout.cp} = "
@@ -149,15 +185,21 @@ def check_layout(layout: ParallelLayout, model: ModelConfig, global_batch: int, 
     if layout.tp not in tp_ok:
         raise bad_value(f"{section}.tp", layout.tp, f"must divide heads={model.heads}, kv_heads={model.kv_heads} "
                         f"and ffn_hidden={model.ffn_hidden}; nearest: {_nearest(tp_ok, layout.tp)}")
+    if layout.ep > 1 and (not model.moe or model.experts % layout.ep):
+        ok = _divisors(model.experts) if model.moe else [1]
+        raise bad_value(f"{section}.ep", layout.ep, f"must divide experts = {model.experts} "
+                        f"({'a dense model has none' if not model.moe else 'each rank holds experts/ep'}); "
+                        f"nearest: {_nearest([d for d in ok if (layout.dp * layout.cp) % d == 0], layout.ep)}")
     if layout.cp > 1 and model.dropout > 0:
         raise bad_value("model.dropout", model.dropout, f"ring attention (cp = {layout.cp}) has no attention "
                         "dropout; set dropout = 0 or cp = 1")
-    shards = layout.cp * (2 if layout.cp > 1 else 1) * (layout.tp if layout.sp else 1)
+    shards = int(schedules.sequence_shards(layout.cp, layout.tp, layout.sp))
     if seq % shards:
-        ok = [c for c in _divisors(seq) if seq % (c * (2 if c > 1 else 1) * (layout.tp if layout.sp else 1)) == 0]
+        ok = [c for c in _divisors(seq) if seq % int(schedules.sequence_shards(c, layout.tp, layout.sp)) == 0]
         raise bad_value(f"{section}.cp", layout.cp, f"seq_len = {seq} must split into {shards} equal chunks "
                         f"(2·cp load-balanced chunks{', times tp for sp' if layout.sp else ''}); nearest: {_nearest(ok, layout.cp)}")
-    stages = layout.pp * layout.virtual_stages
+    sched = schedules.get(layout.schedule)
+    stages = sched.stages(layout.pp, layout.virtual_stages)
     if stages > model.layers:
         raise bad_value(f"{section}.pp", layout.pp, f"pp * virtual_stages = {stages} exceeds layers = {model.layers}")
     if layout.pp_split:
@@ -177,24 +219,27 @@ def check_layout(layout: ParallelLayout, model: ModelConfig, global_batch: int, 
             raise bad_value("train.global_batch", global_batch,
                             f"gives {n_micro} micro-batches per rank; schedule {layout.schedule} with pp = {layout.pp} "
                             f"needs >= {need} (global_batch >= {need * per_step})")
-        if layout.schedule in ("interleaved-1f1b", "zero-bubble") and n_micro % layout.pp:
+        if sched.rounds_of_pp and n_micro % layout.pp:
             raise bad_value("train.global_batch", global_batch, f"gives {n_micro} micro-batches; schedule "
                             f"{layout.schedule} needs a multiple of pp = {layout.pp}")
 
 
 def min_microbatches(layout: ParallelLayout) -> int:
-    """Fewest micro-batches a pipeline schedule can run with (1 stage per rank: pp; DualPipeV: 2·pp)."""
-    if layout.pp == 1 or layout.schedule == "gpipe":
-        return 1
-    return 2 * layout.pp if layout.schedule == "dualpipev" else layout.pp
+    """Fewest micro-batches the layout's pipeline schedule runs with (``luban.parallel.schedules``)."""
+    return int(schedules.min_microbatches(SCHEDULES.index(layout.schedule), layout.pp))
 
 
 def parse_recompute(value: str, key: str = "parallel.recompute") -> tuple[str, int]:
     """``none`` | ``selective`` | ``full`` | ``full:k`` (full recompute of every k-th layer)."""
     mode, _, every = value.partition(":")
-    if mode in ("none", "selective", "full") and (not every or (mode == "full" and every.isdigit() and int(every) > 0)):
+    if mode in RECOMPUTES and (not every or (mode == "full" and every.isdigit() and int(every) > 0)):
         return mode, int(every or 1)
     raise bad_value(key, value, "one of none, selective, full, full:K (every K-th layer)")
+
+
+def format_recompute(mode: str, every: int) -> str:
+    """The inverse of ``parse_recompute``."""
+    return f"full:{every}" if mode == "full" and every > 1 else mode
 
 
 def _is_int(v) -> bool:

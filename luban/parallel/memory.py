@@ -5,7 +5,9 @@ rank's (local shards of) tensors. Activations are what autograd saves for backwa
 ``torch.autograd.graph.saved_tensors_hooks`` pack hook sees every saved tensor of a
 micro-batch; distinct storages that are not parameters are counted once each (views of one
 activation share a storage). With recompute only the checkpoint inputs are saved, so the
-measured figure drops accordingly (Korthikanti et al. 2022).
+measured figure drops accordingly (Korthikanti et al. 2022). Counted storages are kept alive
+until the recording ends: a pipeline schedule frees a micro-batch's activations in its backward
+before a later forward, and the allocator would hand the same addresses out again.
 """
 
 from __future__ import annotations
@@ -51,19 +53,34 @@ class ActivationCounter:
         self.modules = list(modules)
         self.storages: dict[int, int] = {}
         self.params: set[int] = set()
+        self._alive: list = []
+
+    def is_activation(self, t: torch.Tensor) -> bool:
+        """Not (a view of) a parameter: the one rule for what counts and what is offloaded."""
+        ptr = _innermost(t).untyped_storage().data_ptr()
+        if ptr in self.params:
+            return False
+        if ptr not in self.storages:
+            self.params = {_innermost(p).untyped_storage().data_ptr() for m in self.modules for p in m.parameters()}
+        return ptr not in self.params
+
+    def count(self, t: torch.Tensor) -> None:
+        storage = _innermost(t).untyped_storage()
+        self.storages[storage.data_ptr()] = storage.nbytes()
+        self._alive.append(storage)  # until ``record`` ends: a freed storage's address is reused
 
     def _pack(self, t: torch.Tensor):
-        ptr = _innermost(t).untyped_storage().data_ptr()
-        if ptr not in self.storages and ptr not in self.params:
-            self.params = {_innermost(p).untyped_storage().data_ptr() for m in self.modules for p in m.parameters()}
-            if ptr not in self.params:
-                self.storages[ptr] = _innermost(t).untyped_storage().nbytes()
+        if self.is_activation(t):
+            self.count(t)
         return t
 
     @contextlib.contextmanager
     def record(self):
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
-            yield self
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
+                yield self
+        finally:
+            self._alive.clear()
 
     @property
     def total(self) -> int:

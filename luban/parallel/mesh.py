@@ -9,7 +9,10 @@ sharding. Flattened views serve the collectives that span several dimensions:
 * ``dp_cp``       = dp_replicate x dp_shard x cp: ranks holding the same parameters (DDP
                     all-reduce group; loss averaging);
 * ``dp_shard_cp`` = dp_shard x cp: the FSDP2 shard dimension (cp ranks see different tokens
-                    of the same samples, so their gradients are summed like dp's).
+                    of the same samples, so their gradients are summed like dp's);
+* ``ep``, ``edp``  = dp_cp cut into consecutive groups of ``ep`` (expert parallel) and the
+                    groups of ranks at the same position in them (expert-data-parallel:
+                    same experts, their gradients are summed).
 """
 
 from __future__ import annotations
@@ -38,6 +41,9 @@ class LayoutMesh:
         self.flat = {"dp_cp": self.world[self._ordered("dp_replicate", "dp_shard", "cp")]._flatten("dp_cp"),
                      "dp_shard_cp": self.world[self._ordered("dp_shard", "cp")]._flatten("dp_shard_cp")}
         self.cp = layout.cp
+        if layout.ep > 1:  # consecutive dp_cp ranks form an ep group; same-position ranks an edp group
+            experts = self.flat["dp_cp"]._unflatten(0, (layout.dp * layout.cp // layout.ep, layout.ep), ("edp", "ep"))
+            self.flat.update(ep=experts["ep"], edp=experts["edp"])
 
     def _ordered(self, *names: str) -> tuple[str, ...]:
         """Submesh dimension names in mesh order (a slice must follow the mesh's order)."""

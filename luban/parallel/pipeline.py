@@ -7,18 +7,9 @@ the module of one stage; ``Pipeline`` builds this rank's stages, wraps them in
 luban's transformer is one such model (``TransformerPipeline``): its stages keep the global
 parameter names (layers are keyed by global index), so checkpoints reshard across ``pp``.
 
-=================  ===============================  =====  =====================================
-schedule           class                            style  paper
-=================  ===============================  =====  =====================================
-gpipe              ScheduleGPipe                    1/rank Huang et al. 2019
-1f1b               Schedule1F1B                     1/rank Narayanan et al. 2019 (PipeDream-Flush)
-interleaved-1f1b   ScheduleInterleaved1F1B          loop   Narayanan et al. 2021
-zero-bubble        ScheduleInterleavedZeroBubble    loop   Qi et al. 2023 (split dI/dW backward)
-dualpipev          ScheduleDualPipeV                V      DeepSeek-V3 2024 (DualPipe, V variant)
-=================  ===============================  =====  =====================================
-
-"loop": rank r holds stages r, r+pp, ...; "V": rank r holds stages r and 2pp-1-r, so the
-first and the last stage share rank 0.
+The schedules, their torch classes and stage placement are the registry
+``luban.parallel.schedules`` (one entry per schedule, shared with ``check_layout`` and the
+planner).
 
 The split-backward schedules (zero-bubble, dualpipev) find a stage's weights by listing
 ``submod.parameters()`` when the input pass starts and again at the weight pass; under
@@ -37,19 +28,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.pipelining import PipelineStage, schedules
+from torch.distributed.pipelining import PipelineStage
 
-from luban.model import flops
+from luban.model import moe
 from luban.model.config import ModelConfig
 from luban.model.transformer import Transformer, init_weights
-
-SCHEDULES = {
-    "gpipe": ("ScheduleGPipe", "loop"),
-    "1f1b": ("Schedule1F1B", "loop"),
-    "interleaved-1f1b": ("ScheduleInterleaved1F1B", "loop"),
-    "zero-bubble": ("ScheduleInterleavedZeroBubble", "loop"),
-    "dualpipev": ("ScheduleDualPipeV", "v"),
-}
+from luban.parallel import schedules
+from luban.parallel.schedules import head_layers, stage_layer_counts
+from luban.parallel.tied import tie_stage
 
 
 class PipelineModel(Protocol):
@@ -58,62 +44,23 @@ class PipelineModel(Protocol):
     def build_stage(self, stage_id: int, num_stages: int) -> nn.Module: ...
 
 
-def stage_ids(pp_rank: int, pp: int, virtual_stages: int, style: str) -> list[int]:
-    """The stage indices this pipeline rank holds."""
-    if style == "v":
-        return [pp_rank, 2 * pp - 1 - pp_rank]
-    return [pp_rank + i * pp for i in range(virtual_stages)]
-
-
 def split_layers(cfg: ModelConfig, num_stages: int, pp_split: tuple[int, ...] = ()) -> list[range]:
-    """Contiguous layer ranges per stage: ``pp_split`` if given, else minimising the most
-    expensive stage by forward FLOPs per token (``luban.model.flops``), the LM head counted
-    on the last stage. (Embedding lookups cost no FLOPs.)"""
-    if pp_split:
-        counts = list(pp_split)
-    else:
-        layer = flops.layer_matmul_flops(cfg) + flops.attention_core_flops(cfg, cfg.seq_len)
-        head = flops.head_flops(cfg)
-        counts = _balanced_counts([layer] * cfg.layers, num_stages, head)
+    """Contiguous layer ranges per stage: ``pp_split`` if given, else the closed-form balanced
+    split of ``luban.parallel.schedules`` (the LM head counted on the last stage)."""
+    counts = list(pp_split) if pp_split else stage_layer_counts(cfg.layers, num_stages, head_layers(cfg))
     bounds = [0]
     for c in counts:
         bounds.append(bounds[-1] + c)
     return [range(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
-def _balanced_counts(costs: list[float], n: int, last_extra: float) -> list[int]:
-    """Split ``costs`` into ``n`` non-empty contiguous parts minimising the maximum part cost
-    (the last part also pays ``last_extra``); dynamic programming over split points."""
-    L = len(costs)
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
-    inf = float("inf")
-    # best[k][i]: minimal max cost of splitting the first i layers into k parts
-    best = [[inf] * (L + 1) for _ in range(n + 1)]
-    arg = [[0] * (L + 1) for _ in range(n + 1)]
-    best[0][0] = 0.0
-    for k in range(1, n + 1):
-        for i in range(k, L - (n - k) + 1):
-            extra = last_extra if k == n else 0.0
-            for j in range(k - 1, i):
-                cost = max(best[k - 1][j], prefix[i] - prefix[j] + extra)
-                if cost < best[k][i]:
-                    best[k][i], arg[k][i] = cost, j
-    counts, i = [], L
-    for k in range(n, 0, -1):
-        counts.append(i - arg[k][i])
-        i = arg[k][i]
-    return counts[::-1]
-
-
 class TransformerPipeline:
     """luban's transformer as a ``PipelineModel``: stage ``i`` holds its layer range, the first
     stage the embeddings, the last the final norm and LM head (a tied head on another stage
-    than the embedding is a second copy whose gradient the engine sums with the first)."""
+    than the embedding is a second copy: ``luban.parallel.tied``)."""
 
-    def __init__(self, cfg: ModelConfig, seed: int, recompute: str, device: torch.device, pp_split=()):
-        self.cfg, self.seed, self.recompute, self.device, self.pp_split = cfg, seed, recompute, device, pp_split
+    def __init__(self, cfg: ModelConfig, seed: int, device: torch.device, pp_split=()):
+        self.cfg, self.seed, self.device, self.pp_split = cfg, seed, device, pp_split
 
     def build_stage(self, stage_id: int, num_stages: int) -> Transformer:
         keep = split_layers(self.cfg, num_stages, self.pp_split)[stage_id]
@@ -127,15 +74,7 @@ class TransformerPipeline:
             model.norm = model.lm_head = None
         model.to_empty(device=self.device)
         init_weights(model, self.cfg, self.seed)  # seeded by name: identical to the unsplit model
-        if self.cfg.tie_embeddings and model.lm_head is not None:
-            if model.tok_emb is not None:
-                model.lm_head.weight = model.tok_emb.weight
-            else:  # a tied head without the embedding: initialise it under the embedding's name
-                holder = nn.Module()
-                holder.tok_emb = nn.Embedding(1, 1, device="meta")
-                holder.tok_emb.weight = model.lm_head.weight
-                init_weights(holder, self.cfg, self.seed)
-        model.set_recompute(self.recompute)
+        tie_stage(model, self.cfg, self.seed)
         return model
 
 
@@ -161,6 +100,12 @@ class _Stage(PipelineStage):
     weight pass only when a forward of this stage resharded it in between; FSDP's
     ``post_backward`` at the schedule's gradient reduction reshards as usual."""
 
+    def _forward_metadata_inference(self, *args, **kwargs):
+        """torch runs the stage forward once on the first micro-batch (or on empty tensors) to
+        infer shapes: that forward must not count as MoE expert load."""
+        with moe.not_counted(self.submod):
+            return super()._forward_metadata_inference(*args, **kwargs)
+
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, *args, **kwargs):
         if backward_type in ("input", "weight"):
             _unshard_stage(self.submod)
@@ -176,26 +121,25 @@ class Pipeline:
     def __init__(self, model: PipelineModel, pp_mesh: DeviceMesh, schedule: str, virtual_stages: int,
                  n_microbatches: int, device: torch.device,
                  prepare: Callable[[nn.Module, int], nn.Module] | None = None):
-        cls_name, style = SCHEDULES[schedule]
+        self.schedule = schedules.get(schedule)
         pp, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
-        self.group, self.n_microbatches, self.style = pp_mesh.get_group(), n_microbatches, style
-        self.num_stages = pp * (2 if style == "v" else virtual_stages)
-        self.stage_ids = stage_ids(pp_rank, pp, virtual_stages, style)
+        self.group, self.n_microbatches, self.virtual_stages = pp_mesh.get_group(), n_microbatches, virtual_stages
+        self.num_stages = self.schedule.stages(pp, virtual_stages)
+        self.stage_ids = self.schedule.stage_ids(pp_rank, pp, virtual_stages)
         self.parts, self.stages = [], []
         for sid in self.stage_ids:
             module = model.build_stage(sid, self.num_stages)
             module = prepare(module, sid) if prepare else module
             self.parts.append(module)
             self.stages.append(_Stage(module, sid, self.num_stages, device, group=self.group))
-        self.schedule_cls = getattr(schedules, cls_name)
+        self.schedule_cls = self.schedule.torch_class()
         self._schedules: dict[int, object] = {}
         self.has_first = 0 in self.stage_ids
         self.has_last = self.num_stages - 1 in self.stage_ids
 
     def _schedule(self, loss_fn):
         if id(loss_fn) not in self._schedules:
-            stages = self.stages[0] if len(self.stages) == 1 and self.schedule_cls in (
-                schedules.ScheduleGPipe, schedules.Schedule1F1B) else self.stages
+            stages = self.stages[0] if self.schedule.single_stage else self.stages
             self._schedules[id(loss_fn)] = (self.schedule_cls(stages, self.n_microbatches, loss_fn=loss_fn), loss_fn)
         return self._schedules[id(loss_fn)][0]
 
@@ -228,8 +172,7 @@ class Pipeline:
 
     def _peer(self, stage: int) -> int:
         """Global rank holding ``stage``."""
-        pp = dist.get_world_size(self.group)
-        pp_rank = stage % pp if self.style == "loop" else min(stage, self.num_stages - 1 - stage)
+        pp_rank = self.schedule.rank_of(stage, dist.get_world_size(self.group), self.virtual_stages)
         return dist.get_global_rank(self.group, pp_rank)
 
     def _send(self, x: torch.Tensor, stage: int) -> None:
@@ -252,17 +195,3 @@ class Pipeline:
             local = local.full_tensor()
         dist.all_reduce(local, group=self.group)
         return local
-
-
-def tie_group(pp_mesh: DeviceMesh) -> dist.ProcessGroup:
-    """The group {rank of stage 0, rank of the last stage} of this rank's pipeline, for summing
-    tied-embedding gradients (loop style; built collectively, every rank calls it)."""
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, pp_mesh.mesh.flatten().tolist())
-    mine = pp_mesh.mesh.flatten().tolist()
-    group = None
-    for ranks in sorted({tuple(g) for g in gathered}):
-        new = dist.new_group([ranks[0], ranks[-1]])
-        if list(ranks) == mine:
-            group = new
-    return group

@@ -10,6 +10,10 @@ activations shrink by tp. The token embedding is vocab-parallel (``RowwiseParall
 ``nn.Embedding`` masks out-of-shard ids), the LM head is column-parallel over the vocabulary
 and the loss is computed on the vocab-sharded logits with ``loss_parallel`` (no rank ever
 holds full logits). Tied embeddings stay tied: both are ``Shard(0)`` of one DTensor.
+A mixture-of-experts feed-forward is not tensor-parallel: its router and experts are
+replicated over tp and every tp rank runs it on the whole sequence (with ``sp`` the input is
+gathered and the output cut back to this rank's sequence shard); experts are spread by
+expert parallel instead (``luban.parallel.expert_parallel``).
 """
 
 from __future__ import annotations
@@ -18,8 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
-                                               loss_parallel, parallelize_module)
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleInputOutput,
+                                               RowwiseParallel, SequenceParallel, loss_parallel, parallelize_module)
+
+from luban.model.moe import MoE
 
 from luban.model.transformer import Transformer
 
@@ -39,16 +45,23 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, sp: bool) -> 
         for proj in ("wq", "wk", "wv"):
             plan[f"{p}.attn.{proj}"] = ColwiseParallel()
         plan[f"{p}.attn.wo"] = RowwiseParallel(output_layouts=residual)
-        for proj in ("w_gate", "w_up") if block.mlp.swiglu else ("w_up",):
-            plan[f"{p}.mlp.{proj}"] = ColwiseParallel()
-        plan[f"{p}.mlp.w_down"] = RowwiseParallel(output_layouts=residual)
+        moe = isinstance(block.mlp, MoE)
+        if not moe:
+            for proj in ("w_gate", "w_up") if block.mlp.swiglu else ("w_up",):
+                plan[f"{p}.mlp.{proj}"] = ColwiseParallel()
+            plan[f"{p}.mlp.w_down"] = RowwiseParallel(output_layouts=residual)
         if sp:
             plan[f"{p}.norm1"] = SequenceParallel()
             plan[f"{p}.norm2"] = SequenceParallel()
             plan[f"{p}.attn"] = PrepareModuleInput(input_layouts=(Shard(1), None),
                                                    desired_input_layouts=(Replicate(), None), use_local_output=True)
-            plan[f"{p}.mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
-                                                  use_local_output=True)
+            if moe:  # whole sequence in, this rank's sequence shard out
+                plan[f"{p}.mlp"] = PrepareModuleInputOutput(
+                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
+                    output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=True)
+            else:
+                plan[f"{p}.mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                                      use_local_output=True)
     if model.norm is not None and sp:
         plan["norm"] = SequenceParallel()
     if model.lm_head is not None:

@@ -14,6 +14,11 @@ CASES = {
     "llama-gqa-untied": (get_preset("tiny-llama"), "LlamaForCausalLM"),
     "llama-tied-bias": (get_preset("tiny-llama").replace(tie_embeddings=True, bias=True, rope_theta=500000.0),
                         "LlamaForCausalLM"),
+    # mixtures of experts: every layer MoE (Mixtral); qk-norm and a dense first layer (Qwen3-MoE)
+    "mixtral": (get_preset("tiny-moe").replace(router="softmax", shared_experts=0, dense_layers=0, ffn_hidden=64,
+                                               rope_theta=1e6), "MixtralForCausalLM"),
+    "qwen3-moe": (get_preset("tiny-moe").replace(router="softmax", shared_experts=0, qk_norm=True, experts_per_token=3,
+                                                 norm_eps=1e-6), "Qwen3MoeForCausalLM"),
 }
 
 
@@ -36,6 +41,20 @@ def test_export_loads_in_transformers_with_same_logits(case, tmp_path):
     assert cfg2.replace(name=cfg.name) == cfg
     for name, tensor in model.state_dict().items():
         assert torch.equal(state[name], tensor), name
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"router": "sigmoid"}, "model.router = 'sigmoid': a MoE model exports"),
+    ({"shared_experts": 1}, "model.shared_experts = 1: a MoE model exports"),
+    ({"dense_layers": 1}, "model.dense_layers = 1: Mixtral has no dense layers"),
+    ({"bias": True}, "model.bias = True: a MoE model exports"),
+])
+def test_moe_without_hf_equivalent_is_refused(change, message, tmp_path):
+    from luban.errors import LubanError
+
+    cfg = CASES["mixtral"][0].replace(**change)
+    with pytest.raises(LubanError, match=message):
+        export_folder(cfg, build_model(cfg).state_dict(), tmp_path)
 
 
 def test_incompatible_model_is_refused(tmp_path):

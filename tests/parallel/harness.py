@@ -28,7 +28,7 @@ LR, MAX_NORM = 0.1, 1.0
 
 
 def model_cfg(job):
-    return get_preset(job.get("preset", "tiny")).replace(seq_len=job.get("seq", 32))
+    return get_preset(job.get("preset", "tiny")).replace(seq_len=job.get("seq", 32), **job.get("model", {}))
 
 
 def batch(step: int, global_batch: int, cfg):
@@ -42,6 +42,8 @@ def full_params(engine) -> dict[str, torch.Tensor]:
     for part in engine.model_parts:
         for name, p in unwrap(part).named_parameters(remove_duplicate=False):
             out[name] = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+        saved = unwrap(part).state_dict().keys()
+        out.update({name: b.detach().clone() for name, b in unwrap(part).named_buffers() if name in saved})
     return out
 
 
@@ -64,7 +66,8 @@ def run_toy_pipeline(job: dict) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     from luban.parallel.launch import init_distributed
-    from luban.parallel.pipeline import SCHEDULES, Pipeline
+    from luban.parallel.pipeline import Pipeline
+    from luban.parallel.schedules import NAMES as SCHEDULES
 
     init_distributed("cpu")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("pp",))
@@ -116,13 +119,19 @@ def run_job(job: dict) -> dict:
         norms.append(engine.step(LR, job.get("max_norm", MAX_NORM)))
     tokens, labels = batch(0, gb, cfg)
     eval_loss = engine.eval_loss(tokens[rows], labels[rows])
+    moe_metrics = engine.moe_metrics
+    from luban.model.moe import moe_layers
+
+    local_experts = [getattr(m.experts.w_up, "_local_tensor", m.experts.w_up).shape[0]
+                     for _, m in moe_layers(engine.model_parts)]
     memory = engine.memory_report()
     if job.get("save"):
         dcp.save(engine.state_dict(), checkpoint_id=job["save"])
     agree = engine.any_rank(engine.rank == engine.world_size - 1) and not engine.any_rank(False)
     engine.barrier()
     return {"params": full_params(engine), "losses": losses, "norms": norms, "memory": memory, "any_rank": agree,
-            "eval": eval_loss, "scale": engine.scaler.scale}
+            "eval": eval_loss, "scale": engine.scaler.scale, "moe": moe_metrics,
+            "local_experts": local_experts}
 
 
 def main(jobs_file: str, out_dir: str) -> int:
@@ -147,6 +156,27 @@ def spawn(jobs: list[dict], nproc: int, out_dir: Path) -> int:
     jobs_file.write_text(json.dumps(jobs))
     os.environ["OMP_NUM_THREADS"] = "1"
     return launch([str(jobs_file), str(out_dir)], nproc=nproc, module="tests.parallel.harness")
+
+
+def world(layout: dict) -> int:
+    return layout.get("dp", 1) * layout.get("tp", 1) * layout.get("pp", 1) * layout.get("cp", 1)
+
+
+def run_phases(jobs: dict[int, list[dict]], reshard: list[tuple[str, dict, dict, dict]], out: Path) -> dict:
+    """Single-process savers, then one spawn per world size, then single-process loaders
+    (every loader's checkpoint is written by an earlier phase). ``reshard`` rows are
+    ``(name, save_layout, load_layout, common_job_keys)``."""
+    jobs = {n: list(js) for n, js in jobs.items()}
+    for name, save, load, common in reshard:
+        ckpt = str(out / f"ckpt-{name}")
+        jobs.setdefault(world(save), []).append({**common, "name": f"{name}-save", "layout": save, "save": ckpt})
+        jobs.setdefault(world(load), []).append({**common, "name": f"{name}-load", "layout": load, "load": ckpt,
+                                                 "offset": 2})
+    singles = jobs.pop(1, [])
+    single = {j["name"]: [run_job(j)] for j in singles if "save" in j}
+    codes = {n: spawn(js, n, out) for n, js in sorted(jobs.items())}
+    single.update({j["name"]: [run_job(j)] for j in singles if "load" in j})
+    return {"out": out, "codes": codes, "single": single}
 
 
 def results(name: str, nproc: int, out_dir: Path) -> list[dict]:

@@ -80,3 +80,22 @@ def test_single_process_coordination_and_global_names():
     sd = e.state_dict()
     assert {"tok_emb.weight", "lm_head.weight", "layers.3.mlp.w_down.weight"} <= set(sd["model"])
     assert all(k.startswith(("state.", "param_groups.")) for k in sd["optim"])
+
+
+def test_tied_embedding_copy_is_initialised_and_saved_under_the_embedding_name():
+    """The last stage's tied head (a second copy) starts equal to the embedding, and its optimizer
+    state goes to and comes from checkpoints under the embedding's name."""
+    from luban.parallel.pipeline import TransformerPipeline
+    from luban.parallel.tied import TiedEmbedding
+
+    cfg = get_preset("tiny").replace(seq_len=32)
+    model = TransformerPipeline(cfg, seed=0, device=torch.device("cpu"))
+    first, last = model.build_stage(0, 2), model.build_stage(1, 2)
+    assert torch.equal(first.tok_emb.weight, last.lm_head.weight)
+    tied = TiedEmbedding([first], cfg, ParallelLayout(), mesh=None)  # pp = 1 layout: nothing to sync
+    assert tied.params == [] and tied.norm_skip() == set()
+    assert not tied.is_copy(first) and tied.is_copy(last)
+    saved = {"state.lm_head.weight.momentum_buffer": 1, "state.norm.weight.momentum_buffer": 2}
+    renamed = tied.save_names(last, saved)
+    assert renamed == {"state.tok_emb.weight.momentum_buffer": 1, "state.norm.weight.momentum_buffer": 2}
+    assert tied.load_names(last, renamed) == saved and tied.save_names(first, saved) == saved

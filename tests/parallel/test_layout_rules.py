@@ -7,7 +7,8 @@ import pytest
 from luban.errors import LubanError
 from luban.model.presets import get_preset
 from luban.parallel.layout import ParallelLayout, check_layout
-from luban.parallel.pipeline import split_layers, stage_ids
+from luban.parallel.pipeline import split_layers
+from luban.parallel.schedules import get
 
 CFG = get_preset("tiny").replace(seq_len=32)
 
@@ -65,5 +66,7 @@ def test_auto_split_balances_cost_and_counts_the_head():
 
 
 def test_stage_placement():
-    assert stage_ids(0, 2, 2, "loop") == [0, 2] and stage_ids(1, 2, 2, "loop") == [1, 3]
-    assert stage_ids(0, 2, 2, "v") == [0, 3] and stage_ids(1, 2, 2, "v") == [1, 2]
+    loop, v = get("zero-bubble"), get("dualpipev")  # torch's ScheduleInterleavedZeroBubble is loop-placed
+    assert loop.stage_ids(0, 2, 2) == [0, 2] and loop.stage_ids(1, 2, 2) == [1, 3]
+    assert v.stage_ids(0, 2, 2) == [0, 3] and v.stage_ids(1, 2, 2) == [1, 2]
+    assert [v.rank_of(s, 2, 2) for s in range(4)] == [0, 1, 1, 0]

@@ -15,9 +15,8 @@ it under another; the result must equal the uninterrupted single-process run.
 from __future__ import annotations
 
 import pytest
-import torch
 
-from tests.parallel.harness import max_diff, merged_params, results, run_job, spawn
+from tests.parallel.harness import max_diff, merged_params, results, run_job, run_phases, world
 
 TOL = 1e-5
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zero-bubble", 2), ("dualpipev", 2)]
@@ -89,10 +88,6 @@ MEMORY.append({**job("memory-zero2-offload-optimizer", dp=2, zero=2, offload="op
 TOY = {"name": "toy-pipeline", "kind": "toy_pipeline"}
 
 
-def world(layout: dict) -> int:
-    return layout.get("dp", 1) * layout.get("tp", 1) * layout.get("pp", 1) * layout.get("cp", 1)
-
-
 @pytest.fixture(scope="session")
 def runs(tmp_path_factory):
     """Single-process savers, then the 2-, 4- and 8-rank spawns, then single-process loaders
@@ -100,17 +95,9 @@ def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("layouts")
     jobs = {n: list(js) for n, js in MATRIX.items()}
     jobs[2] += [*MEMORY, TOY]
-    for name, save, load, preset in RESHARD:
-        common = {"preset": preset, "optim": MOMENTUM, "steps": 2}
-        ckpt = str(out / f"ckpt-{name}")
-        jobs.setdefault(world(save), []).append({**common, "name": f"{name}-save", "layout": save, "save": ckpt})
-        jobs.setdefault(world(load), []).append({**common, "name": f"{name}-load", "layout": load, "load": ckpt,
-                                                 "offset": 2})
-    singles = jobs.pop(1)
-    single = {j["name"]: [run_job(j)] for j in singles if "save" in j}
-    codes = {n: spawn(js, n, out) for n, js in sorted(jobs.items())}
-    single.update({j["name"]: [run_job(j)] for j in singles if "load" in j})
-    return {"out": out, "codes": codes, "single": single}
+    reshard = [(name, save, load, {"preset": preset, "optim": MOMENTUM, "steps": 2})
+               for name, save, load, preset in RESHARD]
+    return run_phases(jobs, reshard, out)
 
 
 def outcome(runs, name, nproc):

@@ -5,7 +5,7 @@ interchangeable with a plain optimizer's, and parameters changed from outside no
 import pytest
 import torch
 
-from luban.parallel.engine import OptimizerConfig, build_optimizer
+from luban.parallel.optimizer import OptimizerConfig, build_optimizer
 from luban.parallel.offload import OffloadedOptimizer
 
 CONFIGS = [OptimizerConfig(name="adamw"), OptimizerConfig(name="sgd", momentum=0.9)]

@@ -1,0 +1,301 @@
+"""Mixture-of-experts feed-forward layer (``[model] experts > 0``).
+
+One ``MoE`` replaces the ``MLP`` of every block from ``dense_layers`` on:
+
+    y = shared(x) + sum_{e in topk(x)} w_e(x) * expert_e(x)
+
+* ``Router`` scores each token against every routed expert (a bias-free linear layer) and
+  picks ``experts_per_token`` of them:
+  - ``softmax`` (Switch / Mixtral / Qwen3-MoE): p = softmax(logits); the top-k p, renormalised
+    to sum to 1 (Mixtral always, Qwen3-MoE with ``norm_topk_prob = true``);
+  - ``sigmoid`` (DeepSeek-V3, Liu et al. 2024, Sec. 2.1.2): s = sigmoid(logits); the top-k of
+    s + b choose the experts, the gate weights are s (without b) renormalised over the k
+    chosen. b (``expert_bias``, a buffer: not trained by the optimizer, saved in checkpoints)
+    is the auxiliary-loss-free balancing bias: after every optimizer step each expert's
+    b_i += gamma * sign(mean load - load_i) (``router_bias_rate`` = gamma, 0.001 in the
+    paper), the load counted over the whole global batch (``update_router_bias``).
+    DeepSeek-V3's node-limited group routing and routed scaling factor are not modelled.
+* ``Experts`` holds the routed experts as three stacked weights ``[E, ...]`` (one parameter
+  per projection, so every expert has a gradient every step and DDP/FSDP need no
+  unused-parameter handling) and runs each expert on the rows sorted to it: the grouped GEMM
+  interface that expert parallel reuses after its all-to-all (``luban.parallel.expert_parallel``).
+* Dropless by default: every token reaches all its k experts. ``capacity_factor`` c > 0
+  caps an expert at ceil(c * T * k / E) of the T tokens of a micro-batch (GShard, Lepikhin
+  et al. 2020); later tokens in the micro-batch are dropped for that expert (their other
+  experts and the residual still carry them).
+* The load-balancing loss (Switch Transformer, Fedus et al. 2021, Eq. 4):
+  aux = E * sum_i f_i * P_i with f_i the fraction of the T*k assignments that go to expert i
+  and P_i the mean router probability of expert i (for ``sigmoid`` the scores normalised per
+  token, DeepSeek-V3's Eq. 18 over the micro-batch); under context parallel f counts the
+  whole sequence (``sequence_group``), so the loss is the one of the unsplit micro-batch. Its gradient ``aux_loss_coef`` * d aux is
+  injected in the backward of the layer output (``_AttachAux``, the way Megatron-Core's
+  ``MoEAuxLossAutoScaler`` does), so the language-model loss the engine and the pipeline
+  schedules see is unchanged; the engine tells the layers the factor its loss is scaled by
+  (``set_aux_grad_scale``: micro-batch averaging, fp16 loss scale).
+* Each layer counts, during training forwards only (not recompute, not evaluation, not a
+  pipeline stage's shape inference), the tokens routed to each expert, the tokens dropped
+  and the aux loss: ``collect_stats`` / ``reset_stats`` for metrics.jsonl (per layer) and
+  the bias update.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from luban.model.config import ModelConfig
+
+
+def is_moe_layer(cfg: ModelConfig, layer: int) -> bool:
+    """Global layer index -> whether its feed-forward is a mixture of experts."""
+    return cfg.experts > 0 and layer >= cfg.dense_layers
+
+
+def _in_backward() -> bool:
+    """True while autograd runs a backward (activation recompute calls forward again there)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class Router(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.kind, self.k = cfg.router, cfg.experts_per_token
+        self.weight = nn.Parameter(torch.empty(cfg.experts, cfg.hidden))
+        self.register_buffer("expert_bias", torch.zeros(cfg.experts), persistent=cfg.router == "sigmoid")
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, h] -> (gate weights [T, k] fp32, expert ids [T, k], per-token probabilities [T, E] fp32)."""
+        logits = F.linear(x, self.weight).float()
+        if self.kind == "softmax":
+            probs = logits.softmax(-1)
+            weights, ids = probs.topk(self.k, dim=-1)
+        else:
+            scores = logits.sigmoid()
+            ids = (scores + self.expert_bias).topk(self.k, dim=-1).indices
+            weights = scores.gather(1, ids)
+            probs = scores / scores.sum(-1, keepdim=True)
+        return weights / weights.sum(-1, keepdim=True), ids, probs
+
+
+class Experts(nn.Module):
+    """E feed-forward networks (SwiGLU or GELU, no biases) as stacked weights."""
+
+    def __init__(self, cfg: ModelConfig, num_experts: int | None = None):
+        super().__init__()
+        n, h, f = num_experts or cfg.experts, cfg.hidden, cfg.expert_ffn_hidden
+        self.swiglu = cfg.activation == "swiglu"
+        self.expert_offset = 0  # global index of the first expert held here (expert parallel)
+        if self.swiglu:
+            self.w_gate = nn.Parameter(torch.empty(n, f, h))
+        self.w_up = nn.Parameter(torch.empty(n, f, h))
+        self.w_down = nn.Parameter(torch.empty(n, h, f))
+
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """x [sum(counts), h]: rows sorted by (local) expert, ``counts[e]`` rows for expert e."""
+        # expert parallel holds DTensor shards: compute with the local experts, in x's dtype
+        up = _local(self.w_up, x.dtype)
+        gate = _local(self.w_gate, x.dtype) if self.swiglu else None
+        down = _local(self.w_down, x.dtype)
+        outs = []
+        for e, rows in enumerate(x.split(counts)):
+            if self.swiglu:
+                hidden = F.silu(rows @ gate[e].t()) * (rows @ up[e].t())
+            else:
+                hidden = F.gelu(rows @ up[e].t(), approximate="tanh")
+            outs.append(hidden @ down[e].t())
+        return torch.cat(outs) if outs else x[:0]
+
+
+def _local(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (p.to_local() if isinstance(p, DTensor) else p).to(dtype)
+
+
+class _AttachAux(torch.autograd.Function):
+    """Identity on y whose backward also sends ``scale`` as the gradient of ``aux``."""
+
+    @staticmethod
+    def forward(ctx, y, aux, scale: float):
+        ctx.scale = scale
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, torch.full((), ctx.scale, device=grad.device), None
+
+
+def aux_loss(probs: torch.Tensor, ids: torch.Tensor, num_experts: int, group=None) -> torch.Tensor:
+    """Switch load-balancing loss E * sum_i f_i * P_i (1.0 when perfectly balanced). With
+    ``group`` (context parallel: the other sequence shards of the same samples) f counts the
+    whole sequence; P stays this shard's mean, whose average over the group (the gradient
+    averaging of dp x cp) is the whole sequence's."""
+    counts = torch.bincount(ids.flatten(), minlength=num_experts).float()
+    total = torch.tensor(float(ids.numel()), device=ids.device)
+    if group is not None:
+        both = torch.cat([counts, total[None]])
+        dist.all_reduce(both, group=group)
+        counts, total = both[:-1], both[-1]
+    return num_experts * (counts / total * probs.mean(0)).sum()
+
+
+def sort_by_expert(ids: torch.Tensor, num_experts: int, capacity: int | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Assignments [T, k] -> (kept flat assignment indices sorted by expert (stable: token order
+    within an expert), tokens per expert [E] after the capacity cut, dropped count)."""
+    flat = ids.flatten()
+    order = flat.argsort(stable=True)
+    counts = torch.bincount(flat, minlength=num_experts)
+    if capacity is None:
+        return order, counts, torch.zeros((), dtype=torch.long, device=ids.device)
+    starts = counts.cumsum(0) - counts
+    position = torch.arange(flat.numel(), device=ids.device) - starts[flat[order]]
+    keep = position < capacity
+    kept = counts.clamp(max=capacity)
+    return order[keep], kept, counts.sum() - kept.sum()
+
+
+class MoE(nn.Module):
+    """Routed experts (+ shared experts) replacing one block's MLP."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        from luban.model.transformer import MLP
+
+        self.num_experts, self.k = cfg.experts, cfg.experts_per_token
+        self.capacity_factor, self.aux_coef, self.bias_rate = cfg.capacity_factor, cfg.aux_loss_coef, cfg.router_bias_rate
+        self.router = Router(cfg)
+        self.experts = Experts(cfg)
+        self.shared = (MLP(cfg.replace(ffn_hidden=cfg.shared_experts * cfg.expert_ffn_hidden, bias=False))
+                       if cfg.shared_experts else None)
+        self.aux_grad_scale = 1.0  # d(engine's backward loss)/d(lm loss): set by the engine
+        self.dispatch = None  # expert parallel replaces this (luban.parallel.expert_parallel)
+        self.counting = True  # off while a pipeline stage infers its shapes (``not_counted``)
+        self.sequence_group = None  # context parallel: ranks holding the rest of the sequence
+        self.register_buffer("load", torch.zeros(cfg.experts, dtype=torch.float64), persistent=False)
+        self.register_buffer("stats", torch.zeros(3, dtype=torch.float64), persistent=False)  # aux sum, forwards, dropped
+
+    def capacity(self, tokens: int) -> int | None:
+        if not self.capacity_factor:
+            return None
+        return math.ceil(self.capacity_factor * tokens * self.k / self.num_experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        weights, ids, probs = self.router(x)
+        order, counts, dropped = sort_by_expert(ids, self.num_experts, self.capacity(x.shape[0]))
+        token = order // self.k
+        rows = x[token]
+        if self.dispatch is None:
+            out = self.experts(rows, counts.tolist())
+        else:
+            out = self.dispatch(self.experts, rows, counts)
+        out = out * weights.flatten()[order, None].to(out.dtype)
+        y = torch.zeros_like(x).index_add_(0, token, out)
+        if self.training:
+            aux = aux_loss(probs, ids, self.num_experts, self.sequence_group)
+            if self.aux_coef and torch.is_grad_enabled():
+                y = _AttachAux.apply(y, aux, self.aux_coef * self.aux_grad_scale)
+            if self.counting and not _in_backward():
+                with torch.no_grad():
+                    self.load += counts.to(self.load.dtype)
+                    self.stats += torch.stack([aux.detach().double(), torch.ones_like(self.stats[0]),
+                                               dropped.to(self.stats.dtype)])
+        if self.shared is not None:
+            y = y + self.shared(x)
+        return y.reshape(shape)
+
+
+def moe_layers(parts) -> list[tuple[str, MoE]]:
+    """(global layer index, layer) of every MoE layer in these model parts, in layer order."""
+    found = []
+    for part in parts:
+        for name, module in part.named_modules():
+            if isinstance(module, MoE):
+                found.append((name.split("layers.", 1)[1].split(".", 1)[0], module))
+    return sorted(found, key=lambda item: int(item[0]))
+
+
+@contextlib.contextmanager
+def not_counted(module: nn.Module):
+    """Forwards that are not training steps (a pipeline stage's shape inference) leave the load alone."""
+    layers = [m for m in module.modules() if isinstance(m, MoE)]
+    for layer in layers:
+        layer.counting = False
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.counting = True
+
+
+def set_sequence_group(module: nn.Module, group) -> None:
+    """Context parallel: the aux loss counts routing over the whole sequence (``aux_loss``)."""
+    for layer in module.modules():
+        if isinstance(layer, MoE):
+            layer.sequence_group = group
+
+
+def set_aux_grad_scale(parts, scale: float) -> None:
+    for _, layer in moe_layers(parts):
+        layer.aux_grad_scale = scale
+
+
+@torch.no_grad()
+def collect_stats(parts, all_reduce=None) -> dict:
+    """Per-layer metrics of the last step's training forwards: tokens per expert, max/mean
+    load, mean aux loss (over micro-batches, before the coefficient) and dropped tokens, all
+    summed over the data-parallel ranks by ``all_reduce`` (sums a tensor in place). Leaves
+    the summed load in each layer's ``load`` for ``update_router_bias``. Layers are keyed by
+    global index, so the dicts of several pipeline stages merge with ``merge_stats``."""
+    layers = moe_layers(parts)
+    if not layers:
+        return {}
+    flat = torch.cat([torch.cat([layer.load, layer.stats]) for _, layer in layers])
+    if all_reduce is not None:
+        all_reduce(flat)
+    metrics: dict = {key: {} for key in STAT_KEYS}
+    for (name, layer), chunk in zip(layers, flat.split([layer.num_experts + 3 for _, layer in layers])):
+        load, (aux_sum, forwards, dropped) = chunk[:-3], chunk[-3:].tolist()
+        layer.load.copy_(load)
+        mean = float(load.mean())
+        metrics["moe_tokens_per_expert"][name] = [int(v) for v in load.tolist()]
+        metrics["moe_load_max_over_mean"][name] = float(load.max()) / mean if mean else 0.0
+        metrics["moe_aux_loss"][name] = aux_sum / forwards if forwards else 0.0
+        metrics["moe_dropped_tokens"][name] = int(dropped)
+    return metrics
+
+
+STAT_KEYS = ("moe_tokens_per_expert", "moe_load_max_over_mean", "moe_aux_loss", "moe_dropped_tokens")
+
+
+def merge_stats(per_stage: list[dict]) -> dict:
+    """One metrics dict from the ``collect_stats`` of several pipeline stages (disjoint layers)."""
+    merged: dict = {}
+    for stats in per_stage:
+        for key, by_layer in stats.items():
+            merged.setdefault(key, {}).update(by_layer)
+    return {key: dict(sorted(v.items(), key=lambda kv: int(kv[0]))) for key, v in merged.items()}
+
+
+@torch.no_grad()
+def update_router_bias(parts) -> None:
+    """DeepSeek-V3's auxiliary-loss-free balancing, once per optimizer step, from the loads
+    ``collect_stats`` summed: b_i += gamma * sign(mean load - load_i)."""
+    for _, layer in moe_layers(parts):
+        if layer.router.kind == "sigmoid" and layer.bias_rate:
+            layer.router.expert_bias += layer.bias_rate * torch.sign(layer.load.mean() - layer.load).to(
+                layer.router.expert_bias.dtype)
+
+
+@torch.no_grad()
+def reset_stats(parts) -> None:
+    """Zero the per-step counters (after the step that used them)."""
+    for _, layer in moe_layers(parts):
+        layer.load.zero_()
+        layer.stats.zero_()

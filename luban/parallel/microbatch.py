@@ -1,0 +1,94 @@
+"""How the engine runs one step's micro-batches: a ``Schedule`` behind one small protocol.
+
+* ``MicroBatchLoop``: one model part, micro-batch after micro-batch, gradients accumulated
+  (data-parallel gradient sync only on the last one, ``set_gradient_sync``);
+* ``PipelineSchedule``: this rank's stages of a ``luban.parallel.pipeline.Pipeline`` driven by
+  its ``torch.distributed.pipelining`` schedule.
+
+Both backpropagate the loss times the loss scale (``LossScaler``, fp16) and return the
+unscaled mean loss of this rank's micro-batches. ``saved(measured)`` gives the saved-tensor
+context around a micro-batch's forward: activation offload on every one, and with
+``measured=True`` (the first ``recorded_microbatches`` of them) the ``ActivationCounter``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, ContextManager, Protocol
+
+import torch
+from torch import nn
+
+from luban.model import moe
+from luban.parallel.data_parallel import set_gradient_sync
+from luban.parallel.layout import ParallelLayout
+from luban.parallel.memory import local as _local
+from luban.parallel.pipeline import Pipeline
+from luban.parallel.precision import LossScaler
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class Schedule(Protocol):
+    parts: list[nn.Module]  # this rank's model parts (after every apply_* step)
+    recorded_microbatches: int  # micro-batches ``saved(True)`` wraps in ``forward_backward``
+    measurable: bool  # a step's saved activations are those of its micro-batches only
+
+    def forward_backward(self, tokens: torch.Tensor, labels: torch.Tensor,
+                         saved: Callable[[bool], ContextManager]) -> torch.Tensor:
+        """Forward and backward of every micro-batch; the mean loss (unscaled)."""
+
+    def evaluate(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Forward only; the mean loss."""
+
+
+class MicroBatchLoop:
+    """One model part, ``layout.micro_batch`` samples at a time."""
+
+    recorded_microbatches = 1  # activations have the same shapes every micro-batch: record the first
+    measurable = True
+
+    def __init__(self, module: nn.Module, layout: ParallelLayout, loss_fn: LossFn, scaler: LossScaler,
+                 autocast: Callable[[], ContextManager]):
+        self.parts, self.layout, self.loss_fn, self.scaler, self.autocast = [module], layout, loss_fn, scaler, autocast
+
+    def forward_backward(self, tokens, labels, saved) -> torch.Tensor:
+        model, mb = self.parts[0], self.layout.micro_batch
+        n = tokens.shape[0] // mb
+        moe.set_aux_grad_scale(self.parts, self.scaler.scale / n)  # backward runs on loss * scale / n
+        total = torch.zeros((), device=tokens.device)
+        for i, (x, y) in enumerate(zip(tokens.split(mb), labels.split(mb))):
+            with set_gradient_sync(model, self.layout, sync=i == n - 1):
+                with saved(i == 0), self.autocast():
+                    loss = self.loss_fn(model(x), y) / n
+                (loss * self.scaler.scale).backward()
+            total += _local(loss.detach())
+        return total
+
+    def evaluate(self, tokens, labels) -> torch.Tensor:
+        with self.autocast():
+            return self.loss_fn(self.parts[0](tokens), labels)
+
+
+class PipelineSchedule:
+    """A pipeline's stages on this rank; every micro-batch's activations are recorded."""
+
+    def __init__(self, pipeline: Pipeline, loss_fn: LossFn, scaler: LossScaler, autocast: Callable[[], ContextManager]):
+        self.pipeline, self.parts, self.loss_fn, self.scaler, self.autocast = (
+            pipeline, pipeline.parts, loss_fn, scaler, autocast)
+        self.recorded_microbatches = pipeline.n_microbatches
+        self.measurable = False  # the first step also runs torch's shape-inference forward (saved, then freed)
+        self._scaled_loss = self._scaled  # one object: the pipeline caches a torch schedule per loss fn
+
+    def _scaled(self, logits, labels):
+        return self.loss_fn(logits, labels) * self.scaler.scale
+
+    def forward_backward(self, tokens, labels, saved) -> torch.Tensor:
+        moe.set_aux_grad_scale(self.parts, self.scaler.scale)  # the schedule divides by n micro-batches
+        with saved(True), self.autocast():
+            loss = self.pipeline.forward_backward(tokens, labels, self._scaled_loss)
+        self.measurable = True
+        return loss / self.scaler.scale
+
+    def evaluate(self, tokens, labels) -> torch.Tensor:
+        with self.autocast():
+            return self.pipeline.evaluate(tokens, labels, self.loss_fn)

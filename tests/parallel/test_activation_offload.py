@@ -1,0 +1,67 @@
+"""``offload = "activations"`` composes with every layout and changes nothing but where saved
+tensors live: each layout trains bit for bit like the same layout without offload (SGD, 2 steps,
+clipping active), no saved activation stays on the device, and the bytes moved to the host per
+micro-batch are exactly the activation bytes the run without offload keeps on the device (which
+the planner predicts: tests/plan/test_runtime_multirank.py, and below for the offload layout)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from luban.model.presets import get_preset
+from luban.parallel.layout import ParallelLayout, check_layout
+from luban.errors import LubanError
+from tests.parallel.harness import merged_params, results, run_job, spawn
+
+LAYOUTS = {  # name: (preset, model keys, layout), all on 2 ranks but "single*"
+    "dp2-ddp": ("tiny-llama", {}, {"dp": 2}),
+    "dp2-zero3": ("tiny-llama", {}, {"dp": 2, "zero": 3}),
+    "tp2-sp": ("tiny-llama", {}, {"tp": 2, "sp": True}),
+    "pp2-1f1b": ("tiny", {}, {"pp": 2, "micro_batch": 2}),
+    "pp2-interleaved": ("tiny", {}, {"pp": 2, "virtual_stages": 2, "schedule": "interleaved-1f1b", "micro_batch": 2}),
+    "cp2": ("tiny-llama", {}, {"cp": 2}),
+    "dp2-ep2-moe": ("tiny-moe", {"layers": 3}, {"dp": 2, "ep": 2}),
+    "dp2-full-recompute": ("tiny-llama", {}, {"dp": 2, "recompute": "full"}),
+}
+SINGLE = {"single-selective": ("tiny", {}, {"recompute": "selective", "micro_batch": 2})}
+
+
+def jobs(table):
+    out = []
+    for name, (preset, model, layout) in table.items():
+        for offload in ("none", "activations"):
+            out.append({"name": f"{name}-{offload}", "preset": preset, "model": model, "global_batch": 8,
+                        "layout": {**layout, "offload": offload}, "steps": 2})
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("actoff")
+    code = spawn(jobs(LAYOUTS), 2, out)
+    single = {j["name"]: [run_job(j)] for j in jobs(SINGLE)}
+    return out, code, single
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("name", [*LAYOUTS, *SINGLE])
+def test_offloaded_activations_train_bit_for_bit_and_leave_the_device(runs, name):
+    out, code, single = runs
+    get = (lambda n: single[n]) if name in SINGLE else (lambda n: results(n, 2, out))
+    plain, off = get(f"{name}-none"), get(f"{name}-activations")
+    p_plain, p_off = merged_params(plain), merged_params(off)
+    assert set(p_plain) == set(p_off)
+    assert all(torch.equal(p_plain[k], p_off[k]) for k in p_plain), name
+    assert [r["losses"] for r in plain] == [r["losses"] for r in off]
+    for r_plain, r_off in zip(plain, off):
+        assert r_plain["memory"]["activation_bytes"] > 0
+        assert r_off["memory"]["activation_bytes"] == 0, r_off["memory"]  # nothing saved stays on the device
+        assert r_off["memory"]["host_activation_bytes"] == r_plain["memory"]["activation_bytes"]
+
+
+def test_runtime_refuses_the_planner_only_block_tier_and_allows_activations_with_ep():
+    cfg = get_preset("tiny-moe")
+    check_layout(ParallelLayout(dp=2, ep=2, offload="activations"), cfg, 8, 2)
+    with pytest.raises(LubanError, match="parallel.offload = 'blocks': this runtime offloads"):
+        check_layout(ParallelLayout(offload="blocks"), cfg, 8, 1)
