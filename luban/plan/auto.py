@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from luban.errors import LubanError
 from luban.model.config import ModelConfig
-from luban.parallel.layout import SCHEDULES, ParallelLayout
+from luban.parallel.layout import LUBAN_RULES, OFFLOADS, SCHEDULES, ParallelLayout
 from luban.plan.estimate import Estimate
 from luban.plan.explain import describe
 from luban.plan.problem import Problem
@@ -17,9 +17,12 @@ from luban.plan.search import search
 from luban.plan.system import System, load_system
 
 
+RUNTIME_OFFLOADS = tuple(OFFLOADS.index(o) for o in LUBAN_RULES.offloads)  # what luban's runtime runs
+
+
 def choose_layout(model_cfg: ModelConfig, world_size: int, global_batch: int, seq_len: int,
                   system: "System | str | None" = None, *, precision: str | None = None,
-                  optimizer: str = "adamw", schedules=SCHEDULES, offloads=(0, 1, 2)) -> tuple[ParallelLayout, Estimate]:
+                  optimizer: str = "adamw", schedules=SCHEDULES, offloads=RUNTIME_OFFLOADS) -> tuple[ParallelLayout, Estimate]:
     """The fastest valid layout that fits, and its estimate (per-rank bytes, step time).
 
     ``precision`` defaults to the faster of bf16 and fp32 on the system (fp32 on most CPUs);

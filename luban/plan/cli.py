@@ -1,4 +1,4 @@
-"""``luban plan estimate | search | validate | probe``: the planner's command line.
+"""``luban plan estimate | search | validate | probe | study``: the planner's command line.
 
 Layout flags are the keys of ``ParallelLayout`` with dashes (``--virtual-stages`` ↔
 ``virtual_stages``), so a plan pastes into a training config's ``[parallel]`` section.
@@ -6,20 +6,22 @@ Layout flags are the keys of ``ParallelLayout`` with dashes (``--virtual-stages`
 
 from __future__ import annotations
 
-import math
-import os
-
 import argparse
 import json
 import sys
 import tomllib
 from pathlib import Path
 
+from luban import schema
+from luban.plan import ATTENTION_KERNELS
 from luban.errors import LubanError, bad_value
 
-LAYOUT_FLAGS = {"dp": int, "dp_replicate": int, "zero": int, "tp": int, "pp": int, "schedule": str,
-                "virtual_stages": int, "cp": int, "micro_batch": int, "recompute": str, "offload": str,
-                "precision": str}
+DEGREE = schema.integer(1, 1 << 20)  # a parallel degree or a count of micro-batches / stages
+COUNT = schema.integer(1, 1 << 24)  # GPUs, sequences per step, tokens per sequence
+NAME = schema.text()
+LAYOUT_FLAGS = {"dp": DEGREE, "dp_replicate": DEGREE, "zero": schema.integer(0, 3), "tp": DEGREE, "pp": DEGREE,
+                "schedule": NAME, "virtual_stages": DEGREE, "cp": DEGREE, "micro_batch": DEGREE, "recompute": NAME,
+                "offload": NAME, "precision": NAME, "ep": DEGREE}
 GIB = 2**30
 
 
@@ -30,13 +32,23 @@ def register(sub) -> None:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--model", required=True, help="preset name or ModelConfig TOML/JSON file")
     common.add_argument("--system", default="dgx-a100-80g", help="built-in profile name or profile file")
-    common.add_argument("--gpus", type=int, required=True)
-    common.add_argument("--seq", type=int, help="sequence length (default: the model's seq_len)")
-    common.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
+    common.add_argument("--system-set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a profile field for a what-if system, repeatable: e.g. hbm_gib=120, "
+                             "nvlink_domain=16, offload_gib=1024, offload_gbps=100 (inf: unlimited), gpus_per_node=8, "
+                             "peak_tflops.bf16=1979, efficiency.zero3_overlap=0.5, or any field in its own unit")
+    common.add_argument("--gpus", type=COUNT, required=True)
+    common.add_argument("--seq", type=COUNT, help="sequence length (default: the model's seq_len)")
+    common.add_argument("--global-batch", type=COUNT, required=True, help="sequences per optimizer step")
     common.add_argument("--runtime", default=None,
-                        help="whose memory and time to model: megatron or luban (default: luban on a probed CPU "
+                        help="whose layout rules, memory and overlap to model: megatron, megatron-core, fsdp2 or luban "
+                             "(luban.plan.runtimes; default: luban on a probed CPU "
                              "profile, whose 'GPUs' are luban's own ranks; megatron otherwise)")
     common.add_argument("--optimizer", default="adamw", help="adamw, sgd or sgd-momentum")
+    common.add_argument("--expert-imbalance", type=schema.number(1, 1 << 20), default=1.0,
+                        help="MoE: the busiest expert rank's tokens over the mean (1 = balanced routing)")
+    common.add_argument("--attention-kernel", type=schema.choice(*ATTENTION_KERNELS), default="fa3",
+                        help="fused attention generation: fa3 (Hopper's FA3 class: TE/cuDNN, FlashAttention-3; "
+                             "as fa2 on GPUs without one) or fa2 (FlashAttention-2 class)")
     common.add_argument("--json", action="store_true", help="one JSON object on stdout")
 
     est = cmds.add_parser("estimate", parents=[common], help="memory, time, MFU and cost of one layout")
@@ -45,15 +57,18 @@ def register(sub) -> None:
                          help=f"[parallel] {key}" + (" (default: bf16 where the system is faster in it, else fp32)"
                                                      if key == "precision" else ""))
     est.add_argument("--sp", action="store_true", default=None, help="[parallel] sp (sequence parallel)")
-    est.add_argument("--price-per-gpu-hour", type=float, default=0.0)
-    est.add_argument("--train-tokens", type=float, default=0.0, help="tokens to train (for time, GPU-hours, cost)")
+    est.add_argument("--price-per-gpu-hour", type=schema.number(0, 1e9), default=0.0)
+    est.add_argument("--train-tokens", type=schema.number(0, 1e18), default=0.0, help="tokens to train (for time, GPU-hours, cost)")
     est.add_argument("--explain", action="store_true", help="show where every byte and millisecond goes")
     est.set_defaults(func=cmd_estimate)
 
     srch = cmds.add_parser("search", parents=[common], help="every valid layout; the fastest that fit")
-    srch.add_argument("--top", type=int, default=5)
-    srch.add_argument("--precision", default="bf16")
-    srch.add_argument("--chart", help="write a PNG of the best layouts' memory and time")
+    srch.add_argument("--top", type=schema.integer(1, 10_000), default=5)
+    srch.add_argument("--precision", type=NAME, default="bf16")
+    srch.add_argument("--chart", type=schema.path("new-file"), help="write a PNG of the best layouts' memory and time")
+    srch.add_argument("--ep", type=DEGREE, action="append", default=None,
+                      help="MoE: search only these expert-parallel sizes (repeatable; default: every size that "
+                           "divides dp*cp and the experts)")
     srch.set_defaults(func=cmd_search)
 
     val = cmds.add_parser("validate", help="reproduce the published tables")
@@ -61,8 +76,13 @@ def register(sub) -> None:
     val.add_argument("--json", action="store_true")
     val.set_defaults(func=cmd_validate)
 
+    study = cmds.add_parser("study", help="rerun a published planning study and compare (charts + table)")
+    study.add_argument("name", help="the study: seed003 (the Calculon multi-trillion-parameter scaling study)")
+    study.add_argument("--out", type=schema.path("new-dir"), default="seed003", help="folder for results.json, PNG charts and the table")
+    study.set_defaults(func=cmd_study)
+
     probe = cmds.add_parser("probe", help="measure this machine and write a system profile")
-    probe.add_argument("--out", help="profile file to write (.toml or .json); default: print it")
+    probe.add_argument("--out", type=schema.path("new-file"), help="profile file to write (.toml or .json); default: print it")
     probe.set_defaults(func=cmd_probe)
 
 
@@ -87,35 +107,21 @@ def _problem(args):
     from luban.plan.problem import Problem
     from luban.plan.system import load_system
 
-    for key in ("gpus", "global_batch"):
-        if not 1 <= getattr(args, key) <= 1 << 24:
-            raise bad_value("--" + key.replace("_", "-"), getattr(args, key), "an integer from 1 to 16777216")
     model = load_model(args.model)
     seq = args.seq or model.seq_len
-    if args.seq is not None and not 1 <= args.seq <= (model.seq_len if model.position == "learned" else 1 << 24):
-        raise bad_value("--seq", args.seq, f"from 1 to {model.seq_len}, the model's learned positions" if
-                        model.position == "learned" else "from 1 to 16777216")
-    for key in ("train_tokens", "price_per_gpu_hour"):
-        value = getattr(args, key, None)
-        if value is not None and not (math.isfinite(value) and value >= 0):
-            raise bad_value("--" + key.replace("_", "-"), value, "a finite number >= 0")
-    chart = getattr(args, "chart", None)
-    if chart:  # before a search that may take a while, not after
-        parent = Path(chart).parent
-        if not parent.is_dir() or not os.access(parent, os.W_OK) or Path(chart).is_dir():
-            raise bad_value("--chart", chart, "a PNG path in an existing, writable folder")
-    system = load_system(args.system)
-    runtime = args.runtime or ("luban" if system.cpu else "megatron")
-    return Problem(model, system, args.gpus, seq, args.global_batch, runtime, args.optimizer)
+    if args.seq is not None and model.position == "learned" and args.seq > model.seq_len:
+        raise bad_value("--seq", args.seq, f"from 1 to {model.seq_len}, the model's learned positions")
+    system = load_system(args.system, args.system_set)
+    runtime = args.runtime if args.runtime is not None else ("luban" if system.cpu else "megatron")
+    return Problem(model, system, args.gpus, seq, args.global_batch, runtime, args.optimizer, args.expert_imbalance,
+                   args.attention_kernel)
 
 
-def _layout(args, gpus: int):
+def _layout(args, gpus: int, rules=None):
+    from luban.parallel import schedules
     from luban.parallel.layout import ParallelLayout
 
     raw = {k: getattr(args, k) for k in LAYOUT_FLAGS if getattr(args, k) is not None}
-    for key in ("dp", "tp", "pp", "cp", "ep", "micro_batch", "virtual_stages"):
-        if key in raw and (isinstance(raw[key], bool) or not isinstance(raw[key], int) or not 1 <= raw[key] <= 1 << 20):
-            raise bad_value("--" + key.replace("_", "-"), raw[key], "an integer from 1 to 1048576")
     if args.sp:
         raw["sp"] = True
     if "dp" not in raw:
@@ -123,9 +129,9 @@ def _layout(args, gpus: int):
         if gpus % inner:
             raise bad_value("--gpus", gpus, f"must be divisible by tp*pp*cp = {inner}")
         raw["dp"] = gpus // inner
-    if raw.get("schedule") in ("interleaved-1f1b", "zero-bubble", "dualpipev") and "virtual_stages" not in raw:
-        raw["virtual_stages"] = 2
-    return ParallelLayout.from_dict(raw, section="parallel")
+    if raw.get("schedule") in schedules.BY_NAME and "virtual_stages" not in raw:
+        raw["virtual_stages"] = schedules.get(raw["schedule"]).min_virtual
+    return ParallelLayout.from_dict(raw, section="parallel", rules=rules)
 
 
 def cmd_estimate(args) -> int:
@@ -135,11 +141,11 @@ def cmd_estimate(args) -> int:
     from luban.plan.grid import Grid
 
     problem = _problem(args)
-    layout = _layout(args, problem.gpus)
+    layout = _layout(args, problem.gpus, problem.runtime_model)
     if args.precision is None:  # as the search and choose_layout do: the system's faster of bf16 and fp32
         system = problem.system
         layout = layout.replace(precision="bf16" if system.peak("bf16") > system.peak("fp32") else "fp32")
-    check_layout(layout, problem.model, problem.global_batch, problem.gpus, problem.seq)
+    check_layout(layout, problem.model, problem.global_batch, problem.gpus, problem.seq, rules=problem.runtime_model)
     g = Grid.from_layout(layout)
     est = Estimate.from_results(problem, g, evaluate(problem, g), train_tokens=args.train_tokens,
                                 price_per_gpu_hour=args.price_per_gpu_hour)
@@ -182,12 +188,14 @@ def cmd_search(args) -> int:
 
     if args.precision not in PRECISIONS:
         raise bad_value("--precision", args.precision, f"one of {', '.join(PRECISIONS)}")
-    if args.top < 1:
-        raise bad_value("--top", args.top, "must be a positive integer")
     from luban.plan.search import search
 
     problem = _problem(args)
-    result = search(problem, top=args.top, precision=args.precision)
+    for ep in args.ep or ():
+        if ep < 1 or (problem.model.moe and problem.model.experts % ep) or (not problem.model.moe and ep > 1):
+            raise bad_value("--ep", ep, f"a divisor of experts = {problem.model.experts}" if problem.model.moe
+                            else "1 (the model has no experts)")
+    result = search(problem, top=args.top, precision=args.precision, eps=args.ep)
     if args.chart and result.best:
         from luban.plan.chart import write_chart
 
@@ -232,6 +240,26 @@ def cmd_validate(args) -> int:
             exact = "" if "exact" not in r else ("  exact" if r["exact"] else "  MISMATCH")
             print(f"  {r['row']:42s} ref {r['reference']:>10.4g} {r['unit']:8s} planned {r['predicted']:>10.4g}"
                   f"  {r['error']:+7.2%}{exact}")
+    return 0
+
+
+def cmd_study(args) -> int:
+    from luban.plan.study import STUDIES
+
+    if args.name not in STUDIES:
+        raise bad_value("study", args.name, f"one of {', '.join(STUDIES)}")
+    out = Path(args.out)
+    try:  # before a run of minutes, not after
+        out.mkdir(parents=True, exist_ok=True)
+        (out / ".luban-write-test").touch()
+        (out / ".luban-write-test").unlink()
+    except OSError as err:
+        raise bad_value("--out", args.out, f"a folder that exists and is writable, or can be created ({err.strerror})") from None
+    try:
+        STUDIES[args.name](out, log=lambda line: print(line, file=sys.stderr))
+    except OSError as err:
+        raise LubanError(f"--out = {args.out!r}: writing the study's results failed: {err}") from None
+    print(f"wrote {out / 'seed003.md'} and charts (a_model_size.png, b_strong_scaling.png, c_blocks.png)")
     return 0
 
 

@@ -26,7 +26,8 @@ from luban.plan.time import peak_flops, step_time
 
 MEMORY_KEYS = ("weights", "gradients", "optimizer", "activations", "other", "total")
 STAGE_KEYS = {"param_bytes": "weights_total", "grad_bytes": "gradients", "optimizer_bytes": "optimizer_total",
-              "activation_bytes_per_microbatch": "activation_per_microbatch", "total": "total"}
+              "activation_bytes_per_microbatch": "activation_per_microbatch", "total": "total",
+              "layer_activation": "layer_activation"}
 
 
 def evaluate(problem: Problem, g: Grid) -> dict:
@@ -106,7 +107,7 @@ class Estimate:
             stages={pos: {kind: at(mem[pos][key]) for kind, key in STAGE_KEYS.items()} for pos in ("first", "last")},
             extra={"buffers": rank("buffers"), "fits_hbm": bool(at(mem["fits_hbm"])),
                    "fits_host": bool(at(mem["fits_host"])), "first_params": at(mem["first"]["params"]),
-                   "last_params": at(mem["last"]["params"])},
+                   "last_params": at(mem["last"]["params"]), "attention_kernel": problem.attention_kernel},
             **cost)
 
     def stage_bytes(self, pp_rank: int) -> dict:
@@ -160,9 +161,9 @@ def estimate(model: ModelConfig, system: "System | str", layout: ParallelLayout,
     """Estimate one layout; ``check_layout`` rejects an invalid one with a ``LubanError``."""
     seq = model.seq_len if seq is None else seq
     gpus = layout.world_size if gpus is None else gpus
-    if check:
-        check_layout(layout, model, global_batch, gpus, seq)
     problem = Problem(model, load_system(system), gpus, seq, global_batch, runtime, optimizer)
+    if check:
+        check_layout(layout, model, global_batch, gpus, seq, rules=problem.runtime_model)
     g = Grid.from_layout(layout)
     return Estimate.from_results(problem, g, evaluate(problem, g), train_tokens=train_tokens,
                                  price_per_gpu_hour=price_per_gpu_hour)

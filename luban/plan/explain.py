@@ -6,12 +6,13 @@ from __future__ import annotations
 from luban.parallel.layout import ParallelLayout
 from luban.plan.estimate import Estimate
 from luban.plan.grid import Grid
-from luban.plan.memory import activation_bytes, param_bytes, rank_layers, zero_shards
+from luban.plan.memory import (activation_bytes, expert_split, expert_zero_shards, moe_activation_bytes, param_bytes,
+                               rank_experts, rank_layers, zero_shards)
 from luban.plan.problem import Problem
 from luban.plan.search import search
 
 GIB = 2**30
-KNOBS = ("dp", "zero", "tp", "sp", "pp", "schedule", "virtual_stages", "cp", "micro_batch", "recompute", "offload")
+KNOBS = ("dp", "zero", "tp", "sp", "pp", "schedule", "virtual_stages", "cp", "micro_batch", "recompute", "offload", "ep")
 
 
 def describe(layout: ParallelLayout) -> str:
@@ -19,7 +20,7 @@ def describe(layout: ParallelLayout) -> str:
     sched = f" {layout.schedule}" + (f"x{layout.virtual_stages}" if layout.virtual_stages > 1 else "") if layout.pp > 1 else ""
     off = f" off={layout.offload}" if layout.offload != "none" else ""
     return (f"dp{layout.dp} z{layout.zero} tp{layout.tp}{'+sp' if layout.sp else ''} pp{layout.pp}{sched} "
-            f"cp{layout.cp} mb{layout.micro_batch} rc={layout.recompute}{off}")
+            f"cp{layout.cp}{f' ep{layout.ep}' if layout.ep > 1 else ''} mb{layout.micro_batch} rc={layout.recompute}{off}")
 
 
 def why_not(est: Estimate) -> list[str]:
@@ -53,6 +54,21 @@ def nearest_feasible(problem: Problem, layout: ParallelLayout, k: int = 3) -> li
     return search(problem, top=k, score=closeness, precision=layout.precision).best
 
 
+def moe_lines(est: Estimate, problem: Problem, g: Grid) -> list[str]:
+    """The mixture-of-experts share of the memory terms above (none for a dense model)."""
+    cfg = problem.model
+    if not cfg.moe:
+        return []
+    experts = float(rank_experts(problem, g)[0 if est.rank == 0 else 1])
+    split, shards = int(expert_split(problem, g)), int(expert_zero_shards(problem, g))
+    act = float(moe_activation_bytes(problem, g, activation_bytes(problem, g)["e"], 0, 0))
+    return [f"  MoE: of the parameters, {experts:,.0f} are routed experts ({cfg.moe_layers} MoE layers x "
+            f"{cfg.experts} experts / {split} ranks (ep{' x tp' if split != g.ep else ''})); their states shard over "
+            f"{shards} expert-data-parallel rank(s) instead of {int(zero_shards(problem, g))}; the activations "
+            f"include the routed copies and {act:,.0f} B/token of routing buffers per layer; buffers include "
+            f"the all-to-all send/receive copies"]
+
+
 def explain(est: Estimate, problem: Problem) -> str:
     """Every term of the memory and time estimate with the numbers that produce it."""
     lay = est.layout
@@ -60,10 +76,10 @@ def explain(est: Estimate, problem: Problem) -> str:
     cfg = problem.model
     wb, gb, ob = (float(x) for x in param_bytes(problem.runtime, problem.optimizer_states, g.precision))
     shards = int(zero_shards(problem, g))
-    fsdp = problem.runtime == "luban"  # luban's ZeRO >= 1 is FSDP2: weights and gradients sharded at rest
+    fsdp = problem.runtime_model.fsdp  # ZeRO >= 1 as FSDP2: weights and gradients sharded at rest
     act = activation_bytes(problem, g)
     tokens = lay.micro_batch * problem.seq / lay.cp
-    layers = int(rank_layers(problem, g))
+    layers = int(rank_layers(problem, g)[0 if est.rank == 0 else 1])
     params = est.extra["first_params"] if est.rank == 0 else est.extra["last_params"]
     m = est.memory_bytes
 
@@ -73,17 +89,22 @@ def explain(est: Estimate, problem: Problem) -> str:
     out = [f"memory per GPU (pipeline rank {est.rank}, {problem.runtime} runtime):",
            f"  parameters on this rank   {params:,.0f} ({layers} layers of {cfg.layers}, tp={lay.tp})",
            f"  weights       {m['weights'] / GIB:9.3f} GiB = params x {wb:g} B" + sharded(1 if fsdp else 3)
-           + (" (offloaded: 0 on GPU)" if lay.offload == "params" else ""),
+           + (" (offloaded: 0 on GPU)" if lay.offload == "params" else "")
+           + (" (offload tier; on GPU: 2 layers, computing + prefetched)" if lay.offload == "blocks" else ""),
            f"  gradients     {m['gradients'] / GIB:9.3f} GiB = params x {gb:g} B" + sharded(1 if fsdp else 2),
            f"  optimizer     {m['optimizer'] / GIB:9.3f} GiB = params x {ob:g} B ({problem.optimizer})"
-           + sharded(1) + (" (offloaded: 0 on GPU)" if lay.offload != "none" else ""),
-           f"  activations   {m['activations'] / GIB:9.3f} GiB = {est.in_flight:g} in flight x "
-           f"{est.activation_bytes_per_microbatch / GIB:.3f} GiB per micro-batch",
+           + sharded(1) + (" (offloaded: 0 on GPU)" if lay.offload in ("optimizer", "params", "blocks") else ""),
+           (f"  activations   {m['activations'] / GIB:9.3f} GiB = 2 layers of one micro-batch (computing + in "
+            f"transfer); {est.in_flight:g} in flight x {est.activation_bytes_per_microbatch / GIB:.3f} GiB per "
+            "micro-batch in the offload tier" if lay.offload in ("activations", "blocks") else
+            f"  activations   {m['activations'] / GIB:9.3f} GiB = {est.in_flight:g} in flight x "
+            f"{est.activation_bytes_per_microbatch / GIB:.3f} GiB per micro-batch"),
            f"                per micro-batch: {layers} layers x {float(act['per_token']):,.1f} B/token x {tokens:,.0f} tokens"
            f" (+ {float(act['fixed']):,.0f} B autocast weight copies per layer) + embedding/head",
            f"  other         {m['other'] / GIB:9.3f} GiB = framework overhead {problem.system.framework_overhead_bytes / GIB:.2f}"
            f" GiB + buffers {est.extra['buffers'] / GIB:.3f} GiB (ZeRO-3 prefetch, TP/PP buffers"
            + (", FSDP2 gathered weights / full gradients" if fsdp else "") + ")",
+           *moe_lines(est, problem, g),
            f"  total         {m['total'] / GIB:9.3f} GiB of {est.hbm_bytes / GIB:.1f} GiB -> {'fits' if est.fits else 'DOES NOT FIT'}",
            f"  host (offload) {est.host_bytes / GIB:8.3f} GiB",
            f"step time {est.step_time_s * 1e3:,.1f} ms ({est.microbatches} micro-batches per pipeline):"]

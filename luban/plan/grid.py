@@ -13,12 +13,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from luban.parallel.layout import OFFLOADS, PRECISIONS, SCHEDULES, ParallelLayout, parse_recompute
+from luban.parallel import schedules
+from luban.parallel.layout import (OFFLOADS, PRECISIONS, RECOMPUTES, SCHEDULES, ParallelLayout, format_recompute,
+                                   parse_recompute)
 
-RECOMPUTES = ("none", "selective", "full")
-GPIPE, ONE_F_ONE_B, INTERLEAVED, ZERO_BUBBLE, DUALPIPEV = range(len(SCHEDULES))
 NO_RECOMPUTE, SELECTIVE, FULL = range(len(RECOMPUTES))
-FP32 = PRECISIONS.index("fp32")
+FP32, BF16, FP16, FP8 = (PRECISIONS.index(p) for p in ("fp32", "bf16", "fp16", "fp8"))
+NO_OFFLOAD, OPTIMIZER_OFFLOAD, PARAMS_OFFLOAD, ACTIVATIONS_OFFLOAD, BLOCKS_OFFLOAD = (
+    OFFLOADS.index(k) for k in ("none", "optimizer", "params", "activations", "blocks"))
 
 
 @dataclass
@@ -38,7 +40,8 @@ class Grid:
     recompute_every: np.ndarray = dataclasses.field(default_factory=lambda: np.array(1))
     dp_replicate: np.ndarray = dataclasses.field(default_factory=lambda: np.array(1))
     loss_scale_none: np.ndarray = dataclasses.field(default_factory=lambda: np.array(False))
-    max_stage_layers: np.ndarray | None = None  # from an explicit pp_split; None: even split
+    ep: np.ndarray = dataclasses.field(default_factory=lambda: np.array(1))  # expert parallel (borrows dp*cp ranks)
+    stage_layers: tuple | None = None  # (rank 0, last-stage rank, busiest) from an explicit pp_split
 
     @classmethod
     def from_layout(cls, layout: ParallelLayout) -> "Grid":
@@ -50,13 +53,13 @@ class Grid:
             micro_batch=np.array(layout.micro_batch), recompute=np.array(RECOMPUTES.index(mode)),
             offload=np.array(OFFLOADS.index(layout.offload)), precision=np.array(PRECISIONS.index(layout.precision)),
             recompute_every=np.array(every), dp_replicate=np.array(layout.dp_replicate),
-            loss_scale_none=np.array(layout.loss_scale == "none"),
-            max_stage_layers=_max_stage_layers(layout) if layout.pp_split else None)
+            loss_scale_none=np.array(layout.loss_scale == "none"), ep=np.array(layout.ep),
+            stage_layers=_split_rank_layers(layout) if layout.pp_split else None)
 
     @property
     def shape(self) -> tuple[int, ...]:
         return np.broadcast_shapes(*(np.shape(getattr(self, f.name)) for f in dataclasses.fields(self)
-                                     if getattr(self, f.name) is not None))
+                                     if f.name != "stage_layers"))
 
     def layout(self, index: tuple[int, ...] | int = ()) -> ParallelLayout:
         """The ``ParallelLayout`` at ``index`` (a flat index or a tuple into ``shape``)."""
@@ -67,20 +70,18 @@ class Grid:
             arr = np.broadcast_to(getattr(self, name), shape)
             return arr[idx].item()
 
-        rc = RECOMPUTES[get("recompute")]
-        every = get("recompute_every")
-        if rc == "full" and every > 1:
-            rc = f"full:{every}"
+        rc = format_recompute(RECOMPUTES[get("recompute")], get("recompute_every"))
         return ParallelLayout(
             dp=get("dp"), dp_replicate=get("dp_replicate"), zero=get("zero"), tp=get("tp"), sp=bool(get("sp")),
             pp=get("pp"), schedule=SCHEDULES[get("schedule")], virtual_stages=get("virtual_stages"),
             cp=get("cp"), micro_batch=get("micro_batch"), recompute=rc, offload=OFFLOADS[get("offload")],
-            precision=PRECISIONS[get("precision")], loss_scale="none" if get("loss_scale_none") else "dynamic")
+            precision=PRECISIONS[get("precision")], loss_scale="none" if get("loss_scale_none") else "dynamic",
+            ep=get("ep"))
 
 
-def _max_stage_layers(layout: ParallelLayout) -> np.ndarray:
-    """Most layers any rank holds when chunk j of the ``pp_split`` goes to rank j mod pp."""
-    per_rank = [0] * layout.pp
-    for j, n in enumerate(layout.pp_split):
-        per_rank[j % layout.pp] += n
-    return np.array(max(per_rank))
+def _split_rank_layers(layout: ParallelLayout) -> tuple:
+    """Layers on (rank 0, the last stage's rank, the busiest rank) for an explicit ``pp_split``,
+    placed by the schedule (``luban.parallel.schedules``)."""
+    sched = schedules.get(layout.schedule)
+    return tuple(np.array(x) for x in schedules.split_rank_layers(sched, layout.pp, layout.virtual_stages,
+                                                                   layout.pp_split))

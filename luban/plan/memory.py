@@ -1,5 +1,12 @@
 """Per-GPU memory: model states (ZeRO), activations (Korthikanti Table 2), buffers, overhead.
 
+Mixtures of experts: a rank holds 1/ep of every MoE layer's routed experts (1/(ep·tp) under
+megatron, whose expert tensor parallel size defaults to tp; luban replicates experts over tp)
+and shards their states over the expert-data-parallel group (the ZeRO group / ep); a token's
+k routed copies are saved at the experts' input and intermediate width, plus the router's
+fp32 scores and the top-k indices and weights (routing buffers); dispatch and combine hold
+send and receive buffers of the routed copies while the all-to-all runs.
+
 Every function takes a ``Problem`` and a ``Grid`` of layouts and returns broadcast numpy arrays.
 Equations, with their sources, are written out in docs/planner.md.
 """
@@ -8,20 +15,18 @@ from __future__ import annotations
 
 import numpy as np
 
-from luban.plan.grid import DUALPIPEV, FP32, FULL, GPIPE, NO_RECOMPUTE, SELECTIVE, ZERO_BUBBLE, Grid
+from luban.model import flops
+from luban.parallel import schedules
+from luban.plan import runtimes
+from luban.plan.grid import (ACTIVATIONS_OFFLOAD, BLOCKS_OFFLOAD, FULL, NO_RECOMPUTE, OPTIMIZER_OFFLOAD, PARAMS_OFFLOAD,
+                             SELECTIVE, Grid)
 from luban.plan.problem import Problem
 
 
 def param_bytes(runtime: str, states: int, precision) -> tuple:
-    """Bytes per parameter of (weights, gradients, optimizer state) before sharding.
-
-    megatron: half precision keeps 2-byte weights and gradients and K = 4 + 4·states bytes of
-    fp32 master weights and optimizer states (ZeRO Sec. 3.1: K = 12 for Adam); fp32 keeps
-    4 + 4 + 4·states. luban keeps fp32 weights and gradients at every precision.
-    """
-    state_b = 4.0 * states
-    half = (precision != FP32) & (runtime == "megatron")
-    return np.where(half, 2.0, 4.0), np.where(half, 2.0, 4.0), np.where(half, 4.0 + state_b, state_b)
+    """Bytes per parameter of (weights, gradients, optimizer state) before sharding: the
+    runtime model's accounting (``luban.plan.runtimes``)."""
+    return runtimes.get(runtime).param_bytes(states, precision)
 
 
 def model_state_bytes(params, weight_b, grad_b, optim_b, zero, shards, fsdp: bool = False) -> tuple:
@@ -43,31 +48,45 @@ def fsdp_transients(params, weight_b, grad_b, zero, shards):
     return np.where((zero == 1) | (zero == 2), rest * weight_b, 0.0) + np.where(zero == 1, rest * grad_b, 0.0)
 
 
-def v_shaped(g: Grid):
-    """Schedules that place the first and the last model chunk on pipeline rank 0."""
-    return (g.pp > 1) & ((g.schedule == DUALPIPEV) | ((g.schedule == ZERO_BUBBLE) & (g.virtual_stages % 2 == 0)))
+def rank_layers(problem: Problem, g: Grid) -> tuple:
+    """Transformer layers on (pipeline rank 0, the last stage's rank, the busiest rank): the
+    runtime's split and placement (``luban.parallel.schedules``), or the explicit ``pp_split``."""
+    if g.stage_layers is not None:
+        return g.stage_layers
+    return schedules.rank_layers(problem.model.layers, g.pp, g.virtual_stages, problem.derived["head_layers"],
+                                 g.schedule)
 
 
-def rank_layers(problem: Problem, g: Grid):
-    """Transformer layers on the busiest pipeline rank: ceil(l / (p·v)) per model chunk, v chunks."""
-    if g.max_stage_layers is not None:
-        return g.max_stage_layers
-    chunks = g.pp * g.virtual_stages
-    return np.minimum(-(-problem.model.layers // chunks) * g.virtual_stages, problem.model.layers)
+def expert_split(problem: Problem, g: Grid):
+    """Ranks one MoE layer's routed experts are split over: ep (x tp where the runtime splits
+    experts by tensor parallel, ``Runtime.expert_tp``)."""
+    return g.ep * (g.tp if problem.runtime_model.expert_tp else 1)
+
+
+def rank_experts(problem: Problem, g: Grid) -> tuple:
+    """Routed-expert parameters held by the first and by the last pipeline rank."""
+    first_layers, last_layers, _ = rank_layers(problem, g)
+    per_layer = problem.derived["layer_experts"] / expert_split(problem, g)
+    single = (g.pp == 1) | schedules.is_v(g.schedule)
+    return first_layers * per_layer, np.where(single, first_layers, last_layers) * per_layer
 
 
 def rank_params(problem: Problem, g: Grid) -> tuple:
     """Parameters held by the first and by the last pipeline rank (tensor parallel splits the
-    weight matrices and the vocabulary, not the norms and output biases)."""
+    weight matrices and the vocabulary, not the norms and output biases; the routed experts
+    are ``rank_experts``)."""
     d = problem.derived
     layer = (d["layer_params"] - d["layer_replicated"]) / g.tp + d["layer_replicated"]
-    layers = rank_layers(problem, g) * layer
+    layer = layer + d["layer_experts"] / expert_split(problem, g)
+    first_layers, last_layers, _ = rank_layers(problem, g)
     head = d["embedding"] / g.tp  # the untied LM head, or the copy of a tied one on the last stage
     embed = d["embedding"] / g.tp + d["positions"]
-    tail = d["norm"] + np.where(problem.model.tie_embeddings, 0.0, head)
-    single = (g.pp == 1) | v_shaped(g)
-    first = layers + embed + np.where(single, tail, 0.0)
-    last = np.where(single, first, layers + d["norm"] + head)
+    # one stage holding both ends shares a tied head; a V-shaped rank 0 builds the first and the
+    # last stage as two modules, so its tied head is a second copy (luban.parallel.pipeline)
+    tail = d["norm"] + np.where(problem.model.tie_embeddings & (g.pp == 1), 0.0, head)
+    single = (g.pp == 1) | schedules.is_v(g.schedule)
+    first = first_layers * layer + embed + np.where(single, tail, 0.0)
+    last = np.where(single, first, last_layers * layer + d["norm"] + head)
     return first, last
 
 
@@ -76,117 +95,59 @@ def activation_bytes(problem: Problem, g: Grid) -> dict:
 
     Returns bytes ``per_token`` (multiply by the rank's tokens b·s/cp) and ``fixed`` bytes per
     micro-batch (autocast weight copies); ``none`` is the no-recompute amount (the working set of
-    a layer being recomputed). megatron: Korthikanti et al. 2022, Table 2, generalised to
-    grouped-query attention and the MLP width; luban: the tensors PyTorch saves for
-    ``luban.model.transformer.Block`` (docs/planner.md lists them).
+    a layer being recomputed). What one layer saves is the runtime model's
+    (``Runtime.layer_activations``); this applies the recompute choice.
     """
-    cfg = problem.model
-    h, q, kv, f, a = cfg.hidden, cfg.q_dim, cfg.kv_dim, cfg.ffn_hidden, cfg.heads
-    t = g.tp
-    rep_div = np.where(g.sp, t, 1)  # sequence parallel splits the replicated part too
-    s_keys = problem.seq / g.cp
-    if problem.runtime == "megatron":
-        e = np.where(g.precision == FP32, 4.0, 2.0)
-        replicated = (4 * e + 2) * h  # 2 norm inputs, QKV and MLP inputs, 2 dropout masks (1 byte)
-        mlp = (3 if cfg.activation == "swiglu" else 2) * e * f
-        sharded = e * (2 * q + 2 * kv) + mlp  # Q and K, V, out-proj input; MLP
-        scores = a * s_keys * (2 * e + 1)  # softmax output, dropout mask, dropout output
-        none = replicated / rep_div + (sharded + scores) / t
-        selective = replicated / rep_div + sharded / t
-        full = e * h / rep_div
-        fixed_none = np.zeros_like(e)
-    else:
-        big = 4.0  # residual stream, norms: fp32 (the weights are fp32)
-        e = np.where(g.precision == FP32, 4.0, 2.0)
-        norm_saved = big * h + 8 if cfg.norm == "layernorm" else 2 * big * h + 4
-        consumers = 2 if cfg.activation == "swiglu" else 1
-        norm_out = np.where(g.precision == FP32, big * h * 2, e * h * (3 + consumers))
-        # luban's sequence parallel all-gathers the norm outputs before the linears, which save
-        # them whole (Megatron instead re-gathers them in backward): only norm inputs shrink
-        replicated = 2 * norm_saved / rep_div + norm_out
-        mlp = (4 if cfg.activation == "swiglu" else 2) * e * f
-        core_out = e * q
-        core = np.where(g.cp > 1, ring_attention_bytes(problem, g), e * 3 * q + 4 * a)
-        none = replicated + (core + core_out + mlp) / t
-        selective = replicated + (e * (q + 2 * kv) + core_out + mlp) / t
-        full = big * h / rep_div
-        fixed_none = np.where(g.precision == FP32, 0.0, 2.0 * problem.derived["layer_matmul_weights"] / t)
+    layer = problem.runtime_model.layer_activations(problem, g)
+    none, selective = layer["none"], layer["selective"]
     share = recomputed_share(problem, g)  # full:k keeps the other layers' activations
-    fixed = (1 - share) * fixed_none
-    full = share * full + (1 - share) * none
+    fixed = (1 - share) * layer["fixed_none"]
+    full = share * layer["full"] + (1 - share) * none
     per_token = np.where(g.recompute == NO_RECOMPUTE, none, np.where(g.recompute == SELECTIVE, selective, full))
-    return {"per_token": per_token, "fixed": fixed, "none": none, "selective": selective, "fixed_none": fixed_none,
-            "e": e}
+    return {"per_token": per_token, "fixed": fixed, "none": none, "selective": selective,
+            "fixed_none": layer["fixed_none"], "e": layer["e"]}
 
 
-def ring_attention_bytes(problem: Problem, g: Grid):
-    """Bytes per token (before the tp split) that luban's ring attention saves in one layer
-    (luban/parallel/context_parallel.py: fp32 math-path blocks, no flash kernel).
+def moe_activation_bytes(problem: Problem, g: Grid, e, per_width: int, token_copies: int):
+    """Bytes per token (average layer) that a MoE feed-forward saves: for each of the k routed
+    copies and each shared expert ``per_width`` tensors of the expert width (megatron 3 / luban
+    4 for SwiGLU, as the dense MLP), ``token_copies`` hidden-size copies of each routed token
+    (the experts' input; luban also the combine's weighted output), and the routing buffers:
+    fp32 router logits and probabilities (8E) and the top-k indices and weights (8k + 4k).
+    Split by tp where the experts are (megatron), not where they are replicated (luban)."""
+    cfg = problem.model
+    if not cfg.moe:
+        return 0.0
+    k, fe = cfg.experts_per_token, cfg.expert_ffn_hidden
+    tp_split = expert_split(problem, g) / g.ep
+    experts = ((k + cfg.shared_experts) * per_width * e * fe + token_copies * k * e * cfg.hidden) / tp_split
+    routing = 8.0 * cfg.experts + 12.0 * k
+    return problem.derived["moe_share"] * (experts + routing)
 
-    Per ring step j of c: the received K/V block (2·4q; step 0 the stacked local one), the
-    masked scores and their softmax (2·4·a·s/c), the block's log-sum-exp (4a) and output (4q);
-    each merge after the first keeps two exp factors (8a), and from the third step on the
-    running output and log-sum-exp (4q + 4a); plus the fp32 query (4q) and the causal mask
-    of each step (c·(s/c)/b bytes per token).
-    """
-    cfg, c = problem.model, g.cp
-    q, a = cfg.q_dim, cfg.heads
-    keys = problem.seq / c
-    per_step = 8 * q + 8 * a * keys + 4 * a + 4 * q
-    merges = (c - 1) * 8 * a + np.maximum(c - 2, 0) * (4 * q + 4 * a)
-    return 4 * q + c * per_step + merges + c * keys / g.micro_batch
+
+def all_to_all_bytes(problem: Problem, g: Grid, e):
+    """Bytes per token of one MoE layer's dispatch (or combine): the k routed copies of the
+    token's hidden state (0 without expert parallel: the tokens stay on the rank)."""
+    cfg = problem.model
+    return np.where(g.ep > 1, cfg.experts_per_token * cfg.hidden * e, 0.0) if cfg.moe else np.zeros_like(g.ep, float)
 
 
 def recomputed_share(problem: Problem, g: Grid):
     """Share of layers whose forward is repeated (``full:k`` recomputes every k-th layer)."""
-    layers = problem.model.layers
-    return np.where(g.recompute == FULL, -(-layers // g.recompute_every) / layers, 0.0)
+    return np.where(g.recompute == FULL, flops.recomputed_share(problem.model.layers, g.recompute_every), 0.0)
 
 
 def extra_activation_bytes(problem: Problem, g: Grid, e) -> tuple:
     """Per micro-batch bytes outside the layers on the first and the last rank, as (per-token,
-    fixed) pairs: embedding output and token ids; final norm, LM-head input and fp32 logits."""
-    cfg = problem.model
-    h, t = cfg.hidden, g.tp
-    rep_div = np.where(g.sp, t, 1)
-    logits = 4.0 * cfg.vocab / t
-    if problem.runtime == "megatron":
-        first_tok, first_fix = h / rep_div, 0.0  # embedding dropout mask
-        last_tok, last_fix = 2 * e * h / rep_div + logits, 0.0
-    else:
-        big = 4.0
-        norm_saved = big * h + 8 if cfg.norm == "layernorm" else 2 * big * h + 4
-        rope = 8.0 * problem.seq * cfg.head_dim if cfg.position == "rope" else 8.0 * problem.seq
-        every_layer_recomputed = (g.recompute == FULL) & (g.recompute_every == 1) & (cfg.position == "rope")
-        first_tok, first_fix = 8.0, np.where(every_layer_recomputed, 0.0, rope)
-        last_tok = norm_saved / rep_div + np.where(g.precision == FP32, big, e) * h + logits + 8.0
-        last_fix = np.where(g.precision == FP32, 0.0, 2.0 * cfg.vocab * h / t)
-    return (first_tok, first_fix), (last_tok, last_fix)
-
-
-def microbatches(problem: Problem, g: Grid):
-    return problem.global_batch // (g.dp * g.micro_batch)
+    fixed) pairs (``Runtime.edge_activations``)."""
+    return problem.runtime_model.edge_activations(problem, g, e)
 
 
 def in_flight(g: Grid, m) -> tuple:
-    """Micro-batches whose activations the first and the last pipeline rank hold at the peak,
-    in units of one micro-batch through the rank's whole share of layers.
-
-    1F1B / interleaved (Narayanan et al. 2021; Megatron's warm-up count): rank r holds
-    ((p−r−1)·2 + (v−1)·p + 1)/v for v > 1 and p − r for v = 1; on the first rank this is
-    p·(1 + (p−1)/(p·v)), Korthikanti et al. 2022 Sec. 4.2.3. GPipe holds all m. Zero-bubble
-    (ZB-V, Qi et al. 2023/2024) matches 1F1B's peak: p. DualPipeV (DeepSeek-V3, Table 2): p + 1.
-    Capped at m.
-    """
-    p, v = g.pp, g.virtual_stages
-    interleaved_first = ((p - 1) * 2 + (v - 1) * p + 1) / v
-    interleaved_last = ((v - 1) * p + 1) / v
-    first = np.where(v > 1, interleaved_first, p)
-    last = np.where(v > 1, interleaved_last, 1)
-    first = np.where(g.schedule == ZERO_BUBBLE, p, np.where(g.schedule == DUALPIPEV, p + 1, first))
-    last = np.where(v_shaped(g), first, last)
-    first = np.where(g.schedule == GPIPE, m, first)
-    last = np.where(g.schedule == GPIPE, m, last)
+    """Micro-batches whose activations the first and the last pipeline rank hold at the peak, in
+    units of one micro-batch through the rank's whole share of layers: each schedule's formula
+    (``luban.parallel.schedules``), capped at m; 1 without a pipeline."""
+    first, last = schedules.per_schedule(g.schedule, lambda s: s.in_flight(g.pp, g.virtual_stages, m))
     single = g.pp == 1
     return np.where(single, 1, np.minimum(first, m)), np.where(single, 1, np.minimum(last, m))
 
@@ -203,63 +164,100 @@ def zero_shards(problem: Problem, g: Grid):
     """Ranks that share one copy of the model states: dp/dp_replicate; luban's context-parallel
     ranks join the sharding group (``dp_shard_cp``, luban/parallel/data_parallel.py)."""
     shards = g.dp // g.dp_replicate
-    return shards * g.cp if problem.runtime == "luban" else shards
+    return shards * g.cp if problem.runtime_model.cp_shards else shards
+
+
+def expert_zero_shards(problem: Problem, g: Grid):
+    """Ranks sharing one copy of the routed experts' states. megatron: the ZeRO group over ep
+    (the distributed optimizer shards over expert data parallel); luban: with ep > 1 the
+    experts stay out of DDP/FSDP2, replicated over expert data parallel
+    (``luban.parallel.expert_parallel``), with ep = 1 they are sharded like the rest."""
+    shards = zero_shards(problem, g)
+    if problem.runtime_model.experts_replicated_with_ep:
+        return np.where(g.ep > 1, 1, shards)
+    return np.maximum(shards // g.ep, 1)
+
+
+def activations_in_tier(g: Grid):
+    """Layouts whose saved activations live in the offload tier (offload = activations or blocks)."""
+    return (g.offload == ACTIVATIONS_OFFLOAD) | (g.offload == BLOCKS_OFFLOAD)
+
+
+def host_state_offload(g: Grid):
+    """Layouts whose optimizer (and with params, weights) live on the host (luban's runtime's offloads)."""
+    return (g.offload == OPTIMIZER_OFFLOAD) | (g.offload == PARAMS_OFFLOAD)
 
 
 def memory(problem: Problem, g: Grid) -> dict:
     """Per-GPU bytes on the fuller of the first and the last pipeline rank."""
     system = problem.system
-    m = microbatches(problem, g)
+    m = schedules.microbatches(problem.global_batch, g.dp, g.micro_batch)
     tokens = g.micro_batch * problem.seq / g.cp
-    fsdp = problem.runtime == "luban"
+    fsdp = problem.runtime_model.fsdp
     shards = zero_shards(problem, g)
-    wb, gb, ob = param_bytes(problem.runtime, problem.optimizer_states, g.precision)
+    wb, gb, ob = problem.runtime_model.param_bytes(problem.optimizer_states, g.precision)
     act = activation_bytes(problem, g)
     (f_tok, f_fix), (l_tok, l_fix) = extra_activation_bytes(problem, g, act["e"])
-    layers = rank_layers(problem, g)
-    layer_mb = layers * (act["per_token"] * tokens + act["fixed"])
+    layers_first, layers_last, _ = rank_layers(problem, g)
+    layer_mb = act["per_token"] * tokens + act["fixed"]
     inflight_first, inflight_last = in_flight(g, m)
-    single = (g.pp == 1) | v_shaped(g)
-    per_mb_first = layer_mb + f_tok * tokens + f_fix + np.where(single, l_tok * tokens + l_fix, 0.0)
-    per_mb_last = np.where(single, per_mb_first, layer_mb + l_tok * tokens + l_fix)
+    single = (g.pp == 1) | schedules.is_v(g.schedule)
+    per_mb_first = layers_first * layer_mb + f_tok * tokens + f_fix + np.where(single, l_tok * tokens + l_fix, 0.0)
+    per_mb_last = np.where(single, per_mb_first, layers_last * layer_mb + l_tok * tokens + l_fix)
     # full recompute re-creates one layer's activations at a time during the backward pass
     working = np.where(g.recompute == FULL, act["none"] * tokens + act["fixed_none"], 0.0)
-    offload_opt = g.offload == 1
-    offload_params = g.offload == 2
+    offload_opt = g.offload == OPTIMIZER_OFFLOAD
+    offload_params = g.offload == PARAMS_OFFLOAD
+    tier_acts, tier_blocks = activations_in_tier(g), g.offload == BLOCKS_OFFLOAD
     ranks = {}
     params_first, params_last = rank_params(problem, g)
+    experts_first, experts_last = rank_experts(problem, g)
+    expert_shards = expert_zero_shards(problem, g)
     for name, params, per_mb, flight in (("first", params_first, per_mb_first, inflight_first),
                                          ("last", params_last, per_mb_last, inflight_last)):
-        weights, grads, optim = model_state_bytes(params, wb, gb, ob, g.zero, shards, fsdp)
-        if fsdp and not problem.model.tie_embeddings:
+        experts = experts_first if name == "first" else experts_last
+        dense_states = model_state_bytes(params - experts, wb, gb, ob, g.zero, shards, fsdp)
+        expert_states = model_state_bytes(experts, wb, gb, ob, g.zero, expert_shards, fsdp)
+        weights, grads, optim = (a + b for a, b in zip(dense_states, expert_states))
+        if problem.runtime_model.head_grad_view and not problem.model.tie_embeddings:
             holds_head = single if name == "first" else True
             grads = grads + np.where(holds_head, head_grad_excess(problem, g, gb, shards), 0.0)
         host = np.where(offload_opt | offload_params, optim, 0.0) + np.where(offload_params, weights, 0.0)
-        if fsdp:  # luban's optimizer offload also keeps host copies of the weight and gradient shards
+        if problem.runtime_model.offload_host_shards:  # the optimizer offload also keeps host copies of the weight and gradient shards
             host = host + np.where(offload_opt, weights + grads, 0.0)
         optim_gpu = np.where(offload_opt | offload_params, 0.0, optim)
         weights_gpu = np.where(offload_params, 0.0, weights)
-        activations = flight * per_mb + working
         full_layer = (problem.derived["layer_params"] / g.tp) * wb
-        prefetch = np.where(g.zero >= 3, 2 * full_layer, 0.0)  # gathered layer + the next one
+        # second memory tier (seed 003 §3, seed 002): every in-flight micro-batch's saved activations
+        # (and with "blocks" all weights, gradients and optimizer state) live in the tier; the device
+        # holds two blocks: the one computing and the one being fetched or written back
+        host = host + np.where(tier_acts, flight * per_mb, 0.0) + np.where(tier_blocks, weights + grads + optim, 0.0)
+        activations = np.where(tier_acts, 2 * layer_mb, flight * per_mb) + working
+        weights_gpu = np.where(tier_blocks, 2 * full_layer, weights_gpu)
+        grads = np.where(tier_blocks, 2 * full_layer * gb / wb, grads)
+        optim_gpu = np.where(tier_blocks, 0.0, optim_gpu)
+        prefetch = np.where((g.zero >= 3) & ~tier_blocks, 2 * full_layer, 0.0)  # gathered layer + the next one
         msg = tokens * problem.model.hidden * act["e"]
         buffers = prefetch + np.where(g.tp > 1, msg, 0.0) + np.where(g.pp > 1, 2 * msg / g.tp, 0.0)
-        if fsdp:
-            buffers = buffers + fsdp_transients(params, wb, gb, g.zero, shards)
+        buffers = buffers + problem.runtime_model.fp8_state_bytes(problem, g, layers_first if name == "first" else layers_last)
+        buffers = buffers + 2 * tokens * all_to_all_bytes(problem, g, act["e"])  # send + receive
+        if fsdp:  # FSDP2's units: everything but expert-parallel experts
+            buffers = buffers + fsdp_transients(params - np.where(g.ep > 1, experts, 0.0), wb, gb, g.zero, shards)
         other = system.framework_overhead_bytes + buffers
         total = weights_gpu + grads + optim_gpu + activations + other
         ranks[name] = dict(params=params, weights=weights_gpu, gradients=grads, optimizer=optim_gpu,
                            activations=activations, activation_per_microbatch=per_mb, other=other,
-                           buffers=buffers, total=total, host=host, in_flight=flight,
+                           buffers=buffers, total=total, host=host, in_flight=flight, layer_activation=layer_mb,
                            weights_total=weights, optimizer_total=optim)
     pick_first = ranks["first"]["total"] >= ranks["last"]["total"]
     total = np.where(pick_first, ranks["first"]["total"], ranks["last"]["total"])
     host = np.where(pick_first, ranks["first"]["host"], ranks["last"]["host"])
     fits_hbm = total <= system.hbm_bytes
-    fits_host = host <= system.host_bytes / system.gpus_per_node
+    fits_host = host <= system.offload_bytes
     # per-rank figures stay in "first"/"last"; ``at_rank`` picks the fuller rank of one layout
     return {"first": ranks["first"], "last": ranks["last"], "pick_first": pick_first, "total": total,
-            "host": host, "params": np.maximum(params_first, params_last), "microbatches": m,
+            "host": host, "params": np.maximum(params_first, params_last),
+            "expert_params": np.maximum(experts_first, experts_last), "microbatches": m,
             "fits_hbm": fits_hbm, "fits_host": fits_host, "fits": fits_hbm & fits_host}
 
 

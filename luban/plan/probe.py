@@ -323,8 +323,8 @@ def probe_system(world: int = 2) -> dict:
         "peak_flops": {"fp32": peak32, "bf16": bf16, "fp16": bf16},
         "efficiency": {"matmul_size": sizes, "matmul": [fp32[n] / peak32 for n in MATMUL_SIZES],
                        "collective_size": coll["sizes"], "collective": coll["efficiency"],
-                       "elementwise_traffic": 2.0, "hbm_efficiency": 1.0, "dp_overlap": 0.0,
-                       "zero3_overlap": 0.0, "pp_overlap": 0.0},
+                       "elementwise_traffic": 2.0, "hbm_efficiency": 1.0,
+                       "zero3_overlap": 0.0},
     }
     profile["efficiency"]["elementwise_traffic"] = fit_elementwise_traffic(profile)
     return profile

@@ -3,14 +3,16 @@
 The model's parameter counts and FLOPs per token come from ``luban.model.flops`` (the one
 place those formulas live); this module only gathers them once per problem.
 
-``runtime`` picks whose memory accounting to follow:
-* ``"megatron"``: the framework of the reference papers. Mixed precision keeps half-precision
-  weights and gradients plus fp32 master weights in the optimizer (ZeRO Sec. 3.1: 2+2+K bytes
-  per parameter, K = 12 for Adam); activations follow Korthikanti et al. 2022, Table 2
-  (dropout masks, no flash attention).
-* ``"luban"``: luban's own runtime: fp32 weights, gradients and optimizer state at every
-  precision (autocast casts per micro-batch), SDPA flash attention, and exactly the tensors
-  PyTorch saves for luban's transformer (``luban.model.transformer``).
+``runtime`` names whose layout rules, memory accounting and communication overlap to follow:
+one of the runtime models in ``luban.plan.runtimes`` (megatron, megatron-core, fsdp2, luban);
+``problem.runtime_model`` is that model.
+
+Mixtures of experts: per-layer quantities are averages over the model's dense and MoE layers
+(``dense_layers`` dense ones first; a pipeline stage is charged the average layer). The routed
+experts are kept apart (``layer_experts``, ``expert_flops``): expert parallel splits them, and
+their GEMMs run at the size one expert sees. ``expert_imbalance`` (>= 1) is the busiest expert
+rank's load over the mean: it scales expert compute and the all-to-all (1 = balanced routing,
+as in Megatron-Bridge's forced-balance benchmarks).
 """
 
 from __future__ import annotations
@@ -20,9 +22,11 @@ from dataclasses import dataclass, field
 from luban.errors import bad_value
 from luban.model import flops
 from luban.model.config import ModelConfig
+from luban.parallel import schedules
+from luban.plan import ATTENTION_KERNELS, runtimes
+from luban.plan.runtimes import RUNTIMES
 from luban.plan.system import System
 
-RUNTIMES = ("megatron", "luban")
 OPTIMIZERS = {"adamw": 2, "sgd": 0, "sgd-momentum": 1}  # fp32 state tensors per parameter
 
 
@@ -35,31 +39,48 @@ class Problem:
     global_batch: int
     runtime: str = "megatron"
     optimizer: str = "adamw"
+    expert_imbalance: float = 1.0
+    attention_kernel: str = "fa3"  # fused attention generation: fa2 (FlashAttention-2 class) or fa3 (Hopper's FA3 class)
     derived: dict = field(init=False, repr=False)
 
     def __post_init__(self):
-        if self.runtime not in RUNTIMES:
-            raise bad_value("--runtime", self.runtime, f"one of {', '.join(RUNTIMES)}")
+        self.runtime_model = runtimes.get(self.runtime)
         if self.optimizer not in OPTIMIZERS:
             raise bad_value("--optimizer", self.optimizer, f"one of {', '.join(OPTIMIZERS)}")
         for key in ("gpus", "seq", "global_batch"):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise bad_value(f"--{key.replace('_', '-')}", value, "must be a positive integer")
+        if self.attention_kernel not in ATTENTION_KERNELS:
+            raise bad_value("--attention-kernel", self.attention_kernel, f"one of {', '.join(ATTENTION_KERNELS)}")
+        if not isinstance(self.expert_imbalance, (int, float)) or not 1.0 <= self.expert_imbalance < float("inf"):
+            raise bad_value("--expert-imbalance", self.expert_imbalance, "a finite number >= 1 (1 = balanced)")
         cfg = self.model
-        layer = flops.layer_params(cfg)
+        moe_share = cfg.moe_layers / cfg.layers  # share of layers with routed experts
+        routed = cfg.experts * flops.expert_params(cfg) if cfg.moe else 0  # routed experts of one MoE layer
+        layer_avg = ((cfg.layers - cfg.moe_layers) * flops.layer_params(cfg)
+                     + cfg.moe_layers * (flops.layer_params(cfg, moe=True) - routed)) / cfg.layers
+        expert_fwd = 2 * cfg.experts_per_token * flops.expert_params(cfg) if cfg.moe else 0  # per token, one MoE layer
+        matmul_avg = ((cfg.layers - cfg.moe_layers) * flops.layer_matmul_flops(cfg)
+                      + cfg.moe_layers * (flops.layer_matmul_flops(cfg, moe=True) - expert_fwd)) / cfg.layers
         replicated = 2 * flops.norm_params(cfg) + (2 * cfg.hidden if cfg.bias else 0)
         model_fpt = flops.flops_per_token(cfg, self.seq)
         self.derived = dict(
-            layer_params=layer,
+            layer_params=layer_avg,  # everything of a layer but its routed experts (average layer)
             layer_replicated=replicated,  # norms and output biases: not split by tensor parallel
-            layer_matmul_weights=flops.layer_matmul_flops(cfg) // 2,
+            layer_experts=moe_share * routed,  # routed experts per layer (average): split by ep
+            moe_share=moe_share,
+            expert_flops=moe_share * expert_fwd,  # forward FLOPs per token of the routed experts (average layer)
+            expert_share=cfg.experts_per_token / cfg.experts if cfg.moe else 0.0,  # of the tokens, per expert
+            layer_matmul_weights=matmul_avg / 2,  # routed experts: ``layer_experts``
             embedding=cfg.vocab * cfg.hidden,
             positions=cfg.seq_len * cfg.hidden if cfg.position == "learned" else 0,
             norm=flops.norm_params(cfg),
-            layer_matmul_flops=flops.layer_matmul_flops(cfg),
+            layer_matmul_flops=matmul_avg,  # without the routed experts (``expert_flops``)
             attention_flops=flops.attention_core_flops(cfg, self.seq),
+            causal_attention_flops=flops.attention_core_flops(cfg, self.seq, causal=True),
             head_flops=flops.head_flops(cfg),
+            head_layers=schedules.head_layers(cfg),  # the pipeline split's cost of the LM head
             model_flops_per_token=model_fpt,
             selective_extra=flops.flops_per_token(cfg, self.seq, recompute="selective") - model_fpt,
             full_extra=flops.flops_per_token(cfg, self.seq, recompute="full") - model_fpt,

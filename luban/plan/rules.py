@@ -10,26 +10,30 @@ from __future__ import annotations
 import numpy as np
 
 from luban.model.config import ModelConfig
-from luban.parallel.layout import PRECISIONS
-from luban.plan.grid import DUALPIPEV, GPIPE, INTERLEAVED, ONE_F_ONE_B, ZERO_BUBBLE, Grid
+from luban.parallel import schedules
+from luban.parallel.layout import LUBAN_RULES, OFFLOADS, PRECISIONS
+from luban.plan.grid import FP16, OPTIMIZER_OFFLOAD, PARAMS_OFFLOAD, Grid
+from luban.plan.memory import host_state_offload
 
-FP16 = PRECISIONS.index("fp16")
 OK = 0
 REASONS = (
     "valid",
+    "precision not run by this runtime",
+    "offload not run by this runtime",
     "dp_replicate must divide dp",
     "dp_replicate > 1 needs zero >= 2",
     "tp > 1 with dp*cp > 1 needs zero >= 1",
+    "ep must divide dp*cp",
+    "ep > 1 with offload = optimizer or params",
     "sp needs tp > 1",
     "fp16 needs a dynamic loss scale",
     "offload = params needs zero = 3",
     "offload = optimizer needs zero >= 1",
-    "gpipe/1f1b take virtual_stages = 1",
-    "interleaved/zero-bubble need virtual_stages >= 2",
+    "virtual_stages outside the schedule's range",
     "zero-bubble/dualpipev with dp*cp > 1 need zero >= 1",
-    "dualpipev needs virtual_stages = 2",
     "dp*tp*pp*cp != GPUs",
     "tp must divide heads, kv_heads and ffn_hidden",
+    "ep > 1 needs a MoE model whose experts ep divides",
     "cp > 1 needs model.dropout = 0",
     "seq must split into cp (x2) (x tp with sp) chunks",
     "pp * virtual_stages > layers",
@@ -42,43 +46,51 @@ REASONS = (
 NO_GPU_MEMORY, NO_HOST_MEMORY = len(REASONS) - 2, len(REASONS) - 1
 
 
-def violations(g: Grid, model: ModelConfig, global_batch: int, gpus: int, seq: int) -> list:
-    """The rule conditions (True = violated), in ``REASONS`` order after "valid"."""
+def violations(g: Grid, model: ModelConfig, global_batch: int, gpus: int, seq: int, rules=LUBAN_RULES) -> list:
+    """The rule conditions (True = violated), in ``REASONS`` order after "valid"; ``rules``: the
+    runtime's layout rules (``luban.parallel.layout.RuntimeRules`` or a planner runtime model)."""
     pp_on = g.pp > 1
     v = g.virtual_stages
-    shards = g.cp * np.where(g.cp > 1, 2, 1) * np.where(g.sp, g.tp, 1)
+    shards = schedules.sequence_shards(g.cp, g.tp, g.sp)
     per_step = g.dp * g.micro_batch
-    m = global_batch // per_step
-    need = np.where(g.schedule == GPIPE, 1, np.where(g.schedule == DUALPIPEV, 2 * g.pp, g.pp))
-    multi_chunk = (g.schedule == INTERLEAVED) | (g.schedule == ZERO_BUBBLE)
-    split_backward = (g.schedule == ZERO_BUBBLE) | (g.schedule == DUALPIPEV)
+    m = schedules.microbatches(global_batch, g.dp, g.micro_batch)
+    need = schedules.min_microbatches(g.schedule, g.pp)
+    v_min, v_max, split_backward, rounds = schedules.per_schedule(g.schedule, lambda s: (
+        s.min_virtual, s.max_virtual or np.iinfo(np.int64).max, s.split_backward, s.rounds_of_pp))
+    stages = g.pp * v
+    run = np.array([p in rules.precisions for p in PRECISIONS])
+    offloads = np.array([o in rules.offloads for o in OFFLOADS])
     return [
+        ~run[g.precision],
+        ~offloads[g.offload],
         g.dp % g.dp_replicate != 0,
         (g.dp_replicate > 1) & (g.zero < 2),
-        (g.tp > 1) & (g.zero == 0) & (g.dp * g.cp > 1),
+        (g.tp > 1) & (g.zero == 0) & (g.dp * g.cp > 1) & (not rules.ddp_with_tp),
+        (g.dp * g.cp) % g.ep != 0,
+        (g.ep > 1) & host_state_offload(g),
         g.sp & (g.tp == 1),
         (g.precision == FP16) & g.loss_scale_none,
-        (g.offload == 2) & (g.zero != 3),
-        (g.offload == 1) & (g.zero < 1),
-        pp_on & ((g.schedule == GPIPE) | (g.schedule == ONE_F_ONE_B)) & (v != 1),
-        pp_on & multi_chunk & (v < 2),
-        pp_on & split_backward & (g.zero == 0) & (g.dp * g.cp > 1),
-        pp_on & (g.schedule == DUALPIPEV) & (v != 2),
+        (g.offload == PARAMS_OFFLOAD) & (g.zero != 3),
+        (g.offload == OPTIMIZER_OFFLOAD) & (g.zero < 1),
+        pp_on & ((v < v_min) | (v > v_max)),
+        pp_on & (split_backward != 0) & (g.zero == 0) & (g.dp * g.cp > 1) & (not rules.ddp_with_split_backward),
         g.dp * g.tp * g.pp * g.cp != gpus,
         (model.heads % g.tp != 0) | (model.kv_heads % g.tp != 0) | (model.ffn_hidden % g.tp != 0),
+        (g.ep > 1) & ((not model.moe) | (max(model.experts, 1) % g.ep != 0)),
         (g.cp > 1) & (model.dropout > 0),
         seq % shards != 0,
-        g.pp * v > model.layers,
+        stages > model.layers,
         global_batch % per_step != 0,
         pp_on & (m < need),
-        pp_on & multi_chunk & (m % g.pp != 0),
+        pp_on & (rounds != 0) & (m % g.pp != 0),
     ]
 
 
-def first_violation(g: Grid, model: ModelConfig, global_batch: int, gpus: int, seq: int, extra=()):
+def first_violation(g: Grid, model: ModelConfig, global_batch: int, gpus: int, seq: int, extra=(),
+                    rules=LUBAN_RULES):
     """Index into ``REASONS`` of the first violated rule per layout (0: valid). ``extra`` adds
     further conditions (the memory checks) after the layout rules."""
-    conditions = violations(g, model, global_batch, gpus, seq) + list(extra)
+    conditions = violations(g, model, global_batch, gpus, seq, rules) + list(extra)
     code = np.zeros(g.shape, dtype=np.int8)
     for k in range(len(conditions), 0, -1):
         code = np.where(conditions[k - 1], np.int8(k), code)

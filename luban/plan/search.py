@@ -16,13 +16,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from luban.parallel.layout import PRECISIONS, SCHEDULES, _divisors
+from luban.parallel import schedules
+from luban.parallel.layout import OFFLOADS, PRECISIONS, SCHEDULES, _divisors
 from luban.plan.estimate import Estimate, evaluate
-from luban.plan.grid import DUALPIPEV, GPIPE, INTERLEAVED, ONE_F_ONE_B, ZERO_BUBBLE, Grid
+from luban.plan.grid import Grid
 from luban.plan.problem import Problem
 from luban.plan.rules import NO_GPU_MEMORY, NO_HOST_MEMORY, REASONS, first_violation
 
-VIRTUAL_STAGES = (2, 3, 4, 6, 8)
+ALL_OFFLOADS = tuple(range(len(OFFLOADS)))  # indices into OFFLOADS; check_layout drops what a runtime does not run
+VIRTUAL_STAGES = (2, 3, 4, 6, 8)  # searched for schedules without an upper bound on stages per rank
 
 
 @dataclass
@@ -47,19 +49,22 @@ class SearchResult:
 
 
 def candidate_grid(problem: Problem, precision: str = "bf16", micro_batches=None, schedules=SCHEDULES,
-                   recomputes=(0, 1, 2), offloads=(0, 1, 2), zeros=(0, 1, 2, 3)) -> Grid:
-    """All knob combinations for ``problem.gpus`` GPUs as a broadcast grid (see module doc)."""
+                   recomputes=(0, 1, 2), offloads=ALL_OFFLOADS, zeros=(0, 1, 2, 3), cps=None, pps=None, eps=None) -> Grid:
+    """All knob combinations for ``problem.gpus`` GPUs as a broadcast grid (see module doc);
+    ``cps``, ``pps`` and ``eps`` restrict the context-, pipeline- and expert-parallel sizes
+    (default: every divisor; ep only for a MoE model, dividing dp·cp and the experts)."""
     n = problem.gpus
     divs = _divisors(n)
     rows = []
     for tp in divs:
-        for pp in divs:
+        for pp in divs if pps is None else [d for d in divs if d in pps]:
             for cp in divs:
-                if n % (tp * pp * cp):
+                if n % (tp * pp * cp) or (cps is not None and cp not in cps):
                     continue
                 dp = n // (tp * pp * cp)
                 for sched, v in _schedules(pp, schedules):
-                    rows.append((dp, tp, pp, cp, sched, v))
+                    for ep in _expert_parallel(problem, dp * cp, eps):
+                        rows.append((dp, tp, pp, cp, sched, v, ep))
     a = np.array(rows, dtype=np.int64).T
     if micro_batches is None:
         micro_batches = [b for b in _divisors(problem.global_batch) if b <= 64]
@@ -70,17 +75,24 @@ def candidate_grid(problem: Problem, precision: str = "bf16", micro_batches=None
         return np.asarray(values).reshape(shape)
 
     col = [x.reshape(-1, 1, 1, 1, 1, 1) for x in a]
-    return Grid(dp=col[0], tp=col[1], pp=col[2], cp=col[3], schedule=col[4], virtual_stages=col[5],
+    return Grid(dp=col[0], tp=col[1], pp=col[2], cp=col[3], schedule=col[4], virtual_stages=col[5], ep=col[6],
                 zero=axis(zeros, 1), sp=axis([False, True], 2), micro_batch=axis(micro_batches, 3),
                 recompute=axis(recomputes, 4), offload=axis(offloads, 5),
                 precision=np.array(PRECISIONS.index(precision)))
 
 
+def _expert_parallel(problem: Problem, dp_cp: int, allowed) -> list:
+    """Expert-parallel sizes of one (dp, cp): divisors of dp·cp that divide the experts."""
+    if not problem.model.moe:
+        return [1]
+    return [e for e in _divisors(dp_cp) if problem.model.experts % e == 0 and (allowed is None or e in allowed)]
+
+
 def _schedules(pp: int, allowed) -> list:
     if pp == 1:
-        return [(ONE_F_ONE_B, 1)]
-    names = {GPIPE: [1], ONE_F_ONE_B: [1], INTERLEAVED: list(VIRTUAL_STAGES), ZERO_BUBBLE: [2], DUALPIPEV: [2]}
-    return [(code, v) for code, vs in names.items() if SCHEDULES[code] in allowed for v in vs]
+        return [(schedules.get("1f1b").code, 1)]
+    return [(s.code, v) for s in schedules.REGISTRY if s.name in allowed
+            for v in (range(s.min_virtual, s.max_virtual + 1) if s.max_virtual else VIRTUAL_STAGES)]
 
 
 def search(problem: Problem, top: int = 5, chunk: int = 1 << 16, score=None, **grid_options) -> SearchResult:
@@ -100,7 +112,7 @@ def search(problem: Problem, top: int = 5, chunk: int = 1 << 16, score=None, **g
             results = evaluate(problem, part)
             mem = results["memory"]
             codes = first_violation(part, problem.model, problem.global_batch, problem.gpus, problem.seq,
-                                    extra=(~mem["fits_hbm"], ~mem["fits_host"]))
+                                    extra=(~mem["fits_hbm"], ~mem["fits_host"]), rules=problem.runtime_model)
         codes = np.broadcast_to(codes, part.shape).ravel()
         counts += np.bincount(codes, minlength=len(REASONS))
         value = results["tokens_per_s"] if score is None else score(part, results)

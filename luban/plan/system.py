@@ -5,16 +5,24 @@ its datasheet sources). Bandwidths are bytes/s, latencies seconds, capacities by
 ``[peak_flops]`` gives dense FLOP/s per GPU for each precision; ``[efficiency]`` holds the
 calibration: matmul efficiency vs GEMM FLOPs and collective efficiency vs message bytes
 (piece-wise linear in log10 of the size), the HBM traffic factor of memory-bound kernels and
-the overlap shares. ``luban plan probe`` writes a profile of the machine it runs on, with a
+the share of compute that hides prefetched transfers (``zero3_overlap``; what a runtime
+overlaps is its model's, ``luban.plan.runtimes``). ``luban plan probe`` writes a profile of the machine it runs on, with a
 ``[cpu]`` table (cores, torch threads per process, seconds per ATen op plain and under tensor
 parallelism, per parameter tensor (plain and DTensor) and per FSDP2 group, a reference micro-batch on all threads and
 on one)
 that turns on the CPU terms of the time model (``luban.plan.time.cpu_terms``).
+
+Optional fields take a default from the others: ``nvlink_domain`` (GPUs sharing one NVLink
+fabric) the node size, and the offload tier per GPU (host DRAM, CXL, Grace-style LPDDR) —
+``offload_bytes`` its capacity, ``offload_bandwidth`` its link — the node's host memory split
+over its GPUs and ``host_link_bandwidth``. ``luban plan estimate|search --system-set KEY=VALUE``
+overrides any field of a profile for a what-if system (``apply_overrides``).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -22,14 +30,37 @@ from pathlib import Path
 import numpy as np
 
 from luban.errors import LubanError, bad_value
+from luban.parallel.layout import PRECISIONS
 
 SYSTEMS_DIR = Path(__file__).with_name("systems")
 EFFICIENCY_KEYS = {"matmul_size": None, "matmul": None, "collective_size": None, "collective": None,
-                   "elementwise_traffic": 2.0, "hbm_efficiency": 0.8, "dp_overlap": 0.0, "zero3_overlap": 0.8,
-                   "pp_overlap": 0.0}
+                   "elementwise_traffic": 2.0, "hbm_efficiency": 0.8, "zero3_overlap": 0.8,
+                   "fp8_matmul": 1.0, "attention_matmul": 1.0, "attention_fa3_speedup": 1.0}
+# fp8_matmul: share of the GEMM curve fp8 GEMMs reach (scaling, casts); attention_matmul: share of it an
+# FA2-class fused causal attention kernel reaches on the causal FLOPs (runtimes with ``causal_skip``);
+# attention_fa3_speedup: how much faster an FA3-class kernel is (Hopper only; 1 where none exists)
 CPU_KEYS = ("cores", "threads", "oversubscription_exponent", "oversubscribed_stall_s", "op_overhead_s", "tensor_overhead_s", "reference_s",
             "reference_one_thread_s", "tp_op_overhead_s", "fsdp_group_overhead_s",
             "dtensor_tensor_overhead_s")
+
+
+NUMBERS = ("gpus_per_node", "hbm_bytes", "hbm_bandwidth", "nvlink_domain", "nvlink_bandwidth", "nvlink_latency",
+           "internode_bandwidth", "internode_latency", "host_bytes", "host_bandwidth", "host_link_bandwidth",
+           "framework_overhead_bytes", "offload_bytes", "offload_bandwidth")
+INTEGERS = ("gpus_per_node", "nvlink_domain")
+UNLIMITED = ("hbm_bytes", "hbm_bandwidth", "nvlink_bandwidth", "internode_bandwidth", "host_bytes", "host_bandwidth",
+             "host_link_bandwidth", "offload_bytes", "offload_bandwidth")  # may be inf (a what-if without a limit)
+DEFAULTS = {"nvlink_domain": lambda v: v["gpus_per_node"],
+            "offload_bytes": lambda v: v["host_bytes"] / v["gpus_per_node"],
+            "offload_bandwidth": lambda v: v["host_link_bandwidth"]}
+GIB = 2**30
+# --system-set keys in convenient units: alias -> (profile field, factor); plus every field by its
+# own name and unit, and ``peak_flops.<precision>``, ``peak_tflops.<precision>``, ``efficiency.<key>``
+ALIASES = {"hbm_gib": ("hbm_bytes", GIB), "host_gib": ("host_bytes", GIB), "offload_gib": ("offload_bytes", GIB),
+           "offload_gbps": ("offload_bandwidth", 1e9), "hbm_gbps": ("hbm_bandwidth", 1e9),
+           "nvlink_gbps": ("nvlink_bandwidth", 1e9), "internode_gbps": ("internode_bandwidth", 1e9),
+           "host_link_gbps": ("host_link_bandwidth", 1e9)}
+PEAK_PREFIXES = {"peak_flops": 1.0, "peak_tflops": 1e12}
 
 
 @dataclass(frozen=True)
@@ -39,7 +70,7 @@ class System:
     gpus_per_node: int
     hbm_bytes: float
     hbm_bandwidth: float
-    nvlink_domain: int
+    nvlink_domain: int  # default: gpus_per_node
     nvlink_bandwidth: float
     nvlink_latency: float
     internode_bandwidth: float
@@ -48,6 +79,8 @@ class System:
     host_bandwidth: float
     host_link_bandwidth: float
     framework_overhead_bytes: float
+    offload_bytes: float  # offload tier capacity per GPU; default host_bytes / gpus_per_node
+    offload_bandwidth: float  # offload tier bytes/s per GPU, each way; default host_link_bandwidth
     peak_flops: dict
     efficiency: dict
     cpu: dict = field(default_factory=dict)  # CPU terms of a probed profile (docs/planner.md); empty on GPUs
@@ -58,10 +91,20 @@ class System:
         unknown = sorted(set(raw) - set(names))
         if unknown:
             raise LubanError(f"{source}: unknown key {unknown[0]!r}; allowed: {', '.join(names)}")
-        missing = [n for n in names if n not in raw and n not in ("description", "efficiency", "cpu")]
+        missing = [n for n in names if n not in raw and n not in ("description", "efficiency", "cpu", *DEFAULTS)]
         if missing:
             raise LubanError(f"{source}: missing key {missing[0]!r} (a profile needs {', '.join(names)})")
         values = dict(raw)
+        for key in NUMBERS:
+            value = values.get(key, 1)
+            if not _is_number(value) or not value > 0 or (key not in UNLIMITED and math.isinf(value)):
+                raise bad_value(f"{source}.{key}", values[key], "must be a positive number (inf allowed)"
+                                if key in UNLIMITED else "must be a finite positive number")
+        for key in INTEGERS:
+            if key in values and float(values[key]) != math.floor(values[key]):
+                raise bad_value(f"{source}.{key}", values[key], "must be a positive integer")
+        for key, default in DEFAULTS.items():
+            values.setdefault(key, default(values))
         values.setdefault("description", "")
         eff = {**EFFICIENCY_KEYS, **values.get("efficiency", {})}
         for key, value in eff.items():
@@ -74,11 +117,9 @@ class System:
         cpu = values.get("cpu", {})
         if cpu and (sorted(cpu) != sorted(CPU_KEYS) or any(v <= 0 for v in cpu.values())):
             raise bad_value(f"{source}.cpu", cpu, f"positive {', '.join(CPU_KEYS)}")
-        for key in names[2:-3]:
-            if not isinstance(values[key], (int, float)) or values[key] <= 0:
-                raise bad_value(f"{source}.{key}", values[key], "must be a positive number")
-        if not values["peak_flops"] or any(v <= 0 for v in values["peak_flops"].values()):
-            raise bad_value(f"{source}.peak_flops", values["peak_flops"], "positive FLOP/s per precision")
+        if not isinstance(values["peak_flops"], dict) or not values["peak_flops"] or any(
+                not _is_number(v) or not 0 < v < math.inf for v in values["peak_flops"].values()):
+            raise bad_value(f"{source}.peak_flops", values["peak_flops"], "finite positive FLOP/s per precision")
         return cls(**values)
 
     def to_dict(self) -> dict:
@@ -100,6 +141,48 @@ class System:
         return _log_interp(nbytes, self.efficiency["collective_size"], self.efficiency["collective"])
 
 
+def apply_overrides(raw: dict, sets, key: str = "--system-set") -> dict:
+    """``raw`` (a profile's fields) with each ``KEY=VALUE`` of ``sets`` applied (module docstring;
+    ``inf`` allowed: an unlimited tier). Unknown keys and non-numbers raise one-line errors;
+    the result is validated by ``System.from_dict``."""
+    out = {**raw, "peak_flops": dict(raw.get("peak_flops", {})), "efficiency": dict(raw.get("efficiency", {}))}
+    fields_ = list(NUMBERS)
+    allowed = (f"KEY=VALUE with KEY one of {', '.join(sorted(fields_ + list(ALIASES)))}, "
+               f"peak_flops.PRECISION, peak_tflops.PRECISION or efficiency.KEY")
+    for item in sets:
+        name, eq, text = str(item).partition("=")
+        name = name.strip()
+        if not eq:
+            raise bad_value(key, item, allowed)
+        try:
+            value = float(text)
+        except ValueError:
+            raise bad_value(f"{key} {name}", text, "a number (inf for unlimited)") from None
+        if name.startswith("efficiency."):
+            share = name.endswith("_overlap")
+            if not (0 <= value <= 1 if share else 0 < value < math.inf):
+                raise bad_value(f"{key} {name}", text, "a share from 0 to 1" if share else "a finite number > 0")
+        elif not value > 0:
+            raise bad_value(f"{key} {name}", text, "a positive number (inf for unlimited)")
+        prefix, _, sub = name.partition(".")
+        if name in fields_:
+            out[name] = int(value) if name in INTEGERS and value.is_integer() else value
+        elif name in ALIASES:
+            field_, factor = ALIASES[name]
+            out[field_] = value * factor
+        elif prefix in PEAK_PREFIXES and sub in PRECISIONS:
+            out["peak_flops"][sub] = value * PEAK_PREFIXES[prefix]
+        elif prefix == "efficiency" and sub in EFFICIENCY_KEYS and not isinstance(EFFICIENCY_KEYS[sub], type(None)):
+            out["efficiency"][sub] = value
+        else:
+            raise bad_value(key, item, f"unknown key {name!r}; {allowed}")
+    return out
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
 def _log_interp(x, xs, ys):
     return np.interp(np.log10(np.maximum(x, 1.0)), np.log10(xs), ys)
 
@@ -108,10 +191,11 @@ def builtin_systems() -> list[str]:
     return sorted(p.stem for p in SYSTEMS_DIR.glob("*.toml"))
 
 
-def load_system(spec: "str | Path | System") -> System:
-    """A built-in profile name, or the path of a TOML/JSON profile file."""
+def load_system(spec: "str | Path | System", overrides=()) -> System:
+    """A built-in profile name, or the path of a TOML/JSON profile file; ``overrides``: the
+    ``KEY=VALUE`` strings of ``--system-set`` (``apply_overrides``)."""
     if isinstance(spec, System):
-        return spec
+        return System.from_dict(apply_overrides(spec.to_dict(), overrides), source=spec.name) if overrides else spec
     path = Path(spec)
     if not path.suffix and (SYSTEMS_DIR / f"{spec}.toml").exists():
         path = SYSTEMS_DIR / f"{spec}.toml"
@@ -121,4 +205,6 @@ def load_system(spec: "str | Path | System") -> System:
         raw = json.loads(path.read_text()) if path.suffix == ".json" else tomllib.loads(path.read_text())
     except (ValueError, tomllib.TOMLDecodeError) as err:
         raise LubanError(f"--system = {str(spec)!r}: cannot parse {path.name}: {err}") from None
+    if overrides:
+        return System.from_dict(apply_overrides(raw, overrides), source="--system-set")
     return System.from_dict(raw, source=path.name)

@@ -4,6 +4,13 @@ All functions take a ``Problem``, a ``Grid`` and the ``memory`` dict and return 
 arrays of seconds. Ranks are laid out pp,dp,cp,tp (tensor parallel innermost): a group of n
 ranks at stride k stays inside an NVLink domain when n·k <= the domain size.
 Equations and sources: docs/planner.md.
+
+Mixtures of experts: the routed experts' GEMMs run at the size one expert sees (its share of
+the tokens of the ep ranks it serves), paced by the busiest expert rank
+(``problem.expert_imbalance``); each MoE layer adds a dispatch and a combine all-to-all forward
+and again backward over the EP group, on NVLink when the group's ranks (ep at stride tp, inside
+dp·cp) fit one NVLink domain, else over the network, not overlapped. The experts' gradients are
+reduced over the expert-data-parallel group (dp·cp / ep under luban, dp / ep under megatron).
 """
 
 from __future__ import annotations
@@ -11,8 +18,10 @@ from __future__ import annotations
 import numpy as np
 
 from luban.parallel.layout import PRECISIONS
-from luban.plan.grid import DUALPIPEV, FULL, GPIPE, INTERLEAVED, ONE_F_ONE_B, SELECTIVE, ZERO_BUBBLE, Grid
-from luban.plan.memory import activation_bytes, param_bytes, rank_layers, recomputed_share, zero_shards
+from luban.parallel import schedules
+from luban.plan.grid import BLOCKS_OFFLOAD, FULL, PARAMS_OFFLOAD, SELECTIVE, Grid
+from luban.plan.memory import (activation_bytes, activations_in_tier, all_to_all_bytes, expert_split, expert_zero_shards,
+                               host_state_offload, rank_layers, recomputed_share, zero_shards)
 from luban.plan.problem import Problem
 
 ALL_REDUCE, GATHER, P2P = "all-reduce", "all-gather", "p2p"
@@ -33,14 +42,44 @@ def collective(problem: Problem, nbytes, n, intra, kind: str):
     return np.where(n > 1, seconds, 0.0)
 
 
+def all_to_all(problem: Problem, nbytes, n, stride):
+    """Seconds for an all-to-all of ``nbytes`` per rank over ``n`` ranks at ``stride``: each rank
+    sends M/n to every peer in n−1 pairwise steps; the peers inside its NVLink domain
+    (domain/stride of them) over NVLink, the others over the network, both at once (NCCL
+    runs the pairs concurrently), so the slower of the two paces it."""
+    s = problem.system
+    local = np.clip(s.nvlink_domain // stride, 1, n)
+    stall = cpu_stall(problem)
+    near = ((local - 1) * (s.nvlink_latency + stall)
+            + (local - 1) / n * nbytes / (s.nvlink_bandwidth * s.collective_efficiency(nbytes)))
+    far = ((n - local) * (s.internode_latency + stall)
+           + (n - local) / n * nbytes / (s.internode_bandwidth * s.collective_efficiency(nbytes)))
+    return np.where(n > 1, np.maximum(near, far), 0.0)
+
+
 def compute_seconds(problem: Problem, flops, size, precision_peak):
     return flops / (precision_peak * problem.system.matmul_efficiency(size))
 
 
-def peak_flops(problem: Problem, g: Grid):
-    """Dense FLOP/s per GPU of each layout's precision."""
-    peaks = np.array([problem.system.peak(p) for p in PRECISIONS])
-    return peaks[g.precision]
+def attention_share(problem: Problem) -> float:
+    """Share of the GEMM curve the fused attention kernel reaches: the profile's FA2-class figure,
+    times its FA3 speedup where the problem's kernel is FA3-class (1 on profiles without one)."""
+    eff = problem.system.efficiency
+    return eff["attention_matmul"] * (eff["attention_fa3_speedup"] if problem.attention_kernel == "fa3" else 1.0)
+
+
+def peak_flops(problem: Problem, g: Grid, gemm: bool = False):
+    """Dense FLOP/s per GPU of each layout's precision. fp8 runs only the linear layers' GEMMs at
+    the fp8 peak (``gemm=True``); attention and the MFU denominator use bf16 (TransformerEngine's
+    fp8 dot-product attention is off by default; Llama 3 and Megatron-Bridge report MFU against
+    the bf16 peak). A precision the profile lacks is a one-line error."""
+    table = np.zeros(len(PRECISIONS))
+    for i in np.unique(g.precision):
+        name = PRECISIONS[int(i)]
+        table[int(i)] = problem.system.peak("bf16" if name == "fp8" and not gemm else name)
+        if name == "fp8" and gemm:  # what fp8 GEMMs reach of the size curve (profile, fitted on Hopper)
+            table[int(i)] *= problem.system.efficiency["fp8_matmul"]
+    return table[g.precision]
 
 
 def _rank_threads(problem: Problem) -> int:
@@ -52,9 +91,9 @@ def _rank_threads(problem: Problem) -> int:
 
 def oversubscription(problem: Problem) -> float:
     """N·t/cores for the N ranks of a CPU run of luban (1 without a ``[cpu]`` table or for
-    ``runtime="megatron"``)."""
+    a runtime model without CPU overheads)."""
     cpu = problem.system.cpu
-    if not cpu or problem.runtime != "luban":
+    if not cpu or not problem.runtime_model.cpu_overheads:
         return 1.0
     return problem.gpus * _rank_threads(problem) / cpu["cores"]
 
@@ -81,10 +120,10 @@ def cpu_terms(problem: Problem) -> dict:
     dispatch); ``tensor``/``dtensor``: seconds per parameter tensor of the optimizer step, plain
     or DTensor (FSDP2 or tp parameters); ``fsdp_group``:
     seconds of FSDP2's hooks per group and micro-batch.
-    GPU profiles and ``runtime="megatron"``: slow 1, no overheads.
+    GPU profiles and runtime models other than luban: slow 1, no overheads.
     """
     cpu = problem.system.cpu
-    if not cpu or problem.runtime != "luban":
+    if not cpu or not problem.runtime_model.cpu_overheads:
         return {"slow": 1.0, "contend": 1.0, "layer": 0.0, "rest": 0.0, "tp_layer": 0.0, "tp_rest": 0.0,
                 "layer_tensors": 0.0, "rest_tensors": 0.0, "tensor": 0.0, "dtensor": 0.0, "fsdp_group": 0.0}
     from luban.plan.overhead import model_overhead_counts
@@ -111,15 +150,15 @@ def thread_slowdown(cpu: dict, threads: int) -> float:
 
 
 def step_time(problem: Problem, g: Grid, mem: dict) -> dict:
-    s, d, cfg = problem.system, problem.derived, problem.model
+    s, d, cfg, rt = problem.system, problem.derived, problem.model, problem.runtime_model
     t, c, p, v, dp = g.tp, g.cp, g.pp, g.virtual_stages, g.dp
     m = mem["microbatches"]
     tokens = g.micro_batch * problem.seq / c
-    peak = peak_flops(problem, g)
+    peak, gemm_peak = peak_flops(problem, g), peak_flops(problem, g, gemm=True)
     hbm = s.hbm_bandwidth * s.efficiency["hbm_efficiency"]
     traffic = s.efficiency["elementwise_traffic"]
     act = activation_bytes(problem, g)
-    n = rank_layers(problem, g)
+    n = rank_layers(problem, g)[2]  # the busiest rank paces the pipeline
     cpu = cpu_terms(problem)
     slow, contend = cpu["slow"], cpu["contend"]
 
@@ -127,11 +166,20 @@ def step_time(problem: Problem, g: Grid, mem: dict) -> dict:
     # the rank's share of the cores slows everything, and a third of the fwd+bwd framework
     # overhead is counted here (the backward's 2x carries the rest)
     mm_flops = tokens * d["layer_matmul_flops"] / t
-    mm = slow * compute_seconds(problem, mm_flops, mm_flops / 4, peak)
-    attn_flops = tokens * d["attention_flops"] / t
-    attn = slow * compute_seconds(problem, attn_flops, attn_flops / 2, peak)
-    elementwise = slow * traffic * act["none"] * tokens / hbm
-    layer_fwd = mm + attn + elementwise + contend * np.where(t > 1, cpu["tp_layer"], cpu["layer"]) / 3
+    mm = slow * compute_seconds(problem, mm_flops, mm_flops / 4, gemm_peak)
+    if rt.causal_skip:  # a fused kernel skips the masked half, at its own share of the GEMM curve
+        attn_flops = tokens * d["causal_attention_flops"] / t
+        attn = slow * compute_seconds(problem, attn_flops, attn_flops / 2, peak * attention_share(problem))
+    else:
+        attn_flops = tokens * d["attention_flops"] / t
+        attn = slow * compute_seconds(problem, attn_flops, attn_flops / 2, peak)
+    elementwise = slow * (traffic * act["none"] + rt.fp8_cast_bytes(problem, g)) * tokens / hbm
+    # routed experts: tokens·k·ep/E rows per local expert GEMM, the busiest EP rank pacing
+    etp = expert_split(problem, g) / g.ep  # tensor parallel inside an expert (megatron: tp; luban: none)
+    expert_flops = tokens * d["expert_flops"] / etp
+    expert_gemm = 2 * tokens * g.ep * d["expert_share"] * cfg.hidden * cfg.expert_ffn_hidden / etp
+    experts = problem.expert_imbalance * slow * compute_seconds(problem, expert_flops, np.maximum(expert_gemm, 1.0), gemm_peak)
+    layer_fwd = mm + experts + attn + elementwise + contend * np.where(t > 1, cpu["tp_layer"], cpu["layer"]) / 3
     head_flops = tokens * d["head_flops"] / t
     head_fwd = (slow * (compute_seconds(problem, head_flops, head_flops, peak) + traffic * 4.0 * cfg.vocab / t * tokens / hbm)
                 + contend * np.where(t > 1, cpu["tp_rest"], cpu["rest"]) / 3)
@@ -139,99 +187,122 @@ def step_time(problem: Problem, g: Grid, mem: dict) -> dict:
     # tensor (+ sequence) parallel: 2 all-reduces (or all-gather + reduce-scatter pairs) each way
     msg = tokens * cfg.hidden * act["e"]
     tp_one = 2 * collective(problem, msg, t, t <= s.nvlink_domain, ALL_REDUCE)
+    # exposed per layer, forward and backward (whose GEMMs take twice the forward's)
+    tp_fwd, tp_bwd = rt.tp_exposed(g, tp_one, mm), rt.tp_exposed(g, tp_one, 2 * mm)
     # context parallel: ring exchange of K and V chunks, hidden behind the attention core
     kv_msg = 2 * tokens * cfg.kv_dim * act["e"] / t
     cp_intra = t * c <= s.nvlink_domain
     cp_fwd = np.maximum(0.0, (c - 1) * collective(problem, kv_msg, c, cp_intra, P2P) - attn)
     cp_bwd = np.maximum(0.0, (c - 1) * collective(problem, 2 * kv_msg, c, cp_intra, P2P) - 2 * attn)
 
+    # expert parallel: dispatch + combine all-to-all per MoE layer (average layer: x moe_share);
+    # the EP group's ranks sit at stride tp inside dp·cp
+    ep_one = (problem.expert_imbalance * d["moe_share"] * 2
+              * all_to_all(problem, tokens * all_to_all_bytes(problem, g, act["e"]), g.ep, t))
+
     share = recomputed_share(problem, g)
     selective_redo = attn + traffic * (act["none"] - act["selective"]) * tokens / hbm
     recompute = np.where(g.recompute == FULL, share * layer_fwd, np.where(g.recompute == SELECTIVE, selective_redo, 0.0))
-    comm_redo = np.where(g.recompute == FULL, share * (tp_one + cp_fwd), 0.0)
+    comm_redo = np.where(g.recompute == FULL, share * (tp_fwd + cp_fwd + ep_one), 0.0)
 
     fwd = n * layer_fwd + head_fwd
     bwd = 2 * fwd
     rc = n * recompute
-    tp_mb = n * (2 * tp_one + np.where(g.recompute == FULL, share * tp_one, 0.0))
+    tp_mb = n * (tp_fwd + tp_bwd + np.where(g.recompute == FULL, share * tp_fwd, 0.0))
     cp_mb = n * (cp_fwd + cp_bwd + np.where(g.recompute == FULL, share * cp_fwd, 0.0))
-    F = fwd + n * (tp_one + cp_fwd)
-    B = bwd + rc + n * (tp_one + cp_bwd + comm_redo)
+    ep_mb = n * (2 * ep_one + np.where(g.recompute == FULL, share * ep_one, 0.0))
+    F = fwd + n * (tp_fwd + cp_fwd + ep_one)
+    B = bwd + rc + n * (tp_bwd + cp_bwd + ep_one + comm_redo)
     W = n * mm + head_fwd  # weight-gradient GEMMs, deferrable by zero-bubble schedules
 
     bubble = pipeline_bubble(g, F, B, W)
     pp_msg = msg / t
     pp_intra = t * c * dp * p <= s.nvlink_domain
-    pp_comm = np.where(p > 1, 2 * (m * v + p - 1) * collective(problem, pp_msg, 2 * np.ones_like(p), pp_intra, P2P),
-                       0.0) * (1 - s.efficiency["pp_overlap"])
+    transfer = collective(problem, pp_msg, 2 * np.ones_like(p), pp_intra, P2P)
+    pp_comm = np.where(p > 1, rt.pp_exposed(g, transfer, 2 * (m * v + p - 1), fwd / v), 0.0)
 
     # data parallel (ZeRO Sec. 7: stages 0-2 move 2Ψ per step, stage 3 3Ψ per micro-batch pass)
-    wb, gb, ob = param_bytes(problem.runtime, problem.optimizer_states, g.precision)
+    wb, gb, ob = rt.param_bytes(problem.optimizer_states, g.precision)
     params = mem["params"]
-    dp_intra = t * c * dp <= s.nvlink_domain
-    grads = params * gb
     gathers, reductions, groups = dp_collective_counts(problem, g, m, n)
-    sharded = (gathers * collective(problem, params * wb / groups, dp, dp_intra, GATHER)
-               + reductions * collective(problem, grads / groups, dp, dp_intra, GATHER))
-    hooks = np.where(dp > 1, cpu["contend"] * m * groups * cpu["fsdp_group"], 0.0)  # FSDP2 on a CPU
-    dp_total = np.where(g.zero == 0, collective(problem, grads, dp, dp_intra, ALL_REDUCE), sharded + hooks)
+
+    def data_parallel_sync(nbytes_params, ranks):
+        """(weight all-gathers, gradient reductions) of ``nbytes_params`` parameters over ``ranks``."""
+        intra = t * c * ranks <= s.nvlink_domain
+        grads = nbytes_params * gb
+        gather = np.where(g.zero == 0, 0.0, gathers * collective(problem, nbytes_params * wb / groups, ranks, intra, GATHER))
+        reduce = np.where(g.zero == 0, collective(problem, grads, ranks, intra, ALL_REDUCE),
+                          reductions * collective(problem, grads / groups, ranks, intra, GATHER))
+        return gather, reduce
+
+    # the routed experts reduce over the expert-data-parallel group (dp / ep ranks)
+    hooks = np.where((dp > 1) & (g.zero > 0), cpu["contend"] * m * groups * cpu["fsdp_group"], 0.0)  # FSDP2 on a CPU
+    gather, reduce = data_parallel_sync(params - mem["expert_params"], dp)
+    if cfg.moe:
+        expert_gather, expert_reduce = data_parallel_sync(mem["expert_params"], np.maximum(dp // g.ep, 1))
+        gather, reduce = gather + expert_gather, reduce + expert_reduce
+    dp_total = gather + reduce + hooks
     busy = m * (F + B)
-    hidden = np.where(g.zero >= 3, np.minimum(dp_total, s.efficiency["zero3_overlap"] * busy),
-                      np.minimum(dp_total, s.efficiency["dp_overlap"] * B))
-    if problem.runtime == "luban":  # per step: loss, gradient-norm and suspend-flag all-reduces of a scalar
+    hidden = rt.dp_hidden(problem, g, gather, reduce, F, B, busy)
+    if rt.scalar_allreduces:  # per step: e.g. loss, gradient-norm and suspend-flag all-reduces of a scalar
         world = np.asarray(problem.gpus)
-        dp_total = dp_total + 3 * collective(problem, 8.0, world, world <= s.nvlink_domain, ALL_REDUCE)
+        dp_total = dp_total + rt.scalar_allreduces * collective(problem, 8.0, world, world <= s.nvlink_domain, ALL_REDUCE)
 
     # optimizer step: memory-bound over the local shard (on the host when offloaded)
     shards = zero_shards(problem, g)
-    shard = params / np.where(g.zero >= 1, shards, 1)
-    offloaded = g.offload >= 1
+    shard = ((params - mem["expert_params"]) / np.where(g.zero >= 1, shards, 1)
+             + mem["expert_params"] / np.where(g.zero >= 1, expert_zero_shards(problem, g), 1))
+    offloaded = host_state_offload(g)  # the host runs the optimizer
     host_bw = s.host_bandwidth / s.gpus_per_node
     tensors = n * cpu["layer_tensors"] + cpu["rest_tensors"]
     optimizer = (slow * np.where(offloaded, 2 * shard * (ob + gb) / host_bw, 2 * shard * (wb + gb + ob) / hbm)
                  + contend * tensors * np.where((t > 1) | ((dp * c > 1) & (g.zero >= 1)), cpu["dtensor"], cpu["tensor"]))
-    link = s.host_link_bandwidth
-    fetch = np.where(g.offload == 2, m * 2 * params / shards * wb / link, 0.0)
+    link = s.offload_bandwidth
+    fetch = np.where(g.offload == PARAMS_OFFLOAD, m * 2 * params / shards * wb / link, 0.0)
     offload = np.where(offloaded, shard * (gb + wb) / link, 0.0) + np.maximum(0.0, fetch - s.efficiency["zero3_overlap"] * busy)
+    offload = offload + tier_exposed(problem, g, mem, m, n, layer_fwd, shard, (wb, gb, ob))
 
-    parts = {"forward": m * fwd, "backward": m * bwd, "recompute": m * rc, "tp_comm": m * tp_mb, "cp_comm": m * cp_mb,
+    parts = {"forward": m * fwd, "backward": m * bwd, "recompute": m * rc, "tp_comm": m * tp_mb, "cp_comm": m * cp_mb, "ep_comm": m * ep_mb,
              "pp_p2p": pp_comm, "pipeline_bubble": bubble, "dp_comm": dp_total - hidden, "optimizer": optimizer,
              "offload": offload}
     step = sum(parts.values())
     return {"parts": parts, "step": step, "dp_hidden": hidden, "F": F, "B": B, "W": W}
 
 
+def tier_exposed(problem: Problem, g: Grid, mem: dict, m, n, layer_fwd, shard, param_bytes):
+    """Seconds per step the offload tier's traffic is not hidden (seed 003 §3; Calculon's tensor
+    offload). Per layer and micro-batch the link moves, each way at ``offload_bandwidth``:
+    forward, the layer's saved activations out (and with "blocks" its weights in); backward,
+    the activations and weights in and the weight gradients out. Each transfer is prefetched
+    (written back) during the neighbouring layer's compute, so only what exceeds the layer's
+    forward (backward: 2x) time is exposed. With "blocks" the optimizer step streams this
+    rank's states through the GPU once (in: weights, gradients, optimizer state; out: weights
+    and optimizer state), exposed: nothing else runs then."""
+    link = problem.system.offload_bandwidth
+    wb, gb, ob = param_bytes
+    acts = np.where(activations_in_tier(g), at_pick(mem, "layer_activation"), 0.0)
+    blocks = g.offload == BLOCKS_OFFLOAD
+    layer = problem.derived["layer_params"] / g.tp
+    w_in, g_out = np.where(blocks, layer * wb, 0.0), np.where(blocks, layer * gb, 0.0)
+    fwd = np.maximum(0.0, np.maximum(w_in, acts) / link - layer_fwd)
+    bwd = np.maximum(0.0, np.maximum(w_in + acts, g_out) / link - 2 * layer_fwd)
+    optimizer = np.where(blocks, shard * (wb + gb + ob) / link, 0.0)
+    return m * n * (fwd + bwd) + optimizer
+
+
+def at_pick(mem: dict, key: str):
+    """``key`` of the fuller pipeline rank of each layout (the one ``memory`` reports)."""
+    return np.where(mem["pick_first"], mem["first"][key], mem["last"][key])
+
+
 def dp_collective_counts(problem: Problem, g: Grid, m, n):
     """(all-gathers of weights, reduce-scatters of gradients per step, groups each is split into)
-    for ZeRO stages >= 1 on the busiest rank.
-
-    megatron (ZeRO Sec. 7): stages 1-2 one reduce-scatter and one all-gather per step, stage 3
-    two all-gathers and one reduce-scatter per micro-batch, each over the whole model. luban
-    (``luban.parallel.data_parallel``): FSDP2 groups, one per block and one for the rest of the
-    stage, each issuing its own collectives; every micro-batch's forward gathers each group
-    (backward again at stage 3), and the gradients are reduce-scattered per micro-batch at stages
-    2-3, once per step at stage 1.
-    """
-    if problem.runtime == "luban":
-        groups = n + 1
-        return m * groups * np.where(g.zero >= 3, 2, 1), groups * np.where(g.zero >= 2, m, 1), groups
-    return np.where(g.zero >= 3, 2 * m, 1), np.where(g.zero >= 3, m, 1), 1
+    for ZeRO stages >= 1 on the busiest rank: the runtime model's (``Runtime.dp_collective_counts``)."""
+    return problem.runtime_model.dp_collective_counts(problem, g, m, n)
 
 
 def pipeline_bubble(g: Grid, F, B, W):
-    """Idle time of the slowest rank per step; F, B, W are one micro-batch on one rank.
-
-    GPipe and 1F1B: (p−1)(F+B), the fraction (p−1)/m of Narayanan et al. 2021 Sec. 2.2;
-    interleaved: (p−1)(F+B)/v; zero-bubble (Qi et al. 2023, ZB-H2 per chunk of a V schedule):
-    (p−1)·max(0, F + B_in − 2W)/v with B_in = B − W; DualPipeV (DeepSeek-V3 report, Table 2):
-    (p/2−1)·(F&B + B_in − 3W) per chunk of half a rank's layers, F&B = F + B_in + W.
-    """
-    p, v = g.pp, g.virtual_stages
-    b_in = B - W
-    flush = (p - 1) * (F + B)
-    bubble = np.where((g.schedule == GPIPE) | (g.schedule == ONE_F_ONE_B), flush, 0.0)
-    bubble = np.where(g.schedule == INTERLEAVED, flush / v, bubble)
-    bubble = np.where(g.schedule == ZERO_BUBBLE, (p - 1) * np.maximum(0.0, F + b_in - 2 * W) / v, bubble)
-    dual = np.maximum(0.0, p / 2 - 1) * np.maximum(0.0, (F + b_in + W) / 2 + b_in / 2 - 3 * W / 2)
-    bubble = np.where(g.schedule == DUALPIPEV, dual, bubble)
-    return np.where(p > 1, bubble, 0.0)
+    """Idle time of the slowest rank per step (F, B, W: one micro-batch on one rank): each
+    schedule's formula, with its source, in ``luban.parallel.schedules``; 0 without a pipeline."""
+    bubble = schedules.per_schedule(g.schedule, lambda s: s.bubble(g.pp, g.virtual_stages, F, B, W))
+    return np.where(g.pp > 1, bubble, 0.0)

@@ -7,6 +7,18 @@
   is not published, so each row takes the size (<= 8) the planner predicts fastest, as the
   authors tuned it.
 * ZeRO Table 1: model-state GB per device for mixed-precision Adam (K = 12), printed rounded.
+* Megatron-Bridge H100 MoE rows (``megatron_bridge_h100_moe_shared.csv``): tokens/s per GPU of
+  Qwen3-30B-A3B and GPT-OSS-120B at the published tp/pp/vp/ep, ``runtime="megatron-core"``,
+  dropless with forced balanced routing (expert imbalance 1), distributed optimizer (zero 1),
+  no recompute (the recipes' recompute settings are not in the table). Not modelled, and said so per row: FP8 GEMMs (the
+  fp8 rows are estimated at bf16, as this table was set up before ``--precision fp8``), GPT-OSS's
+  sliding-window layers and attention sinks (full causal attention is charged); skipped: the
+  hybrid Mamba Nemotron 3 Nano rows and the 25.09 token-drop row.
+
+* H100 tables (reference README): Megatron-Bridge dense pre-training rows (fp8, runtime
+  ``megatron-core``), NeMo's Llama 2 7B context-parallel rows (fp8, 4K-1M tokens) and Llama 3
+  Table 4 (bf16, ``fsdp2`` at zero 2), on ``dgx-h100``; ``h100-fitted`` and ``h100-held-out``
+  summarise the rows ``bench/plan_calibrate_hopper.py`` fitted the profile to and the others.
 
 The papers ran Megatron-LM (fp16, plain data parallel), so these use ``runtime="megatron"``
 and are not subject to luban's own layout rules (``check_layout``).
@@ -21,15 +33,14 @@ from pathlib import Path
 import numpy as np
 
 from luban.model.config import ModelConfig
-from luban.parallel.layout import PRECISIONS, ParallelLayout
+from luban.parallel.layout import ParallelLayout
 from luban.plan.estimate import Estimate, evaluate
-from luban.plan.grid import Grid
+from luban.plan.grid import FP16, Grid
 from luban.plan.memory import model_state_bytes, param_bytes
 from luban.plan.problem import Problem
 from luban.plan.system import load_system
 
 PACKAGED = Path(__file__).with_name("reference")
-FP16 = PRECISIONS.index("fp16")
 
 
 def reference_dir() -> Path:
@@ -114,6 +125,162 @@ def zero_table1() -> list[dict]:
     return rows
 
 
+MOE_TABLE = "megatron_bridge_h100_moe_shared.csv"
+RUNTIME_MOE = "megatron-core"  # Megatron-Bridge trains with Megatron-Core (distributed optimizer, flash attention)
+
+
+def _moe_model(r: dict) -> ModelConfig:
+    """The row's shape (the table's columns) as a Llama-style MoE ``ModelConfig``."""
+    expert = int(r["expert_ffn_hidden"])
+    return ModelConfig(name=r["model_as_published"], arch="llama", hidden=int(r["hidden"]), layers=int(r["layers"]),
+                       heads=int(r["heads"]), kv_heads=int(r["kv_heads"]), head_dim=int(r["head_dim"]),
+                       vocab=int(r["vocab"]), seq_len=int(r["seq_len_tokens"]), tie_embeddings=False,
+                       ffn_hidden=int(r["dense_ffn_hidden"] or expert), experts=int(r["num_experts"]),
+                       experts_per_token=int(r["top_k"]), expert_ffn_hidden=expert,
+                       shared_experts=int(r["num_shared_experts"] or 0), dense_layers=int(r["num_dense_layers"] or 0))
+
+
+def megatron_bridge_moe(system="dgx-h100") -> list[dict]:
+    """Tokens/s per GPU of the Megatron-Bridge MoE rows (module docstring: what is not modelled)."""
+    system = load_system(system)
+    rows = []
+    for r in read_table(MOE_TABLE):
+        if r["model_as_published"].startswith("Nemotron") or "tokendrop" in r["moe_token_policy"]:
+            continue
+        gpus, tp, pp, cp, ep = (int(r[k]) for k in ("num_gpus", "tp", "pp", "cp", "ep"))
+        vp = int(r["vp"] or 1)
+        layout = ParallelLayout(dp=gpus // (tp * pp * cp), tp=tp, pp=pp, cp=cp, ep=ep, zero=1, precision="bf16",
+                                schedule="interleaved-1f1b" if vp > 1 else "1f1b", virtual_stages=vp,
+                                micro_batch=int(r["micro_batch_size_seqs"]))
+        problem = Problem(_moe_model(r), system, gpus, int(r["seq_len_tokens"]), int(r["global_batch_size_seqs"]),
+                          runtime=RUNTIME_MOE, attention_kernel=BRIDGE_ATTENTION)
+        g = Grid.from_layout(layout)
+        est = Estimate.from_results(problem, g, evaluate(problem, g))
+        predicted, ref = est.tokens_per_s / gpus, float(r["tokens_per_s_per_gpu"])
+        fp8 = r["precision_as_published"].startswith("FP8")
+        rows.append(dict(table="megatron-bridge-h100-moe", row=f"{r['container']} {r['model_as_published']} "
+                         f"{r['precision_as_published']} tp{tp} pp{pp} vp{vp} ep{ep}", reference=ref,
+                         predicted=predicted, error=predicted / ref - 1, unit="tokens/s/GPU", fp8=fp8,
+                         estimate=est))
+    return rows
+
+
+DENSE_TABLE, LLAMA3_TABLE, CP_TABLE = ("megatron_bridge_h100_dense.csv", "llama3_2024_table4_h100.csv",
+                                      "nemo_long_sequence_cp_h100.csv")
+
+
+def _llama(r: dict, seq: int, vocab_key: str = "vocab", head_dim_key: str = "head_dim") -> ModelConfig:
+    """A Llama-shaped ``ModelConfig`` from a row's shape columns (SwiGLU, RMSNorm, RoPE, untied)."""
+    return ModelConfig(name=r.get("model_as_published") or r.get("model", "llama"), arch="llama", hidden=int(r["hidden"]),
+                       layers=int(r["layers"]), heads=int(r["heads"]), kv_heads=int(r["kv_heads"]),
+                       head_dim=int(r[head_dim_key]), ffn_hidden=int(r["ffn_hidden"]), vocab=int(r[vocab_key]),
+                       seq_len=seq, tie_embeddings=False)
+
+
+def _tokens_row(table: str, name: str, model: ModelConfig, system, layout: ParallelLayout, gpus: int, seq: int,
+                batch: int, runtime: str, ref_tokens: float, attention_kernel: str = "fa3", **extra) -> dict:
+    problem = Problem(model, system, gpus, seq, batch, runtime=runtime, attention_kernel=attention_kernel)
+    g = Grid.from_layout(layout)
+    est = Estimate.from_results(problem, g, evaluate(problem, g))
+    predicted = est.tokens_per_s / gpus
+    return dict(table=table, row=name, reference=ref_tokens, predicted=predicted, error=predicted / ref_tokens - 1,
+                unit="tokens/s/GPU", estimate=est, seq=seq, **extra)
+
+
+def megatron_bridge_dense(system="dgx-h100") -> list[dict]:
+    """Tokens/s per GPU of the Megatron-Bridge H100 dense pre-training rows (SFT/LoRA skipped),
+    runtime ``megatron-core``: distributed optimizer (zero 1; zero 3 where the row lists
+    Megatron-FSDP), sequence parallel with tp > 1, interleaved pipeline at the published vp, no
+    recompute (not in the table), fp8 (25.09 rows have no precision column; that release ran
+    these models in FP8, the reference README)."""
+    system = load_system(system)
+    rows = []
+    for r in read_table(DENSE_TABLE):
+        if r["task"] != "Pre-Training":
+            continue
+        gpus, tp, pp, cp = (int(r[k]) for k in ("num_gpus", "tp", "pp", "cp"))
+        vp, seq = int(r["vp"] or 1), int(r["seq_len_tokens"])
+        fsdp = int(r["fsdp_as_published"] or 0) > 1
+        layout = ParallelLayout(dp=gpus // (tp * pp * cp), tp=tp, pp=pp, cp=cp, sp=tp > 1, zero=3 if fsdp else 1,
+                                precision="fp8", schedule="interleaved-1f1b" if vp > 1 else "1f1b",
+                                virtual_stages=vp, micro_batch=int(r["micro_batch_size_seqs"]))
+        rows.append(_tokens_row("megatron-bridge-h100-dense", f"{r['container']} {r['model_as_published']} "
+                                f"{r['precision_as_published'] or 'FP8?'} tp{tp} pp{pp} cp{cp} vp{vp}", _llama(r, seq),
+                                system, layout, gpus, seq, int(r["global_batch_size_seqs"]), "megatron-core",
+                                float(r["tokens_per_s_per_gpu"]), attention_kernel=BRIDGE_ATTENTION))
+    return rows
+
+
+# the fused attention generation each table's software ran (``Problem.attention_kernel``)
+NEMO_CP_ATTENTION = "fa2"  # NeMo 24.03 (March 2024): before FlashAttention-3 (July 2024) and cuDNN's Hopper kernels in TE
+LLAMA3_ATTENTION = "fa2"  # Llama 3 was trained before FlashAttention-3 was published (July 2024)
+BRIDGE_ATTENTION = "fa3"  # Megatron-Bridge 25.09-26.06 containers: TE's cuDNN fused attention on Hopper
+
+
+def nemo_long_sequence(system="dgx-h100") -> list[dict]:
+    """Llama 2 7B with context parallel, 4K to 1M tokens (NeMo 24.03.01, FP8, megatron-core): the
+    published TFLOP/s per GPU turned into tokens/s with the non-causal FLOPs formula NeMo used
+    (the reference README; the table's ``..._if_noncausal_derived`` column)."""
+    system = load_system(system)
+    rows = []
+    for r in read_table(CP_TABLE):
+        gpus, seq = int(r["num_gpus"]), int(r["seq_len_tokens_derived"])
+        tp, pp, dp, cp = (int(r[k]) for k in ("tp_with_cp", "pp_with_cp", "dp_with_cp", "cp_with_cp"))
+        layout = ParallelLayout(dp=dp, tp=tp, pp=pp, cp=cp, sp=tp > 1, zero=1, precision="fp8", micro_batch=1)
+        rows.append(_tokens_row("nemo-h100-long-sequence-cp", f"Llama2-7B seq {r['seq_len_K_as_published']}K "
+                                f"tp{tp} pp{pp} dp{dp} cp{cp}", _llama(r, seq), system, layout, gpus, seq,
+                                int(r["global_batch_size_seqs"]), "megatron-core",
+                                float(r["tokens_per_s_per_gpu_with_cp_if_noncausal_derived"]),
+                                attention_kernel=NEMO_CP_ATTENTION))
+    return rows
+
+
+def llama3_table4(system="dgx-h100") -> list[dict]:
+    """Llama 3 405B on 8K/16K H100s (Table 4): BF16 MFU at the published tp, cp, pp and the
+    derived dp (the 131K row's printed DP = 4 contradicts its 16M-token batch), runtime ``fsdp2``
+    at zero 2 (FSDP that keeps parameters unsharded after forward, Sec. 3.3.2). The interleave
+    depth is not published: each row takes the fastest of v in 1, 2, 4 (as Narayanan's
+    micro-batch)."""
+    system = load_system(system)
+    rows = []
+    for r in read_table(LLAMA3_TABLE):
+        gpus, seq = int(r["num_gpus"]), int(r["seq_len_tokens"])
+        tp, cp, pp, dp = (int(r[k]) for k in ("tp", "cp", "pp", "dp_derived"))
+        model = _llama(r, seq, vocab_key="vocab_config", head_dim_key="head_dim_derived")
+        batch = int(r["tokens_per_batch_derived"]) // seq
+        best = None
+        for v in (1, 2, 4):
+            layout = ParallelLayout(dp=dp, tp=tp, pp=pp, cp=cp, sp=True, zero=2, precision="bf16", micro_batch=1,
+                                    schedule="interleaved-1f1b" if v > 1 else "1f1b", virtual_stages=v)
+            row = _tokens_row("llama3-2024-t4-h100", f"405B {gpus} GPUs seq {seq} tp{tp} cp{cp} pp{pp} dp{dp} v{v}",
+                              model, system, layout, gpus, seq, batch, "fsdp2", 1.0, attention_kernel=LLAMA3_ATTENTION)
+            if best is None or row["estimate"].mfu > best["estimate"].mfu:
+                best = row
+        ref = float(r["bf16_mfu_pct"]) / 100
+        best.update(reference=ref, predicted=best["estimate"].mfu, error=best["estimate"].mfu / ref - 1, unit="MFU")
+        rows.append(best)
+    return rows
+
+
+def is_fitted(row: dict) -> bool:
+    """Whether bench/plan_calibrate_hopper.py fitted the H100 profile to this row: the
+    Megatron-Bridge dense rows of the 26.x containers, Llama 3 Table 4 at seq 8K and the NeMo
+    context-parallel rows up to 128K tokens. Every other H100 row (25.x containers, NeMo at
+    256K-1M tokens, Llama 3 at 131K) is held out."""
+    if row["table"] == "megatron-bridge-h100-dense":
+        return row["row"].startswith("26.")
+    if row["table"] == "nemo-h100-long-sequence-cp":
+        return row["seq"] <= LONGEST_FITTED_SEQ
+    return row["table"] == "llama3-2024-t4-h100" and row["seq"] == 8192
+
+
+LONGEST_FITTED_SEQ = 131072  # NeMo rows up to 128K tokens fit attention_matmul; 256K-1M are held out
+
+
+HOPPER_TABLES = {"megatron-bridge-h100-dense": megatron_bridge_dense, "nemo-h100-long-sequence-cp": nemo_long_sequence,
+                 "llama3-2024-t4-h100": llama3_table4}
+
+
 def summary(rows: list[dict]) -> dict:
     errors = np.abs([r["error"] for r in rows])
     return {"rows": len(rows), "mean_abs_error": float(errors.mean()), "max_abs_error": float(errors.max())}
@@ -122,4 +289,13 @@ def summary(rows: list[dict]) -> dict:
 def validate_all(system="dgx-a100-80g") -> dict:
     tables = {"korthikanti2022-t5": korthikanti_table5(system), "narayanan2021-t1": narayanan_table1(system),
               "zero2019-t1": zero_table1()}
+    hopper = []
+    for name, table in HOPPER_TABLES.items():
+        tables[name] = table()
+        hopper += tables[name]
+    tables["h100-fitted"] = [r for r in hopper if is_fitted(r)]
+    tables["h100-held-out"] = [r for r in hopper if not is_fitted(r)]
+    moe = megatron_bridge_moe()
+    tables["megatron-bridge-h100-moe-bf16"] = [r for r in moe if not r["fp8"]]
+    tables["megatron-bridge-h100-moe-fp8-at-bf16"] = [r for r in moe if r["fp8"]]  # no fp8 peak: under-predicts
     return {name: {"summary": summary(rows), "rows": rows} for name, rows in tables.items()}

@@ -49,7 +49,7 @@ def test_bad_input_exits_2_with_one_line():
 @pytest.mark.parametrize("args,needle", [
     (["--tp", "5", "--dp", "1", "--gpus", "5"], "parallel.tp = 5"),
     (["--model", "no-such-model"], "--model"),
-    (["--zero", "7"], "parallel.zero = 7"),
+    (["--zero", "7"], "--zero = 7: an integer from 0 to 3"),
     (["--system", "no-such-system"], "--system"),
     (["--global-batch", "3"], "train.global_batch = 3"),
 ])

@@ -70,7 +70,7 @@ def test_pipeline_ranks_split_layers_and_embeddings():
 @pytest.mark.parametrize("schedule,v,m,first,last", [
     ("1f1b", 1, 64, 8, 1), ("gpipe", 1, 64, 64, 64), ("1f1b", 1, 4, 4, 1),
     ("interleaved-1f1b", 3, 64, 8 * (1 + 7 / 24), (2 * 8 + 1) / 3),
-    ("zero-bubble", 2, 64, 8, 8), ("dualpipev", 2, 64, 9, 9),
+    ("zero-bubble", 2, 64, 8, (8 + 1) / 2), ("dualpipev", 2, 64, 9, 9),
 ])
 def test_microbatches_in_flight(schedule, v, m, first, last):
     g = Grid.from_layout(ParallelLayout(pp=8, schedule=schedule, virtual_stages=v))

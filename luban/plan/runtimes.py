@@ -1,0 +1,359 @@
+"""Runtime models: whose layout rules, byte accounting and overlap the planner follows.
+
+A ``Runtime`` answers, for one training framework, the questions on which frameworks differ
+while the hardware stays the same:
+
+* **layout rules** (``ddp_with_tp``, ``ddp_with_split_backward``): which layouts it can run
+  (``luban.parallel.layout.check_layout`` and the vectorised ``luban.plan.rules`` take them);
+* **byte accounting**: bytes per parameter of weights, gradients and optimizer state
+  (``param_bytes``), whether ZeRO stages >= 1 are FSDP (weights and gradients sharded between
+  steps, ``fsdp``), whether context-parallel ranks join the sharding group (``cp_shards``), the
+  activations one layer saves (``layer_activations``) and those outside the layers
+  (``edge_activations``), and how many data-parallel collectives a step issues
+  (``dp_collective_counts``);
+* **overlap per mechanism**: how much of the tensor-parallel (``tp_exposed``), pipeline p2p
+  (``pp_exposed``) and data-parallel (``dp_hidden``) communication hides behind which compute,
+  each bounded by that compute. Overlap is a property of the runtime and its settings, not of
+  the system profile (which keeps only ``zero3_overlap``, the share of compute a prefetching
+  runtime achieves on that hardware).
+
+Four models (``RUNTIMES``):
+
+``megatron``
+    Megatron-LM as in the 2021-22 papers (Narayanan et al. 2021, Korthikanti et al. 2022):
+    DDP (or ZeRO) + TP + PP, no communication overlap, fp16/bf16 weights and gradients with
+    fp32 master weights in the optimizer (ZeRO Sec. 3.1: 2 + 2 + K bytes), activations of
+    Korthikanti Table 2 (attention scores stored, dropout masks).
+``megatron-core``
+    Megatron-Core with the distributed optimizer (ZeRO-1: ``--use-distributed-optimizer``),
+    ``--overlap-grad-reduce`` / ``--overlap-param-gather`` (gradient reduce-scatter behind the
+    last micro-batch's backward, parameter all-gather behind the first micro-batch's forward),
+    TransformerEngine ``--tp-comm-overlap`` (TP all-gather/reduce-scatter behind the adjacent
+    GEMMs; needs sequence parallel) and interleaved PP with ``--overlap-p2p-communication``
+    (each send/receive behind one model chunk's compute). bf16 keeps fp32 main gradients
+    (Megatron sets ``accumulate_allreduce_grads_in_fp32`` for bf16). Flash attention: no
+    s x s scores are saved.
+``fsdp2``
+    torchtitan: FSDP2 (``fully_shard``, ``MixedPrecisionPolicy(param_dtype=bf16,
+    reduce_dtype=fp32)``) + TP + PP. fp32 sharded weights, gradients and optimizer state; bf16
+    activations with SDPA flash attention; context-parallel ranks shard too (``dp_shard_cp``);
+    FSDP2 prefetch hides all-gathers and reduce-scatters behind compute (up to the profile's
+    ``zero3_overlap``); TP and p2p are not overlapped (async TP is off by default). DDP is
+    used only without TP (torchtitan's ``apply_ddp`` is 1-D only).
+``luban``
+    luban's own runtime as measured (``tests/plan/test_runtime_match.py``,
+    ``test_runtime_multirank.py``): fp32 weights and gradients at every precision (autocast),
+    exactly the tensors PyTorch saves for ``luban.model.transformer.Block``, FSDP2 groups per
+    block, three scalar all-reduces per step, CPU framework overheads; only ZeRO-3 gathers hide
+    behind compute (no measured overlap elsewhere).
+
+Equations and sources are written out in docs/planner.md.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from luban.errors import bad_value
+from luban.parallel.layout import LUBAN_RULES, OFFLOADS, PRECISIONS
+from luban.plan.grid import BF16, FP8, FP32, FULL
+
+GEMMS_PER_LAYER = 4  # QKV, attention output, fc1 (gate and up fused), fc2: Megatron's linear layers
+
+
+class Runtime:
+    """The protocol; each subclass fills in what differs. Attributes are layout rules and flags,
+    methods take a ``Problem`` and a ``Grid`` and return numpy arrays broadcast over the grid."""
+
+    name = ""
+    ddp_with_tp = False  # DDP (zero 0) may reduce tensor-parallel parameters over dp*cp > 1
+    ddp_with_split_backward = False  # DDP with zero-bubble/dualpipev (weight grads after the reduce)
+    fsdp = False  # ZeRO stages >= 1 keep weights and gradients sharded between steps (FSDP2)
+    cp_shards = False  # context-parallel ranks join the ZeRO sharding group
+    scalar_allreduces = 0  # per-step all-reduces of a scalar (loss, norm, flags)
+    cpu_overheads = False  # a probed CPU profile's framework overheads apply
+    flash_attention = True  # no s x s attention scores saved
+    causal_skip = False  # the attention kernel skips masked blocks: causal FLOPs, at ``attention_matmul``
+    head_grad_view = False  # an untied TP head's gradient shard views a full V x h buffer
+    offload_host_shards = False  # optimizer offload also keeps host copies of weight/grad shards
+    expert_tp = False  # MoE routed experts are split by tensor parallel too (expert-TP = tp)
+    precisions = LUBAN_RULES.precisions  # what it runs (fp8: see the FP8 attributes below)
+    offloads = OFFLOADS  # planned offload kinds ("blocks": seed 003's second memory tier, a what-if)
+    # FP8 recipe (docs/planner.md "FP8"): GEMM inputs saved for backward in fp8 (1 byte) or in bf16;
+    # fp8 weight copies kept beside the master weights (bytes per linear-layer parameter); amax
+    # history entries per fp8 tensor (3 per GEMM: input, weight, output gradient); passes over
+    # each GEMM input to quantise it (amax + cast)
+    fp8_saved_gemm_inputs = False
+    fp8_weight_copy_bytes = 0.0
+    fp8_amax_history = 0
+    fp8_cast_passes = 0
+    experts_replicated_with_ep = False  # with ep > 1 expert states stay out of ZeRO (replicated over edp)
+
+    # --- byte accounting -------------------------------------------------------------------
+    def param_bytes(self, states: int, precision) -> tuple:
+        """Bytes per parameter of (weights, gradients, optimizer state) before sharding."""
+        raise NotImplementedError
+
+    def layer_activations(self, problem, g) -> dict:
+        """Bytes per token a layer saves (before the in-flight and recompute choices): ``none``,
+        ``selective``, ``full`` (the checkpointed input), ``fixed_none`` (bytes per micro-batch
+        independent of tokens) and the activation element size ``e``."""
+        return korthikanti_layer(problem, g, self)
+
+    def edge_activations(self, problem, g, e) -> tuple:
+        """((per-token, fixed) on the first rank, (per-token, fixed) on the last rank) outside the
+        layers: embedding output; final norm, LM-head input and fp32 logits."""
+        h, t = problem.model.hidden, g.tp
+        rep_div = np.where(g.sp, t, 1)
+        masks = 1.0 if problem.model.dropout > 0 or not self.flash_attention else 0.0
+        logits = 4.0 * problem.model.vocab / t
+        return (masks * h / rep_div, 0.0), (2 * e * h / rep_div + logits, 0.0)
+
+    def fp8_state_bytes(self, problem, g, layers):
+        """Bytes an fp8 recipe keeps on a rank holding ``layers`` layers: fp8 weight copies of the
+        linear layers and the amax history, scale and inverse scale (fp32) of every fp8 tensor."""
+        if self.fp8_weight_copy_bytes == 0 and self.fp8_amax_history == 0:
+            return 0.0
+        weights = self.fp8_weight_copy_bytes * problem.derived["layer_matmul_weights"] / g.tp
+        scaling = 3 * GEMMS_PER_LAYER * 4.0 * (self.fp8_amax_history + 2)
+        return np.where(g.precision == FP8, layers * (weights + scaling), 0.0)
+
+    def fp8_cast_bytes(self, problem, g):
+        """HBM bytes per token per layer that quantising the GEMM inputs moves (read bf16, write
+        fp8: 3 bytes per element per pass) in forward; the output gradients in backward double it."""
+        cfg = problem.model
+        inputs = 2 * cfg.hidden + (cfg.q_dim + cfg.ffn_hidden) / g.tp  # QKV, fc1 inputs; proj, fc2 inputs
+        return np.where(g.precision == FP8, 3.0 * self.fp8_cast_passes * inputs, 0.0)
+
+    def dp_collective_counts(self, problem, g, m, n) -> tuple:
+        """(all-gathers of weights, reduce-scatters of gradients per step, groups each splits
+        into) at ZeRO >= 1. ZeRO Sec. 7: stages 1-2 one reduce-scatter and one all-gather per
+        step, stage 3 two all-gathers and one reduce-scatter per micro-batch, each over the
+        whole model."""
+        return np.where(g.zero >= 3, 2 * m, 1), np.where(g.zero >= 3, m, 1), 1
+
+    # --- overlap per mechanism -------------------------------------------------------------
+    def tp_exposed(self, g, comm, gemm):
+        """Seconds of TP communication ``comm`` left exposed beside ``gemm`` seconds of GEMMs."""
+        return comm
+
+    def pp_exposed(self, g, transfer, transfers, chunk):
+        """Exposed p2p seconds of ``transfers`` sends/receives of ``transfer`` seconds each;
+        ``chunk``: compute of one model chunk for one micro-batch."""
+        return transfers * transfer
+
+    def dp_hidden(self, problem, g, gather, reduce, F, B, busy):
+        """Seconds of data-parallel communication (``gather``: weight all-gathers, ``reduce``:
+        gradient reduction) hidden behind compute. F, B: one micro-batch's forward and backward
+        on the rank; busy: the step's compute. ZeRO-3 gathers overlap with compute up to the
+        profile's ``zero3_overlap`` share of it."""
+        total = gather + reduce
+        return np.where(g.zero >= 3, np.minimum(total, problem.system.efficiency["zero3_overlap"] * busy), 0.0)
+
+
+class Megatron(Runtime):
+    name = "megatron"
+    ddp_with_tp = True
+    ddp_with_split_backward = True
+    flash_attention = False
+    expert_tp = True  # Megatron's expert_tensor_parallel_size defaults to tp
+
+    def param_bytes(self, states, precision):
+        """Half precision: 2-byte weights and gradients, K = 4 + 4·states bytes of fp32 master
+        weights and optimizer states (ZeRO Sec. 3.1: K = 12 for Adam); fp32: 4 + 4 + 4·states."""
+        state_b = 4.0 * states
+        half = precision != FP32
+        return np.where(half, 2.0, 4.0), np.where(half, 2.0, 4.0), np.where(half, 4.0 + state_b, state_b)
+
+
+class MegatronCore(Megatron):
+    name = "megatron-core"
+    flash_attention = True
+    cp_shards = True  # the distributed optimizer shards over the data-parallel-with-cp group
+    causal_skip = True  # TE/cuDNN fused attention
+    precisions = PRECISIONS
+    # TransformerEngine delayed scaling (``--fp8-format hybrid``, ``te.Linear``): the fp8 input of
+    # each GEMM is what backward keeps; the fp8 weight and its transpose (Hopper's fp8 GEMMs need
+    # both layouts) are cached across micro-batches; amax history of 1024 entries (TE's
+    # DelayedScaling default); the amax is fused into the cast: one pass
+    fp8_saved_gemm_inputs = True
+    fp8_weight_copy_bytes = 2.0
+    fp8_amax_history = 1024
+    fp8_cast_passes = 1
+
+    def param_bytes(self, states, precision):
+        """As ``megatron`` but bf16 accumulates and reduces fp32 main gradients (Megatron-LM
+        ``arguments.py``: ``accumulate_allreduce_grads_in_fp32 = True`` under ``--bf16``); fp8
+        trains bf16 parameters (``--fp8-format`` with ``--bf16``): the same bytes."""
+        wb, gb, ob = super().param_bytes(states, precision)
+        return wb, np.where((precision == BF16) | (precision == FP8), 4.0, gb), ob
+
+    def tp_exposed(self, g, comm, gemm):
+        """``--tp-comm-overlap`` (TransformerEngine userbuffers, needs sequence parallel) splits
+        each all-gather/reduce-scatter into chunks pipelined with the adjacent GEMM: hidden up
+        to the GEMM time."""
+        return np.where(g.sp, np.maximum(0.0, comm - gemm), comm)
+
+    def pp_exposed(self, g, transfer, transfers, chunk):
+        """``--overlap-p2p-communication`` (interleaved schedule only): each transfer runs
+        behind one model chunk's compute."""
+        return transfers * np.where(g.virtual_stages > 1, np.maximum(0.0, transfer - chunk), transfer)
+
+    def dp_hidden(self, problem, g, gather, reduce, F, B, busy):
+        """``--overlap-grad-reduce``: bucketed gradient reduction (all-reduce, or reduce-scatter
+        under the distributed optimizer) behind the last micro-batch's backward, bounded by it;
+        ``--overlap-param-gather``: the all-gather of updated weights behind the next step's first
+        forward, bounded by it. ZeRO-3 (not a Megatron-Core mode) as the base."""
+        hidden = np.minimum(reduce, B) + np.minimum(gather, F)
+        return np.where(g.zero >= 3, super().dp_hidden(problem, g, gather, reduce, F, B, busy), hidden)
+
+
+class FSDP2(Runtime):
+    name = "fsdp2"
+    fsdp = True
+    cp_shards = True
+    causal_skip = True  # SDPA flash / cuDNN attention with is_causal
+    precisions = PRECISIONS
+    # torchao float8 with tensorwise dynamic scaling (torchtitan ``--model.converters float8``):
+    # backward keeps the bf16 inputs and re-quantises them; no persistent fp8 weights (the fp8
+    # all-gather's copies are transient); one amax pass and one cast pass per tensor
+    fp8_cast_passes = 2
+
+    def param_bytes(self, states, precision):
+        """fp32 sharded weights and gradients (``reduce_dtype=fp32``) and optimizer state; the
+        bf16 gathered copies are transient (``memory.fsdp_transients``)."""
+        ones = np.ones_like(precision, dtype=float)
+        return 4.0 * ones, 4.0 * ones, 4.0 * states * ones
+
+    def dp_hidden(self, problem, g, gather, reduce, F, B, busy):
+        """FSDP2 prefetches the next group's all-gather and reduce-scatters behind the
+        backward at every stage >= 1, up to the profile's ``zero3_overlap`` share of compute;
+        DDP (zero 0) overlaps its bucketed all-reduce with the last backward."""
+        share = problem.system.efficiency["zero3_overlap"]
+        total = gather + reduce
+        return np.where(g.zero >= 1, np.minimum(total, share * busy), np.minimum(total, B))
+
+
+class Luban(FSDP2):
+    name = "luban"
+    causal_skip = False  # as measured on CPU (math path) and as the planner's CPU terms were fitted
+    precisions = LUBAN_RULES.precisions  # no fp8 GEMMs yet (check_layout rejects it)
+    offloads = LUBAN_RULES.offloads  # what luban's runtime runs
+    fp8_cast_passes = 0
+    scalar_allreduces = 3  # loss, gradient norm and suspend flag (luban.parallel.engine)
+    cpu_overheads = True
+    head_grad_view = True  # measured: tests/plan/test_runtime_multirank.py
+    offload_host_shards = True  # luban.parallel.data_parallel's CPU optimizer step
+    experts_replicated_with_ep = True  # luban.parallel.expert_parallel
+
+    def layer_activations(self, problem, g):
+        return luban_layer(problem, g)
+
+    def edge_activations(self, problem, g, e):
+        cfg = problem.model
+        h, t = cfg.hidden, g.tp
+        rep_div = np.where(g.sp, t, 1)
+        big = 4.0
+        norm_saved = big * h + 8 if cfg.norm == "layernorm" else 2 * big * h + 4
+        rope = 8.0 * problem.seq * cfg.head_dim if cfg.position == "rope" else 8.0 * problem.seq
+        every_layer_recomputed = (g.recompute == FULL) & (g.recompute_every == 1) & (cfg.position == "rope")
+        first = (8.0, np.where(every_layer_recomputed, 0.0, rope))
+        last_tok = norm_saved / rep_div + np.where(g.precision == FP32, big, e) * h + 4.0 * cfg.vocab / t + 8.0
+        last_fix = np.where(g.precision == FP32, 0.0, 2.0 * cfg.vocab * h / t)
+        return first, (last_tok, last_fix)
+
+    def dp_collective_counts(self, problem, g, m, n):
+        """FSDP2 groups (``luban.parallel.data_parallel``), one per block and one for the rest
+        of the stage, each issuing its own collectives; every micro-batch's forward gathers each
+        group (backward again at stage 3), and the gradients are reduce-scattered per micro-batch
+        at stages 2-3, once per step at stage 1."""
+        groups = n + 1
+        return m * groups * np.where(g.zero >= 3, 2, 1), groups * np.where(g.zero >= 2, m, 1), groups
+
+    dp_hidden = Runtime.dp_hidden  # as measured: DDP and ZeRO 1-2 reductions are not hidden
+
+
+RUNTIMES = {r.name: r for r in (Megatron(), MegatronCore(), FSDP2(), Luban())}
+
+
+def get(name: str) -> Runtime:
+    try:
+        return RUNTIMES[name]
+    except KeyError:
+        raise bad_value("--runtime", name, f"one of {', '.join(RUNTIMES)}") from None
+
+
+def korthikanti_layer(problem, g, rt: Runtime) -> dict:
+    """Korthikanti et al. 2022, Table 2, generalised to grouped-query attention and the MLP
+    width; with flash attention the s x s scores are replaced by the log-sum-exp (4a bytes),
+    and dropout masks (1 byte) count only where the model has dropout or the runtime is the
+    papers' (which always had them)."""
+    from luban.plan.memory import moe_activation_bytes  # memory -> problem -> runtimes
+
+    cfg = problem.model
+    h, q, kv, f, a = cfg.hidden, cfg.q_dim, cfg.kv_dim, cfg.ffn_hidden, cfg.heads
+    t = g.tp
+    rep_div = np.where(g.sp, t, 1)  # sequence parallel splits the replicated part too
+    s_keys = problem.seq / g.cp
+    e = np.where(g.precision == FP32, 4.0, 2.0)
+    x = np.where((g.precision == FP8) & rt.fp8_saved_gemm_inputs, 1.0, e)  # a GEMM input kept for backward
+    dense = 1 - problem.derived["moe_share"]  # the MLP terms below are for the dense layers
+    masks = 1.0 if cfg.dropout > 0 or not rt.flash_attention else 0.0
+    replicated = (2 * e + 2 * x + 2 * masks) * h  # 2 norm inputs, QKV and MLP inputs, 2 dropout masks
+    width = 3 if cfg.activation == "swiglu" else 2
+    mlp = dense * ((width - 1) * e + x) * f  # fc1 output(s) for the activation's backward, fc2 input
+    moe = moe_activation_bytes(problem, g, e, width, 1)
+    sharded = e * (q + 2 * kv) + x * q + mlp  # Q and K, V; out-proj input; MLP
+    scores = 4.0 * a if rt.flash_attention else a * s_keys * (2 * e + 1)  # softmax, mask, dropout out
+    return {"none": replicated / rep_div + (sharded + scores) / t + moe,
+            "selective": replicated / rep_div + sharded / t + moe,
+            "full": e * h / rep_div, "fixed_none": np.zeros_like(e), "e": e}
+
+
+def luban_layer(problem, g) -> dict:
+    """The tensors PyTorch saves for ``luban.model.transformer.Block`` (docs/planner.md lists
+    them): fp32 residual stream and norms, autocast weight copies per micro-batch."""
+    from luban.plan.memory import expert_split, moe_activation_bytes  # memory -> problem -> runtimes
+
+    cfg = problem.model
+    h, q, kv, f, a = cfg.hidden, cfg.q_dim, cfg.kv_dim, cfg.ffn_hidden, cfg.heads
+    t = g.tp
+    rep_div = np.where(g.sp, t, 1)
+    dense = 1 - problem.derived["moe_share"]  # the MLP terms below are for the dense layers
+    big = 4.0  # residual stream, norms: fp32 (the weights are fp32)
+    e = np.where(g.precision == FP32, 4.0, 2.0)
+    norm_saved = big * h + 8 if cfg.norm == "layernorm" else 2 * big * h + 4
+    consumers = 2 if cfg.activation == "swiglu" else 1
+    norm_out = np.where(g.precision == FP32, big * h * 2, e * h * (3 + consumers))
+    # luban's sequence parallel all-gathers the norm outputs before the linears, which save
+    # them whole (Megatron instead re-gathers them in backward): only norm inputs shrink
+    replicated = 2 * norm_saved / rep_div + norm_out
+    width = 4 if cfg.activation == "swiglu" else 2
+    mlp = dense * width * e * f
+    moe = moe_activation_bytes(problem, g, e, width, 2)
+    core_out = e * q
+    core = np.where(g.cp > 1, ring_attention_bytes(problem, g), e * 3 * q + 4 * a)
+    weights = problem.derived["layer_matmul_weights"] / t + problem.derived["layer_experts"] / expert_split(problem, g)
+    return {"none": replicated + (core + core_out + mlp) / t + moe,
+            "selective": replicated + (e * (q + 2 * kv) + core_out + mlp) / t + moe,
+            "full": big * h / rep_div,
+            "fixed_none": np.where(g.precision == FP32, 0.0, 2.0 * weights),  # autocast's half-precision copies
+            "e": e}
+
+
+def ring_attention_bytes(problem, g):
+    """Bytes per token (before the tp split) that luban's ring attention saves in one layer
+    (luban/parallel/context_parallel.py: fp32 math-path blocks, no flash kernel).
+
+    Per ring step j of c: the received K/V block (2·4q; step 0 the stacked local one), the
+    masked scores and their softmax (2·4·a·s/c), the block's log-sum-exp (4a) and output (4q);
+    each merge after the first keeps two exp factors (8a), and from the third step on the
+    running output and log-sum-exp (4q + 4a); plus the fp32 query (4q) and the causal mask
+    of each step (c·(s/c)/b bytes per token).
+    """
+    cfg, c = problem.model, g.cp
+    q, a = cfg.q_dim, cfg.heads
+    keys = problem.seq / c
+    per_step = 8 * q + 8 * a * keys + 4 * a + 4 * q
+    merges = (c - 1) * 8 * a + np.maximum(c - 2, 0) * (4 * q + 4 * a)
+    return 4 * q + c * per_step + merges + c * keys / g.micro_batch

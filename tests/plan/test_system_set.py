@@ -1,0 +1,98 @@
+"""What-if systems: ``--system-set KEY=VALUE`` overrides any profile field."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from luban.errors import LubanError
+from luban.parallel.layout import ParallelLayout
+from luban.plan.estimate import estimate
+from luban.plan.system import GIB, System, load_system
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def luban(*args):
+    return subprocess.run([sys.executable, "-m", "luban", "plan", *args], capture_output=True, text=True, cwd=ROOT,
+                          timeout=300)
+
+
+def test_overrides_in_convenient_units_and_by_field_name():
+    s = load_system("dgx-h100", ["hbm_gib=120", "offload_gib=1024", "offload_gbps=100", "nvlink_domain=16",
+                                 "gpus_per_node=4", "peak_tflops.bf16=1979", "peak_flops.fp16=1.5e15",
+                                 "efficiency.zero3_overlap=0.5", "internode_bandwidth=1e11"])
+    assert s.hbm_bytes == 120 * GIB and s.offload_bytes == 1024 * GIB and s.offload_bandwidth == 100e9
+    assert s.nvlink_domain == 16 and isinstance(s.nvlink_domain, int) and s.gpus_per_node == 4
+    assert s.peak("bf16") == 1979e12 and s.peak_flops["fp16"] == 1.5e15
+    assert s.efficiency["zero3_overlap"] == 0.5 and s.internode_bandwidth == 1e11
+    base = load_system("dgx-h100")
+    assert base.hbm_bytes == 80 * GIB  # the profile itself is untouched
+
+
+def test_unlimited_offload_tier():
+    s = load_system("dgx-h100", ["offload_gib=inf", "offload_gbps=inf"])
+    assert math.isinf(s.offload_bytes) and math.isinf(s.offload_bandwidth)
+
+
+def test_optional_fields_default_from_the_others():
+    raw = load_system("dgx-a100-80g").to_dict()
+    for key in ("nvlink_domain", "offload_bytes", "offload_bandwidth"):
+        raw.pop(key)
+    raw["gpus_per_node"] = 4
+    s = System.from_dict(raw)
+    assert s.nvlink_domain == 4
+    assert s.offload_bytes == raw["host_bytes"] / 4 and s.offload_bandwidth == raw["host_link_bandwidth"]
+
+
+@pytest.mark.parametrize("item,match", [
+    ("hbm_gb=80", "unknown key 'hbm_gb'"), ("peak_tflops.int4=1", "unknown key"), ("efficiency.matmul=1", "unknown key"),
+    ("hbm_gib", "KEY=VALUE"), ("hbm_gib=lots", "a number"), ("hbm_gib=-1", "a positive number"),
+    ("offload_gbps=nan", "a positive number"), ("nvlink_domain=2.5", "positive integer"),
+    ("efficiency.pp_overlap=inf", "a share from 0 to 1"), ("efficiency.hbm_efficiency=0", "finite number > 0"),
+    ("nvlink_domain=inf", "finite positive"), ("gpus_per_node=inf", "finite positive"),
+    ("framework_overhead_bytes=inf", "finite positive"), ("peak_tflops.bf16=inf", "finite positive FLOP/s"),
+])
+def test_bad_overrides_are_one_line_errors(item, match):
+    with pytest.raises(LubanError, match=match) as err:
+        load_system("dgx-h100", [item])
+    assert "\n" not in str(err.value)
+
+
+def test_overrides_change_the_estimate():
+    cfg_args = dict(global_batch=64, seq=2048)
+    layout = ParallelLayout(dp=1, tp=8, pp=8, zero=1, precision="bf16", offload="optimizer",
+                            schedule="interleaved-1f1b", virtual_stages=2, recompute="full")
+    from luban.model.presets import get_preset
+
+    cfg = get_preset("gpt3-175b")
+    base = estimate(cfg, "dgx-h100", layout, **cfg_args)
+    fast = estimate(cfg, load_system("dgx-h100", ["peak_tflops.bf16=1979"]), layout, **cfg_args)
+    assert fast.time_breakdown_s["forward"] < base.time_breakdown_s["forward"]
+    slow_link = estimate(cfg, load_system("dgx-h100", ["offload_gbps=5"]), layout, **cfg_args)
+    assert slow_link.time_breakdown_s["offload"] == pytest.approx(10 * base.time_breakdown_s["offload"])
+    small_tier = estimate(cfg, load_system("dgx-h100", ["offload_gib=1"]), layout, **cfg_args)
+    assert base.fits and not small_tier.fits
+    wide = estimate(cfg, load_system("dgx-h100", ["nvlink_domain=64"]), layout, **cfg_args)
+    assert wide.time_breakdown_s["pp_p2p"] < base.time_breakdown_s["pp_p2p"]
+    big = estimate(cfg, load_system("dgx-h100", ["hbm_gib=4"]), layout, **cfg_args)
+    assert not big.fits
+
+
+def test_cli_estimate_and_search_take_system_set():
+    common = ("--model", "gpt3-175b", "--gpus", "64", "--global-batch", "64", "--system", "dgx-h100", "--json")
+    r1 = luban("estimate", *common, "--tp", "8", "--pp", "8", "--zero", "1", "--recompute", "full")
+    r2 = luban("estimate", *common, "--tp", "8", "--pp", "8", "--zero", "1", "--recompute", "full",
+               "--system-set", "hbm_gib=40", "--system-set", "nvlink_domain=4")
+    assert r1.returncode == 0 and r2.returncode == 0, r1.stderr + r2.stderr
+    a, b = json.loads(r1.stdout), json.loads(r2.stdout)
+    assert a["fits"] and not b["fits"]
+    assert b["time_breakdown_s"]["tp_comm"] > a["time_breakdown_s"]["tp_comm"]  # tp=8 now leaves the domain
+    r = luban("search", *common, "--top", "1", "--system-set", "hbm_gib=1000")
+    assert r.returncode == 0, r.stderr
+    bad = luban("search", *common, "--system-set", "nvlink=16")
+    assert bad.returncode == 2 and bad.stderr.startswith("luban: error: --system-set = 'nvlink=16': unknown key")
+    assert len(bad.stderr.strip().splitlines()) == 1 and "Traceback" not in bad.stderr
