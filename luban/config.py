@@ -14,6 +14,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from luban import schema
 from luban.errors import LubanError, bad_value
 from luban.model.config import ModelConfig, _coerce
 from luban.model.presets import get_preset
@@ -43,6 +44,8 @@ class TrainConfig:
     grad_clip: float = 1.0  # 0 disables clipping
     seed: int = 0
     checkpoint_every: int = 100  # 0: only at the end
+    checkpoint_every_minutes: float = 0.0  # also save when this much wall time passed since the last save; 0: off
+    async_checkpoint: bool = True  # stage to host memory, write in the background (sync where unsafe)
     keep_checkpoints: int = 3
     eval_every: int = 50  # 0: never
     log_every: int = 1
@@ -82,18 +85,19 @@ DEFAULT_PRESET = "tiny"  # [model] keys not given come from this preset unless `
 SECTIONS = ("model", "data", "train", "parallel", "run")
 CHOICES = {("train", "optimizer"): ("adamw", "sgd"), ("run", "progress"): ("auto", "bar", "plain", "none"),
            ("run", "device"): ("auto", "cpu", "cuda")}
-NON_NEGATIVE = {("train", k) for k in ("checkpoint_every", "eval_every", "warmup_steps", "momentum", "weight_decay",
+NON_NEGATIVE = {("train", k) for k in ("checkpoint_every", "checkpoint_every_minutes", "eval_every", "warmup_steps", "momentum", "weight_decay",
                                        "grad_clip", "seed", "min_lr")} | {("data", "seq_len"), ("data", "prefetch"),
                                                                           ("data", "eval_batches")}
 
 
 # upper bounds (inclusive) and a few tighter lower ones: past these a run cannot be meant
 # (steps for 3 years at 1 step/s; a global batch beyond 2^20 sequences), or a library breaks
-# (torch/numpy seeds are 32-bit here; Adam's betas must be < 1)
-RANGES = {("train", "steps"): (1, 10**8), ("train", "global_batch"): (1, 1 << 20), ("train", "seed"): (0, (1 << 32) - 1),
+# (torch/numpy seeds are 32-bit here: luban.schema.SEED; Adam's betas must be < 1)
+RANGES = {("train", "steps"): (1, 10**8), ("train", "global_batch"): (1, 1 << 20), ("train", "seed"): schema.SEED,
           ("train", "lr"): (1e-12, 10.0), ("train", "min_lr"): (0.0, 10.0), ("train", "beta1"): (0.0, 0.999999),
           ("train", "beta2"): (0.0, 0.999999999), ("train", "momentum"): (0.0, 0.999999),
           ("train", "warmup_steps"): (0, 10**8), ("train", "checkpoint_every"): (0, 10**8),
+          ("train", "checkpoint_every_minutes"): (0.0, 10**6),
           ("train", "eval_every"): (0, 10**8), ("train", "log_every"): (1, 10**8), ("train", "keep_checkpoints"): (1, 10**4),
           ("train", "grad_clip"): (0.0, 1e6), ("train", "weight_decay"): (0.0, 10.0),
           ("data", "eval_batches"): (1, 10**6), ("data", "prefetch"): (0, 64), ("data", "seq_len"): (0, 1 << 24)}

@@ -85,10 +85,14 @@ def test_other_commands_cases(capsys, tmp_path):
 # -- fuzz --------------------------------------------------------------------------------------
 KEYS = [f"{s}.{k}" for s, ks in {
     "train": ("steps", "global_batch", "lr", "min_lr", "seed", "beta1", "beta2", "momentum", "warmup_steps",
-              "checkpoint_every", "eval_every", "grad_clip", "weight_decay", "optimizer", "keep_checkpoints"),
+              "checkpoint_every", "eval_every", "grad_clip", "weight_decay", "optimizer", "keep_checkpoints",
+              "checkpoint_every_minutes", "async_checkpoint"),
     "data": ("seq_len", "eval_batches", "prefetch", "path"),
-    "model": ("hidden", "layers", "heads", "vocab", "seq_len", "norm_eps", "init_std", "dropout", "arch"),
-    "parallel": ("dp", "tp", "pp", "zero", "micro_batch", "schedule", "precision"),
+    "model": ("hidden", "layers", "heads", "vocab", "seq_len", "norm_eps", "init_std", "dropout", "arch",
+              "experts", "experts_per_token", "expert_ffn_hidden", "shared_experts", "dense_layers", "router",
+              "router_bias_rate", "aux_loss_coef", "capacity_factor", "kv_heads", "rope_theta"),
+    "parallel": ("dp", "tp", "pp", "cp", "ep", "zero", "micro_batch", "schedule", "precision", "offload",
+                 "virtual_stages", "recompute"),
     "run": ("dir", "device", "progress"), "bogus": ("key",)}.items() for k in ks]
 NASTY = st.one_of(
     st.sampled_from(["nan", "inf", "-inf", "1e308", "-1", "0", "2**70", "1180591620717411303424", "true", "[1, 2]",
@@ -124,11 +128,40 @@ def test_fuzzed_planner_flags_never_trace(capsys, pairs):
             "--global-batch", "8", *sum(([f, v] for f, v in pairs), [])]
     try:
         code = main(argv)
-    except SystemExit as exit_:  # argparse's own type errors: usage + one error line, exit 2
+    except SystemExit as exit_:  # argparse's own type errors: one line too (luban.cli.Parser), exit 2
         code = exit_.code
     err = capsys.readouterr().err
     assert code in (0, 2), err
     assert "Traceback" not in err
+    if code == 2:
+        assert len(err.strip().splitlines()) == 1 and err.startswith("luban: error: "), err
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["nosuch"], "COMMAND = 'nosuch': one of 'train', "),
+    (["cluster", "serve", "--bogus"], "unrecognized arguments: --bogus"),
+    (["cluster", "serve", "--run-jobs-as", "x"], "--run-jobs-as = 'x': one of 'user', 'namespace', 'service'"),
+    (["cluster", "serve", "--port", "abc"], "--port = 'abc': an integer from 1 to 65535"),
+    (["cluster", "simulate", "--nope"], "unrecognized arguments: --nope"),
+    (["data"], "data: the following arguments are required"),
+    (["plan", "nope"], "ACTION = 'nope': one of 'estimate', "),
+    (["jobs", "--bogus"], "unrecognized arguments: --bogus"),
+    (["submit", "--priority", "WHATEVER", "--", "true"], "priority = 'WHATEVER': one of"),
+    (["admin"], "admin"),
+    (["cluster", "simulate", "--tick", "nan"], "--tick = nan: a finite number"),
+    (["cluster", "simulate", "--checkpoint-s", "-1"], "--checkpoint-s = -1.0: a finite number"),
+    (["cluster", "simulate", "--zones", "0"], "--zones = 0: an integer from 1 to 100000"),
+    (["cluster", "trace", "--days", "nan", "-o", "/nonexistent-dir/t.jsonl"], "--days = nan: a finite number in (0, "),
+    (["cluster", "trace", "-o", "/nonexistent-dir/t.jsonl"], "--output = '/nonexistent-dir/t.jsonl': a file path in"),
+])
+def test_usage_errors_are_one_line_exit_2(capsys, argv, words):
+    try:
+        code = main(argv)
+    except SystemExit as exit_:  # argparse's own
+        code = exit_.code
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("luban: error: ") and words in err, err
 
 
 @pytest.fixture(scope="module")

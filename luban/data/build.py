@@ -19,7 +19,6 @@ import ctypes
 import errno
 import fcntl
 import fnmatch
-import math
 import os
 import shutil
 from dataclasses import asdict
@@ -31,13 +30,15 @@ from luban.data.atomic import TEMP_GLOB, _fsync_dir
 from luban.data.corpus import (DEFAULT_MAX_BYTES, cap_files, collect_files,
                                default_corpus_files, read_text, stdlib_dir)
 from luban.data.manifest import FORMAT, MANIFEST, SHARD_NAME, open_dataset, write_manifest
-from luban.data.shards import (DEFAULT_CHUNK_TOKENS, FORMAT_VERSION, ShardWriter,
+from luban.data.shards import (DEFAULT_CHUNK_TOKENS, FORMAT_VERSION, MAX_CHUNK_TOKENS, ShardWriter,
                                dtype_for_vocab)
 from luban.data.tokenizer import BPE_FILE, MAX_BPE_VOCAB, MIN_BPE_VOCAB, BpeTokenizer, ByteTokenizer
+from luban import schema
 from luban.errors import LubanError, bad_value
 
 SPLITS = ("train", "val")
 MAX_SHARD_MB = 1 << 14  # 16 GiB per shard: far above any sensible size, far below int overflow
+MAX_INPUT_BYTES = 1 << 50  # 1 PiB of text: a cap beyond any corpus one machine tokenises
 DEFAULT_SHARD_MB = 256.0
 DEFAULT_VAL_FRACTION = 0.01
 DEFAULT_BPE_VOCAB = 4096
@@ -90,23 +91,25 @@ class _SplitWriter:
             self._writer.abort()
 
 
-def _check_options(tokenizer, vocab_size, shard_size_mb, val_fraction, seed,
-                   chunk_tokens) -> None:
+OPTIONS = {  # build_dataset's options, declared once: `luban data build` takes the same as its flags
+    "out": schema.path("new-dir"),
+    "tokenizer": schema.choice("byte", "bpe"),
+    "vocab_size": schema.integer(MIN_BPE_VOCAB, MAX_BPE_VOCAB),
+    "shard_size_mb": schema.number(0, MAX_SHARD_MB, open_lo=True),
+    "val_fraction": schema.number(0, 1, open_hi=True),
+    "seed": schema.integer(*schema.SEED),
+    "max_bytes": schema.integer(1, MAX_INPUT_BYTES),
+    "chunk_tokens": schema.integer(1, MAX_CHUNK_TOKENS),
+}
+
+
+def _check_options(**options) -> None:
     """Every argument, before anything on disk is touched."""
-    if tokenizer not in ("byte", "bpe"):
-        raise bad_value("--tokenizer", tokenizer, "one of 'byte', 'bpe'")
-    if vocab_size is not None and tokenizer != "bpe":
-        raise bad_value("--vocab-size", vocab_size, "only with --tokenizer bpe (byte has 257)")
-    if vocab_size is not None and not MIN_BPE_VOCAB <= vocab_size <= MAX_BPE_VOCAB:
-        raise bad_value("--vocab-size", vocab_size, f"an integer from {MIN_BPE_VOCAB} to {MAX_BPE_VOCAB}")
-    if not (math.isfinite(shard_size_mb) and 0 < shard_size_mb <= MAX_SHARD_MB):
-        raise bad_value("--shard-size-mb", shard_size_mb, f"a number > 0 and <= {MAX_SHARD_MB}")
-    if not (math.isfinite(val_fraction) and 0 <= val_fraction < 1):
-        raise bad_value("--val-fraction", val_fraction, "a fraction in [0, 1)")
-    if not 0 <= seed < 1 << 32:
-        raise bad_value("--seed", seed, "an integer from 0 to 2**32 - 1")
-    if not 1 <= chunk_tokens < 1 << 32:
-        raise bad_value("--chunk-tokens", chunk_tokens, "an integer from 1 to 2**32 - 1")
+    for key, value in options.items():
+        if value is not None:
+            schema.check("--" + key.replace("_", "-"), value, OPTIONS[key])
+    if options["vocab_size"] is not None and options["tokenizer"] != "bpe":
+        raise bad_value("--vocab-size", options["vocab_size"], "only with --tokenizer bpe (byte has 257)")
 
 
 def check_output(out_dir: Path) -> None:
@@ -187,7 +190,8 @@ def build_dataset(inputs=None, out_dir=".", *, tokenizer: str = "byte",
     ``max_bytes`` caps the input (default: ``DEFAULT_MAX_BYTES`` for the default corpus,
     unlimited for explicit inputs). Returns the manifest that was written.
     """
-    _check_options(tokenizer, vocab_size, shard_size_mb, val_fraction, seed, chunk_tokens)
+    _check_options(out=str(out_dir), tokenizer=tokenizer, vocab_size=vocab_size, shard_size_mb=shard_size_mb, val_fraction=val_fraction,
+                   seed=seed, max_bytes=max_bytes, chunk_tokens=chunk_tokens)
     if isinstance(inputs, (str, os.PathLike)):
         inputs = [inputs]
     if inputs:
@@ -203,10 +207,13 @@ def build_dataset(inputs=None, out_dir=".", *, tokenizer: str = "byte",
     final_dir = Path(out_dir)
     recover(final_dir) if final_dir.parent.is_dir() else None
     check_output(final_dir)
-    final_dir.parent.mkdir(parents=True, exist_ok=True)
     out_dir = _staging(final_dir)  # everything is written here, then swapped in (_swap_in)
     shutil.rmtree(out_dir, ignore_errors=True)
-    out_dir.mkdir()
+    try:  # root passes os.access everywhere: /proc/x is refused only here
+        final_dir.parent.mkdir(parents=True, exist_ok=True)
+        out_dir.mkdir()
+    except OSError as err:
+        raise bad_value("--out", str(final_dir), f"{OPTIONS['out'].allowed} ({err.strerror})") from None
     try:
         manifest = _build_into(out_dir, files, source, tokenizer, vocab_size, shard_size_mb, val_fraction, seed,
                                chunk_tokens)

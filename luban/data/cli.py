@@ -6,11 +6,10 @@ import argparse
 import json
 import time
 
-from luban.errors import bad_value
 
 
 def register(subparsers) -> None:
-    from luban.data.build import DEFAULT_BPE_VOCAB, DEFAULT_SHARD_MB, DEFAULT_VAL_FRACTION
+    from luban.data.build import DEFAULT_BPE_VOCAB, DEFAULT_SHARD_MB, DEFAULT_VAL_FRACTION, OPTIONS
     from luban.data.corpus import DEFAULT_MAX_BYTES
     from luban.data.shards import DEFAULT_CHUNK_TOKENS
 
@@ -24,20 +23,20 @@ def register(subparsers) -> None:
         "large checksummed shards plus manifest.json. With no INPUTS, builds the default "
         "corpus: the Python standard library's .py sources. See docs/data.md.")
     build.add_argument("inputs", nargs="*", metavar="INPUTS", help="text files or folders")
-    build.add_argument("--out", required=True, metavar="DIR", help="dataset directory to write")
-    build.add_argument("--tokenizer", default="byte", metavar="byte|bpe",
+    build.add_argument("--out", required=True, metavar="DIR", type=OPTIONS["out"], help="dataset directory to write")
+    build.add_argument("--tokenizer", default="byte", metavar="byte|bpe", type=OPTIONS["tokenizer"],
                        help="byte-level (257 ids) or a BPE trained here (default: byte)")
-    build.add_argument("--vocab-size", metavar="N",
+    build.add_argument("--vocab-size", metavar="N", type=OPTIONS["vocab_size"],
                        help=f"BPE vocabulary size (default {DEFAULT_BPE_VOCAB}; bpe only)")
-    build.add_argument("--shard-size-mb", default=str(DEFAULT_SHARD_MB), metavar="N",
+    build.add_argument("--shard-size-mb", default=DEFAULT_SHARD_MB, metavar="N", type=OPTIONS["shard_size_mb"],
                        help=f"target tokens per shard in MiB (default {DEFAULT_SHARD_MB:g})")
-    build.add_argument("--val-fraction", default=str(DEFAULT_VAL_FRACTION), metavar="F",
+    build.add_argument("--val-fraction", default=DEFAULT_VAL_FRACTION, metavar="F", type=OPTIONS["val_fraction"],
                        help=f"fraction of documents held out (default {DEFAULT_VAL_FRACTION})")
-    build.add_argument("--seed", default="0", metavar="N", help="split seed (default 0)")
-    build.add_argument("--max-bytes", metavar="N",
+    build.add_argument("--seed", default=0, metavar="N", type=OPTIONS["seed"], help="split seed (default 0)")
+    build.add_argument("--max-bytes", metavar="N", type=OPTIONS["max_bytes"],
                        help=f"cap on input bytes (default {DEFAULT_MAX_BYTES} for the default "
                        "corpus, none for INPUTS)")
-    build.add_argument("--chunk-tokens", default=str(DEFAULT_CHUNK_TOKENS), metavar="N",
+    build.add_argument("--chunk-tokens", default=DEFAULT_CHUNK_TOKENS, metavar="N", type=OPTIONS["chunk_tokens"],
                        help=f"tokens per CRC chunk (default {DEFAULT_CHUNK_TOKENS})")
     build.set_defaults(func=_build)
 
@@ -54,29 +53,13 @@ def register(subparsers) -> None:
     info.set_defaults(func=_info)
 
 
-def _parse(key: str, text: str | None, kind, allowed: str):
-    """Parse a flag's value here (not in argparse) so a bad one is a one-line LubanError."""
-    if text is None:
-        return None
-    try:
-        return kind(text)
-    except ValueError:
-        raise bad_value(key, text, allowed) from None
-
-
 def _build(args: argparse.Namespace) -> int:
     from luban.data.build import build_dataset
 
     started = time.perf_counter()
-    manifest = build_dataset(
-        args.inputs, args.out, tokenizer=args.tokenizer,
-        vocab_size=_parse("--vocab-size", args.vocab_size, int, "an integer"),
-        shard_size_mb=_parse("--shard-size-mb", args.shard_size_mb, float, "a number > 0"),
-        val_fraction=_parse("--val-fraction", args.val_fraction, float, "a fraction in [0, 1)"),
-        seed=_parse("--seed", args.seed, int, "an integer >= 0"),
-        max_bytes=_parse("--max-bytes", args.max_bytes, int, "an integer number of bytes"),
-        chunk_tokens=_parse("--chunk-tokens", args.chunk_tokens, int, "an integer >= 1"),
-    )
+    manifest = build_dataset(args.inputs, args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
+                             shard_size_mb=args.shard_size_mb, val_fraction=args.val_fraction, seed=args.seed,
+                             max_bytes=args.max_bytes, chunk_tokens=args.chunk_tokens)
     seconds = time.perf_counter() - started
     src = manifest["source"]
     print(f"built {args.out}: {src['files']} files, {src['bytes']} bytes in {seconds:.2f} s "

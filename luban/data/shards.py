@@ -38,6 +38,7 @@ HEADER_SIZE = HEADER.size  # 64
 HEADER_CRC_OFFSET = HEADER_SIZE - 4
 DTYPES = {1: np.dtype("<u2"), 2: np.dtype("<u4")}
 DEFAULT_CHUNK_TOKENS = 1 << 16
+MAX_CHUNK_TOKENS = (1 << 32) - 1  # the header stores chunk_tokens as a uint32
 
 _INDEX_DTYPE = np.dtype("<u8")
 _CRC_DTYPE = np.dtype("<u4")
@@ -75,7 +76,7 @@ class ShardWriter:
     def __init__(self, path: str | os.PathLike, dtype, chunk_tokens: int = DEFAULT_CHUNK_TOKENS):
         self.dtype = np.dtype(dtype).newbyteorder("<")
         self.chunk_tokens = int(chunk_tokens)
-        if not 1 <= self.chunk_tokens < 1 << 32:
+        if not 1 <= self.chunk_tokens <= MAX_CHUNK_TOKENS:
             raise ValueError(f"chunk_tokens = {chunk_tokens}: must be in [1, 2**32)")
         self._out = AtomicFile(path)
         self._out.file.write(bytes(HEADER_SIZE))

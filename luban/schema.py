@@ -1,0 +1,191 @@
+"""The one declaration of each command-line value's type and range.
+
+Every factory here returns a parser: a callable that takes the text of a flag (or a value an API
+caller passed) and returns it converted, or raises ``Invalid`` saying what is allowed. The
+parsers are argparse ``type=`` callables, so ``luban.cli.Parser`` reports a bad flag as
+``luban: error: --key = 'value': <allowed>`` (exit 2), and ``check(key, value, parser)``
+applies the same declaration to a Python API argument, raising ``LubanError``.
+
+    integer(1, 65535)("80")            -> 80
+    number(0, 1, open_hi=True)("nan")  -> Invalid: a finite number in [0, 1)
+    path("dir")("/etc/passwd")         -> Invalid: an existing folder
+
+Ranges that two modules share are declared once below (``SEED``, ``PORT``) and imported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import numbers
+import operator
+import os
+import re
+from pathlib import Path
+
+from luban.errors import LubanError, bad_value
+
+SEED = (0, (1 << 32) - 1)  # numpy/torch seed range (config train.seed, data build --seed, sample --seed, ...)
+PORT = (0, 65535)
+CLUSTER_NODES = (1, 100_000)  # nodes of one cluster or simulation (serve, submit -n, quotas, traces)
+INT32 = (-(1 << 31), (1 << 31) - 1)  # the service's SQL Integer columns (PostgreSQL int4): ids, counts
+
+
+class Invalid(argparse.ArgumentTypeError):
+    """A value outside its declaration: the number when the text was one (``nan``, ``-1``), else
+    the text (``'abc'``). ``str()`` is ``<value!r>: <allowed>``, which ``luban.cli.Parser``
+    prefixes with the flag: ``--key = <value!r>: <allowed>``."""
+
+    def __init__(self, value, allowed: str):
+        super().__init__(f"{value!r}: {allowed}")
+        self.value, self.allowed = value, allowed
+
+
+def _num(x) -> str:
+    return str(int(x)) if float(x).is_integer() and abs(x) < 1e15 else f"{x:g}"
+
+
+def _range(lo, hi, open_lo: bool = False, open_hi: bool = False) -> str:
+    """``from 1 to 9``, ``in (0, 1]``, ``> 0``, ``>= 1``, ``<= 9`` or nothing."""
+    if lo is not None and hi is not None:
+        return (f"in {'(' if open_lo else '['}{_num(lo)}, {_num(hi)}{')' if open_hi else ']'}"
+                if open_lo or open_hi else f"from {_num(lo)} to {_num(hi)}")
+    if lo is not None:
+        return f"{'>' if open_lo else '>='} {_num(lo)}"
+    return f"{'<' if open_hi else '<='} {_num(hi)}" if hi is not None else ""
+
+
+def _declared(parse, allowed: str):
+    parse.allowed = allowed  # what Parser shows for a flag given without its value
+    return parse
+
+
+def integer(lo: int | None = None, hi: int | None = None):
+    """A whole number in [lo, hi] (decimal text, or an integer; not a bool, not 1.0)."""
+    allowed = f"an integer {_range(lo, hi)}".rstrip()
+
+    def parse(text) -> int:
+        try:
+            if isinstance(text, bool):
+                raise TypeError
+            value = int(text) if isinstance(text, str) else operator.index(text)
+        except (TypeError, ValueError):
+            raise Invalid(text, allowed) from None
+        if (lo is not None and value < lo) or (hi is not None and value > hi):
+            raise Invalid(value, allowed)
+        return value
+
+    return _declared(parse, allowed)
+
+
+def number(lo: float | None = None, hi: float | None = None, *, open_lo: bool = False, open_hi: bool = False,
+           also: tuple[float, ...] = ()):
+    """A finite number in the range (``open_lo``/``open_hi`` exclude the bound), or one of the
+    exact values ``also`` (e.g. ``0`` for "off", ``math.inf`` for "unlimited")."""
+    allowed = f"a finite number {_range(lo, hi, open_lo, open_hi)}".rstrip()
+    if also:
+        allowed = " or ".join(_num(a) if math.isfinite(a) else str(a) for a in also) + ", or " + allowed
+
+    def parse(text) -> float:
+        try:
+            if isinstance(text, bool) or not isinstance(text, (numbers.Real, str)):
+                raise TypeError
+            value = float(text)
+        except (TypeError, ValueError, OverflowError):
+            raise Invalid(text, allowed) from None
+        if value in also:
+            return value
+        if not math.isfinite(value) or (lo is not None and (value <= lo if open_lo else value < lo)) or \
+                (hi is not None and (value >= hi if open_hi else value > hi)):
+            raise Invalid(value, allowed)
+        return value
+
+    return _declared(parse, allowed)
+
+
+def choice(*options: str):
+    """One of the strings ``options``."""
+    allowed = "one of " + ", ".join(map(repr, options))
+
+    def parse(value) -> str:
+        if value not in options:
+            raise Invalid(value, allowed)
+        return value
+
+    return _declared(parse, allowed)
+
+
+def text(pattern: str | None = None, allowed: str = "non-empty UTF-8 text", *, empty: bool = False):
+    """A string that is valid UTF-8 (no lone surrogates from undecodable argv bytes) without NUL
+    (no argv, path or C string holds one), non-empty unless ``empty``, matching ``pattern`` if given."""
+    regex = re.compile(pattern) if pattern else None
+
+    def parse(value) -> str:
+        if not isinstance(value, str) or (not value and not empty) or "\x00" in value:
+            raise Invalid(value, allowed)
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise Invalid(value, allowed) from None
+        if regex is not None and not regex.fullmatch(value):
+            raise Invalid(value, allowed)
+        return value
+
+    return _declared(parse, allowed)
+
+
+PATH_KINDS = {"file": "an existing file", "dir": "an existing folder",
+              "new-file": "a file path in an existing, writable folder (not a folder)",
+              "new-dir": "a folder that exists and is writable, or can be created"}
+
+
+def path(kind: str):
+    """A path checked for existence, type and writability:
+
+    ``file``/``dir``: exists and is a file/folder; ``new-file``: a file to (over)write: not a
+    folder, its folder exists and is writable; ``new-dir``: a folder to write into: an existing
+    writable folder, or one that can be created (its nearest existing ancestor is a writable folder).
+    """
+    allowed = PATH_KINDS[kind]
+
+    def parse(value) -> str:
+        value = text(allowed=allowed)(value)
+        p = Path(value)
+        if kind == "file":
+            ok = p.is_file()
+        elif kind == "dir":
+            ok = p.is_dir()
+        elif kind == "new-file":
+            parent = p.parent
+            ok = not p.is_dir() and parent.is_dir() and os.access(parent, os.W_OK | os.X_OK) and \
+                (not p.exists() or os.access(p, os.W_OK))
+        else:
+            p = p.absolute()
+            while not p.exists() and p != p.parent:
+                p = p.parent
+            ok = p.is_dir() and os.access(p, os.W_OK | os.X_OK)
+        if not ok:
+            raise Invalid(value, allowed)
+        return value
+
+    return _declared(parse, allowed)
+
+
+def custom(convert, allowed: str):
+    """``convert(value)``; a ``ValueError``, ``LubanError`` or ``Invalid`` it raises is reported as ``allowed``."""
+
+    def parse(value):
+        try:
+            return convert(value)
+        except (ValueError, LubanError, Invalid):
+            raise Invalid(value, allowed) from None
+
+    return _declared(parse, allowed)
+
+
+def check(key: str, value, parse):
+    """``parse(value)`` for an API argument: ``Invalid`` becomes the usual ``LubanError``."""
+    try:
+        return parse(value)
+    except Invalid as err:
+        raise bad_value(key, value, err.allowed) from None
