@@ -21,7 +21,7 @@ import torch
 
 from luban.config import load_config
 from luban.model.transformer import build_model, lm_loss
-from luban.parallel.engine import OptimizerConfig, build_optimizer
+from luban.parallel.optimizer import OptimizerConfig, build_optimizer
 from luban.train.trainer import Trainer
 
 

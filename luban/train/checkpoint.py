@@ -11,6 +11,24 @@ A save goes to ``.tmp-step_0000100`` and is renamed into place only once every r
 written and the manifest is on disk, so a crash or kill during a save never touches the
 previous checkpoint; a directory is valid only if its manifest's checksums match.
 ``latest_valid`` finds the newest valid one for ``--resume auto``; the last K are kept.
+
+Asynchronous saves (``AsyncCheckpointer``, ``[train] async_checkpoint``): the training thread
+blocks only to capture what is small or changes during forward/backward (RNG states, meta with
+the loader position and step, the loss scaler, optimizer hyperparameters: plain Python values)
+and to hand the state's tensors to a background thread. That thread copies them into host
+buffers kept from save to save (pinned, on a side stream that first waits for the training
+stream, where an accelerator exists) while the next step's forward and backward run: those
+write only gradients, activations and MoE load counters, never a parameter, an optimizer state
+or the router bias. The engine's next state-changing call (``Engine.step`` before the optimizer
+and the router-bias update, ``load_state_dict``) waits for the copy (``wait_staged``, the
+engine's ``before_update`` hook); the stall a save reports is the capture plus that wait.
+Then the same thread runs the same ``_save`` as the synchronous path (DCP files, RNG, manifest
+with CRC32, fsync, atomic rename, retention) over a dedicated gloo process group, so its
+collectives never interleave with training's. Written here rather than with ``dcp.async_save``
+because the manifest, the rename and retention must follow the DCP write inside the same
+background job, and a failure must surface on every rank at the next collective point (next
+save, suspend, end) as the sync path's ``CheckpointWriteError``. At most one save is in flight:
+the next one waits.
 """
 
 from __future__ import annotations
@@ -20,7 +38,11 @@ import os
 import re
 import shutil
 import warnings
+import threading
+import time
 import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -33,6 +55,11 @@ from luban.errors import CheckpointWriteError, LubanError
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 STEP_DIR = re.compile(r"^step_(\d{7,})$")
+
+
+def step_dir(root: Path, step: int) -> Path:
+    """The folder of step ``step``'s checkpoint (the name ``STEP_DIR`` reads back)."""
+    return root / f"step_{step:07d}"
 CHUNK = 16 << 20
 
 
@@ -44,9 +71,13 @@ def _rank() -> int:
     return dist.get_rank() if _is_dist() else 0
 
 
-def _barrier() -> None:
+def _barrier(group=None) -> None:
     if _is_dist():
-        dist.barrier()
+        dist.barrier(group=group)
+
+
+HOLD_ENV = "LUBAN_TEST_HOLD_CHECKPOINT_WRITE"  # tests only: a background write waits here (see _test_hold)
+HOLD_STEP_ENV = "LUBAN_TEST_HOLD_CHECKPOINT_STEP"
 
 
 def file_crc32(path: Path) -> int:
@@ -136,12 +167,23 @@ def save(root: Path, step: int, state: dict, meta: dict, keep: int) -> Path:
     (``CheckpointWriteError``); the half-written ``.tmp-`` directory is removed and the previous
     checkpoint is untouched."""
     try:
-        return _save(root, step, state, meta, keep)
+        return _save(root, step, state, meta, keep, rng_state())
     except (OSError, dcp.api.CheckpointException) as err:
-        shutil.rmtree(root / f".tmp-step_{step:07d}", ignore_errors=True)
-        raise CheckpointWriteError(f"checkpoint step {step} could not be written under {root}: {_storage_error(err)}; "
-                                   "the previous checkpoint is intact — free space or fix the folder, then "
-                                   "resume with --resume auto") from None
+        raise _write_error(root, step, err) from None
+
+
+def _write_error(root: Path, step: int, err: BaseException) -> CheckpointWriteError:
+    shutil.rmtree(root / f".tmp-{step_dir(root, step).name}", ignore_errors=True)
+    return CheckpointWriteError(f"checkpoint step {step} could not be written under {root}: {_storage_error(err)}; "
+                                "the previous checkpoint is intact — free space or fix the folder, then "
+                                "resume with --resume auto")
+
+
+def rng_state() -> dict:
+    rng = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state()
+    return rng
 
 
 def _storage_error(err: BaseException) -> str:
@@ -158,20 +200,20 @@ def _storage_error(err: BaseException) -> str:
     return str(err).splitlines()[0][:200]
 
 
-def _save(root: Path, step: int, state: dict, meta: dict, keep: int) -> Path:
-    final = root / f"step_{step:07d}"
+def _save(root: Path, step: int, state: dict, meta: dict, keep: int, rng: dict, group=None,
+          background: bool = False) -> Path:
+    final = step_dir(root, step)
     tmp = root / f".tmp-{final.name}"
     if _rank() == 0:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed
         tmp.mkdir()
-    _barrier()
-    dcp.save(state, checkpoint_id=str(tmp))
-    rng = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        rng["cuda"] = torch.cuda.get_rng_state()
+    _barrier(group)
+    dcp.save(state, checkpoint_id=str(tmp), process_group=group)
     torch.save(rng, tmp / f"rng_rank{_rank()}.pt")
-    _barrier()
+    _barrier(group)
+    if background:
+        _test_hold(tmp, step)
     if _rank() == 0:
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         write_manifest(tmp)
@@ -181,8 +223,199 @@ def _save(root: Path, step: int, state: dict, meta: dict, keep: int) -> Path:
         _fsync_dir(root)
         for old in step_dirs(root)[max(keep, 1):]:
             shutil.rmtree(old, ignore_errors=True)
-    _barrier()
+    _barrier(group)
     return final
+
+
+def _test_hold(tmp: Path, step: int) -> None:
+    """Test hook: with ``LUBAN_TEST_HOLD_CHECKPOINT_WRITE=DIR`` a background write (of step
+    ``LUBAN_TEST_HOLD_CHECKPOINT_STEP`` only, if set), its DCP files on disk but no manifest yet,
+    creates ``DIR/held`` and waits until ``DIR/release`` exists."""
+    hold = os.environ.get(HOLD_ENV)
+    if not hold or os.environ.get(HOLD_STEP_ENV, str(step)) != str(step):
+        return
+    (Path(hold) / "held").write_text(str(tmp))
+    while not (Path(hold) / "release").exists():
+        time.sleep(0.05)
+
+
+@dataclass
+class SaveRecord:
+    """One save as metrics.jsonl reports it: ``stall_s`` training was blocked (for an asynchronous
+    save: the capture plus the wait for the copy at the next state-changing call), ``write_s`` the
+    write took (for an asynchronous save: the background job, copy included)."""
+    step: int
+    stall_s: float
+    write_s: float | None = None
+    asynchronous: bool = False
+
+    def to_dict(self) -> dict:
+        return {"step": self.step, "stall_s": self.stall_s, "write_s": self.write_s, "async": self.asynchronous}
+
+
+STAGE_DELAY_ENV = "LUBAN_TEST_SLOW_CHECKPOINT_STAGING"  # tests only: seconds the copy sleeps before starting
+
+
+class HostStager:
+    """Copies a state dict's tensors into host buffers kept from save to save.
+
+    ``plan`` (training thread) builds the staged state dict: the same nesting, every tensor
+    replaced by its host buffer (a DTensor by a DTensor over a host copy of its local shard),
+    every other value deep-copied now; ``copy`` (any thread) fills the buffers. Buffers are
+    reused while a tensor keeps its key, shape and dtype; the caller must not plan again before
+    the previous copy and its write are done (``AsyncCheckpointer`` keeps one save in flight)."""
+
+    def __init__(self, pin: bool):
+        self.pin = pin
+        self.buffers: dict[tuple, torch.Tensor] = {}
+        self.stream = torch.cuda.Stream() if pin else None
+
+    def plan(self, state: dict) -> tuple[dict, list[tuple[torch.Tensor, torch.Tensor]]]:
+        import copy
+
+        from torch.distributed.tensor import DTensor
+
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        used: set[tuple] = set()
+
+        def buffer(key: tuple, src: torch.Tensor) -> torch.Tensor:
+            buf = self.buffers.get(key)
+            if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
+                buf = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=self.pin)
+                self.buffers[key] = buf
+            used.add(key)
+            pairs.append((buf, src.detach()))
+            return buf
+
+        def walk(key: tuple, value):
+            if isinstance(value, DTensor):
+                local = buffer(key, value.to_local())
+                return DTensor.from_local(local, value.device_mesh, value.placements, run_check=False,
+                                          shape=value.shape, stride=value.stride())
+            if isinstance(value, torch.Tensor):
+                return buffer(key, value)
+            if isinstance(value, dict):
+                return {k: walk(key + (k,), v) for k, v in value.items()}
+            if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
+                return type(value)(walk(key + (i,), v) for i, v in enumerate(value))
+            return copy.deepcopy(value)
+
+        staged = walk((), state)
+        for key in set(self.buffers) - used:  # tensors gone since the last save
+            del self.buffers[key]
+        return staged, pairs
+
+    def copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], ready=None) -> None:
+        """Fill the buffers; on an accelerator, on the side stream after ``ready`` (an event recorded
+        on the training stream at capture), and return once the copies are done."""
+        if self.stream is None:
+            with torch.no_grad():
+                for dst, src in pairs:
+                    dst.copy_(src)
+            return
+        with torch.no_grad(), torch.cuda.stream(self.stream):
+            if ready is not None:
+                self.stream.wait_event(ready)
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
+        self.stream.synchronize()
+
+
+class AsyncCheckpointer:
+    """Saves in the background; ``save`` and ``wait`` are collective (all ranks call them at the same step).
+
+    ``save`` waits for the previous save (at most one in flight), captures the small state and
+    returns while a thread copies the tensors to host memory and then writes them. Before the
+    state changes again (the next optimizer step), training calls ``wait_staged``. ``wait`` joins
+    the write; a failed write raises ``CheckpointWriteError`` on every rank (the ranks agree
+    through an all-reduce)."""
+
+    def __init__(self, root: Path, keep: int):
+        self.root, self.keep = root, keep
+        self.stager = HostStager(pin=torch.cuda.is_available())
+        # the writer's collectives go over their own group so they never interleave with training's
+        self.group = dist.new_group(backend="gloo") if _is_dist() else None
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="luban-checkpoint")
+        self.pending: tuple[Future, SaveRecord, Path] | None = None
+        self.staging: tuple[threading.Event, SaveRecord] | None = None  # copy not yet waited for
+        self.finished: list[SaveRecord] = []  # writes done, their records complete once staging was waited for
+        self._lock = threading.Lock()
+
+    def save(self, step: int, state: dict, meta: dict) -> SaveRecord:
+        t0 = time.perf_counter()
+        self.wait()
+        staged, pairs = self.stager.plan(state)
+        meta = json.loads(json.dumps(meta))  # now: the loader position and step go on changing
+        rng = rng_state()
+        ready = None
+        if self.stager.stream is not None:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream())
+        record = SaveRecord(step, 0.0, asynchronous=True)
+        copied = threading.Event()
+        final = step_dir(self.root, step)
+        self.pending = (self.pool.submit(self._job, step, staged, pairs, ready, copied, meta, rng, record),
+                        record, final)
+        self.staging = (copied, record)
+        record.stall_s = time.perf_counter() - t0
+        return record
+
+    def _job(self, step, staged, pairs, ready, copied, meta, rng, record) -> Path:
+        t0 = time.perf_counter()
+        try:
+            delay = float(os.environ.get(STAGE_DELAY_ENV, 0) or 0)
+            if delay:
+                time.sleep(delay)
+            self.stager.copy(pairs, ready)
+        finally:
+            copied.set()  # on failure too: training must not wait forever; the write below fails
+        path = _save(self.root, step, staged, meta, self.keep, rng, self.group, background=True)
+        record.write_s = time.perf_counter() - t0
+        with self._lock:
+            self.finished.append(record)
+        return path
+
+    def wait_staged(self) -> None:
+        """Block until the save in flight has copied the state (call before changing it); the
+        time blocked is added to that save's stall."""
+        if self.staging is None:
+            return
+        copied, record = self.staging
+        if not copied.is_set():
+            t0 = time.perf_counter()
+            copied.wait()
+            record.stall_s += time.perf_counter() - t0
+        self.staging = None
+
+    def wait(self) -> Path | None:
+        """Join the write in flight (if any); its directory, or ``CheckpointWriteError`` on every rank."""
+        self.wait_staged()
+        if self.pending is None:
+            return None
+        future, record, final = self.pending
+        self.pending = None
+        err = future.exception()
+        failed = torch.tensor([int(err is not None)])
+        if _is_dist():
+            dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self.group)
+        if err is not None and not isinstance(err, (OSError, dcp.api.CheckpointException)):
+            raise err
+        if failed.item():
+            raise _write_error(self.root, record.step, err or OSError(0, "the write failed on another rank"))
+        return final
+
+    def drain(self) -> list[SaveRecord]:
+        """Writes finished since the last call whose stall is final (this rank's view; for metrics only)."""
+        staging = self.staging[1] if self.staging is not None else None
+        with self._lock:
+            done = [r for r in self.finished if r is not staging]
+            self.finished = [r for r in self.finished if r is staging]
+        return done
+
+    def close(self) -> None:
+        """Without waiting for a write in flight (an error path); ``wait`` first to keep it."""
+        self.pool.shutdown(wait=False)
+        self.stager.buffers.clear()
 
 
 def load(ckpt: Path, state: dict) -> dict:

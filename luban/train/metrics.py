@@ -46,6 +46,11 @@ class MetricsLogger:
                     self.tb.add_scalar(f"train/{key}", value, record["step"])
         self._show(record)
 
+    def event(self, record: dict) -> None:
+        """A metrics.jsonl line that is not a training step (e.g. a checkpoint's stall); not shown."""
+        if self.enabled:
+            self.file.write(json.dumps(record) + "\n")
+
     def _show(self, r: dict) -> None:
         if self.progress == "none":
             return

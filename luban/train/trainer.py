@@ -22,6 +22,7 @@ import torch
 from luban.config import RunConfig
 from luban.errors import EXIT_SUSPENDED, LubanError, bad_value
 from luban.model import flops
+from luban.model.config import ModelConfig
 from luban.parallel.engine import Engine, OptimizerConfig, build_engine
 from luban.parallel.layout import check_layout
 from luban.train import checkpoint
@@ -62,6 +63,17 @@ def peak_memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+def _mem_available() -> int | None:
+    """Linux's MemAvailable in bytes (None where /proc/meminfo is absent)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
 @dataclass
 class TrainResult:
     step: int
@@ -93,6 +105,10 @@ class Trainer:
                                   seed=t.seed, dp_rank=self.engine.dp_rank, dp_size=self.engine.dp_size,
                                   prefetch=cfg.data.prefetch)
         self.step = 0
+        self.saves: list[checkpoint.SaveRecord] = []
+        self._last_save_time = time.monotonic()
+        self.writer: checkpoint.AsyncCheckpointer | None = None
+        self.async_ok = False
         self.model_flops = flops.flops_per_token(cfg.model, cfg.seq_len)
         self.hw_flops = flops.flops_per_token(cfg.model, cfg.seq_len, recompute=cfg.parallel.recompute)
 
@@ -110,9 +126,56 @@ class Trainer:
                 "world_size": self.engine.world_size, "layout": self.cfg.parallel.to_dict(),
                 "dataset": str(self.data_dir)}
 
-    def save(self) -> Path:
-        return checkpoint.save(self.ckpt_root, self.step, self.engine.state_dict(), self.meta(),
+    def save(self, blocking: bool = False) -> Path:
+        """Collective. Asynchronous unless ``blocking`` (suspend, end of training) or async is off/unsafe;
+        a blocking save first waits for the one in flight. A synchronous save's ``SaveRecord`` goes to
+        ``self.saves``; an asynchronous one's comes back from the writer once its write ended."""
+        t0 = time.perf_counter()
+        self._last_save_time = time.monotonic()
+        if self.writer is None and self.async_ok and not blocking:  # created at the first save: collective
+            self.writer = checkpoint.AsyncCheckpointer(self.ckpt_root, self.cfg.train.keep_checkpoints)
+            self.engine.before_update = self.writer.wait_staged  # the next optimizer step waits for the copy
+        if self.writer is not None and not blocking:
+            state, meta = self.engine.state_dict(), self.meta()
+            before = time.perf_counter() - t0  # creating the writer, building the state dict: training waits too
+            record = self.writer.save(self.step, state, meta)
+            record.stall_s += before
+            return checkpoint.step_dir(self.ckpt_root, self.step)
+        if self.writer is not None:
+            self.writer.wait()
+        path = checkpoint.save(self.ckpt_root, self.step, self.engine.state_dict(), self.meta(),
                                self.cfg.train.keep_checkpoints)
+        stall = time.perf_counter() - t0
+        self.saves.append(checkpoint.SaveRecord(self.step, stall, stall))
+        return path
+
+    def async_unsafe(self) -> str | None:
+        """Why a background save is unsafe here (then saves are synchronous), or None.
+
+        The staged copy needs host memory for one more checkpoint next to the running process."""
+        if not self.cfg.train.async_checkpoint:
+            return "off"
+        available = _mem_available()
+        if available is not None and available < 2 * self.checkpoint_bytes():
+            return (f"host memory available {available / 2**30:.1f} GiB < twice one checkpoint "
+                    f"({self.checkpoint_bytes() / 2**30:.1f} GiB)")
+        return None
+
+    def _checkpoint_due(self) -> bool:
+        """``checkpoint_every_minutes``: rank 0's clock decides, so every rank saves the same step."""
+        minutes = self.cfg.train.checkpoint_every_minutes
+        if not minutes:
+            return False
+        due = self.is_main and time.monotonic() - self._last_save_time >= 60 * minutes
+        return self.engine.any_rank(due)  # on the training group's device (NCCL needs CUDA tensors)
+
+    def log_saves(self, log: MetricsLogger) -> None:
+        """metrics.jsonl ``{"step", "checkpoint": {step, stall_s, write_s, async}}`` for each save whose write ended."""
+        for record in self.writer.drain() if self.writer is not None else []:
+            log.event({"checkpoint": record.to_dict()})
+        for record in self.saves:
+            log.event({"checkpoint": record.to_dict()})
+        self.saves.clear()
 
     def checkpoint_bytes(self) -> int:
         """About one checkpoint's size: the model's fp32 weights, times (1 + optimizer states). From the
@@ -142,6 +205,10 @@ class Trainer:
     def _check_compatible(self, ckpt: Path, saved: dict) -> None:
         """The checkpoint's model shape and optimizer must be the config's; name the first key that is not."""
         now = self.cfg.to_dict()
+        try:  # keys added since the checkpoint was written take their defaults (e.g. experts = 0)
+            saved = {**saved, "model": ModelConfig(**saved.get("model", {})).to_dict()}
+        except (TypeError, LubanError):
+            pass  # unreadable: the comparison below names the first difference
         for key, value in now["model"].items():
             if saved.get("model", {}).get(key) != value:
                 raise LubanError(f"--resume: checkpoint {ckpt} has [model] {key} = {saved['model'].get(key)!r}, "
@@ -183,6 +250,10 @@ class Trainer:
         log = MetricsLogger(self.run_dir, t.steps, cfg.run.tensorboard, cfg.run.progress, enabled=self.is_main)
         if self.is_main:
             check_run_dir(self.run_dir, self.checkpoint_bytes())
+        unsafe = self.async_unsafe()
+        self.async_ok = unsafe is None
+        if unsafe not in (None, "off"):
+            log.message(f"asynchronous checkpoints off: {unsafe}; saving synchronously")
         if resume:
             ckpt = self.resume(resume)
             log.message(f"resumed from {ckpt} at step {self.step}" if ckpt else "no checkpoint found: starting fresh")
@@ -219,20 +290,25 @@ class Trainer:
                           "mfu": tokens_per_step * self.model_flops / (t3 - t0) / peak,
                           "hfu": tokens_per_step * self.hw_flops / (t3 - t0) / peak,
                           "time_data_s": t1 - t0, "time_fwd_bwd_s": t2 - t1, "time_optimizer_s": t3 - t2,
-                          "time_step_s": t3 - t0, "peak_memory_bytes": peak_memory_bytes(self.device), **memory}
+                          "time_step_s": t3 - t0, "peak_memory_bytes": peak_memory_bytes(self.device), **memory,
+                          **self.engine.moe_metrics}
                 if t.eval_every and self.step % t.eval_every == 0:
                     record["val_loss"] = self.validate()
                 if self.step % t.log_every == 0 or self.step == t.steps or "val_loss" in record:
                     log.log(record)
                 stop = suspend.agreed()
-                if stop or (t.checkpoint_every and self.step % t.checkpoint_every == 0) or self.step == t.steps:
-                    saved = self.save()
+                final = stop or self.step == t.steps
+                if final or (t.checkpoint_every and self.step % t.checkpoint_every == 0) or self._checkpoint_due():
+                    saved = self.save(blocking=final)
+                self.log_saves(log)
                 if stop and self.step < t.steps:
                     log.message(f"suspended on {suspend.reason or 'a peer rank signal'} at step {self.step}; "
                                 f"checkpoint {saved}; exit {EXIT_SUSPENDED} (resume with --resume auto)")
                     return TrainResult(self.step, True, saved, loss)
             self._report_plan(memory, step_times[3:], log)
         finally:
+            if self.writer is not None:
+                self.writer.close()
             self.loader.close()
             log.close()
         return TrainResult(self.step, False, saved, loss)

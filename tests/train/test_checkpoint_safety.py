@@ -5,6 +5,9 @@ loading, and resuming from an older checkpoint starts a branch instead of being 
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
 import resource
 import sys
 from pathlib import Path
@@ -28,7 +31,8 @@ def test_unwritable_run_dir_is_refused_before_any_work(tiny, tmp_path):
         assert len(lines) == 1 and lines[0].startswith("luban: error: ") and words in lines[0], out.stderr
 
 
-def test_a_full_disk_at_save_time_exits_74_and_keeps_the_previous_checkpoint(tiny, tmp_path):
+@pytest.mark.parametrize("background", ["true", "false"])  # the failed write in the background thread, or inline
+def test_a_full_disk_at_save_time_exits_74_and_keeps_the_previous_checkpoint(tiny, tmp_path, background):
     run = tmp_path / "run"
     luban("train", *sets(tiny(**{"train.steps": 4, "train.checkpoint_every": 2})), check=0)
     size = max(f.stat().st_size for f in (run / "checkpoints" / "step_0000004").iterdir())
@@ -36,7 +40,8 @@ def test_a_full_disk_at_save_time_exits_74_and_keeps_the_previous_checkpoint(tin
     def small_files():  # writes past this size fail with EFBIG, as on a full disk (CPython ignores SIGXFSZ)
         resource.setrlimit(resource.RLIMIT_FSIZE, (size // 2, size // 2))
 
-    out = luban("train", "--resume", "auto", *sets(tiny(**{"train.steps": 8, "train.checkpoint_every": 2})),
+    out = luban("train", "--resume", "auto", *sets(tiny(**{"train.steps": 8, "train.checkpoint_every": 2,
+                                                           "train.async_checkpoint": background})),
                 preexec_fn=small_files)
     assert out.returncode == 74, out.stdout[-2000:] + out.stderr
     line = out.stderr.strip().splitlines()[-1]
@@ -101,3 +106,38 @@ def test_kill_9_at_random_moments_of_saving_always_leaves_a_valid_newest_checkpo
         assert newest is not None and checkpoint.verify(newest) is None
         steps.append(int(newest.name.split("_")[1]))
     assert steps == sorted(steps) and steps[-1] > steps[0]  # every restart resumed, none went back
+
+
+# Run `luban train ARGS` with the run dir turned read-only right after the trainer's start-up check,
+# as when storage is remounted read-only mid-run: the next save meets EROFS (root included).
+READ_ONLY_AFTER_CHECK = """
+import subprocess, sys
+import luban.train.trainer as trainer
+from luban.cli import main
+checked = trainer.check_run_dir
+def check_then_read_only(run_dir, *args):
+    checked(run_dir, *args)
+    subprocess.run(["mount", "-o", "remount,bind,ro", sys.argv[1]], check=True)
+trainer.check_run_dir = check_then_read_only
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root for a private mount")
+def test_a_read_only_file_system_at_save_time_exits_74_and_keeps_the_previous_checkpoint(tiny, tmp_path):
+    run = tmp_path / "run"
+    luban("train", *sets(tiny(**{"train.steps": 4, "train.checkpoint_every": 2})), check=0)
+    before = {p.name: p.read_bytes() for p in (run / "checkpoints" / "step_0000004").iterdir() if p.is_file()}
+    ckpts = run / "checkpoints"  # not the whole run dir: files open for writing there (metrics) make remount busy
+    script = (f'mount --bind "{ckpts}" "{ckpts}" && exec "{sys.executable}" -c \'{READ_ONLY_AFTER_CHECK}\' "{ckpts}" '
+              + " ".join(f"'{a}'" for a in ["train", "--resume", "auto",
+                                            *sets(tiny(**{"train.steps": 8, "train.checkpoint_every": 2}))]))
+    out = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 74, out.stdout[-2000:] + out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert "Traceback" not in out.stderr and lines[-1].startswith("luban: error: "), out.stderr
+    assert "checkpoint step 6 could not be written" in lines[-1] and "Read-only file system" in lines[-1], lines[-1]
+    assert [p.name for p in checkpoint.step_dirs(run / "checkpoints")] == ["step_0000004", "step_0000002"]
+    assert checkpoint.verify(run / "checkpoints" / "step_0000004") is None
+    assert before == {p.name: p.read_bytes() for p in (run / "checkpoints" / "step_0000004").iterdir() if p.is_file()}

@@ -43,3 +43,36 @@ def test_sigusr1_at_any_moment_of_start_up_gives_75_and_no_survivor(tmp_path):
         assert procs.members(launcher.node_tag(tag, 0)) == [], f"delay {delay}: survivors"
         assert "Traceback" not in log, log[-3000:]
     assert 75 in outcomes.values()
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+@pytest.mark.parametrize("start_at", ["step 1/", "step 4/4"])
+def test_signal_storm_through_training_and_shutdown_never_kills_a_rank(tmp_path, start_at):
+    """SIGUSR1 every 20 ms from the first (or the last) step's line until the job exits: signals
+    reach the ranks while they train, save and shut down. CPython's finalisation resets Python
+    signal handlers to the default action, so without ``preempt.settle`` a late one killed a rank
+    that had finished (CI: exit 138 after step 400/400), or the node launcher itself (-10)."""
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(tiny_toml(tmp_path / "run", {"steps": 4, "global_batch": 2, "checkpoint_every": 2,
+                                                "eval_every": 0}, parallel={"dp": 2}))
+    tag = f"luban-storm-{os.getpid()}"
+    log_path = tmp_path / "log0"
+    job = launcher.spawn(["--run-dir", str(tmp_path), "--log", str(tmp_path / "log{rank}"), "--rank", "0", "--tag", tag,
+                          "--", sys.executable, "-m", "luban", "train", str(cfg), "--nproc", "2"], cwd=ROOT,
+                         start_new_session=True)
+    deadline, sent = time.monotonic() + 300, 0
+    while job.poll() is None and time.monotonic() < deadline:
+        if sent or (log_path.exists() and start_at in log_path.read_text()):
+            try:
+                job.send_signal(signal.SIGUSR1)
+                sent += 1
+            except ProcessLookupError:
+                break
+        time.sleep(0.02)
+    code = job.wait(30)
+    log = log_path.read_text()
+    assert sent > 0, log[-3000:]
+    assert code in (0, 75), f"exit {code} after {sent} signals\n{log[-3000:]}"
+    assert "Traceback" not in log, log[-3000:]
+    assert procs.members(launcher.node_tag(tag, 0)) == [], "survivors"

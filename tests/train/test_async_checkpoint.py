@@ -1,0 +1,175 @@
+"""Asynchronous checkpoints (``[train] async_checkpoint``): the background write produces the
+same checkpoint as a synchronous save, bit for bit, even while training moves on; a kill -9
+during the write leaves the previous checkpoint the newest valid one; SIGUSR1 during the write
+waits for it and exits 75 with a valid checkpoint; two ranks work (ZeRO 1, ZeRO 3, the
+offloaded optimizer), and so does the MoE router bias. The writer is held mid-write (after the
+DCP files, before the manifest) by the test hook ``LUBAN_TEST_HOLD_CHECKPOINT_WRITE``;
+the copy to host memory is delayed by ``LUBAN_TEST_SLOW_CHECKPOINT_STAGING`` so that it runs
+while the next step's forward/backward does, and the optimizer step must wait for it (a copy
+taken after the step would differ from the sync save; the wait shows in the reported stall)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from luban.errors import EXIT_SUSPENDED
+from luban.train import checkpoint
+
+from .conftest import assert_bitwise_equal, final_weights, luban
+
+BASE = {"train.steps": 6, "train.checkpoint_every": 2, "train.eval_every": 0}
+DELAY = 1.0  # seconds the background copy sleeps first: the next step's forward/backward runs meanwhile
+SLOW = {checkpoint.STAGE_DELAY_ENV: str(DELAY)}
+
+
+def _args(sets):
+    return sum((["--set", s] for s in sets), [])
+
+
+def _contents(ckpt: Path, tmp: Path) -> dict:
+    """A checkpoint's tensors (DCP files read back into one dict), RNG states and meta (minus paths)."""
+    out = tmp / f"{ckpt.parent.parent.name}-{ckpt.name}.pt"
+    dcp_to_torch_save(str(ckpt), str(out))
+    flat = {}
+
+    def walk(prefix, value):
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}.{k}", v)
+        else:
+            flat[prefix] = value
+
+    walk("", torch.load(out, weights_only=False))
+    for rng in sorted(ckpt.glob("rng_rank*.pt")):
+        for k, v in torch.load(rng, weights_only=True).items():
+            flat[f"{rng.name}.{k}"] = v
+    meta = json.loads((ckpt / "meta.json").read_text())
+    flat["meta"] = {k: meta[k] for k in ("step", "loader", "world_size")}
+    return flat
+
+
+def _assert_same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        if isinstance(a[k], torch.Tensor):
+            assert torch.equal(a[k], b[k]), k
+        else:
+            assert a[k] == b[k], k
+
+
+def _held(hold: Path, proc: subprocess.Popen) -> None:
+    while not (hold / "held").exists():
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        time.sleep(0.05)
+
+
+def _popen(args, hold: Path, step: int, **extra_env) -> subprocess.Popen:
+    env = {**os.environ, checkpoint.HOLD_ENV: str(hold), checkpoint.HOLD_STEP_ENV: str(step), **extra_env}
+    return subprocess.Popen([sys.executable, "-m", "luban", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def test_async_save_equals_sync_save_while_training_moves_on(tiny, tmp_path):
+    luban("train", *_args(tiny("sync", **BASE, **{"train.async_checkpoint": "false"})), check=0)
+    hold = tmp_path / "hold"
+    hold.mkdir()
+    proc = _popen(["train", *_args(tiny("async", **BASE))], hold, step=2, **SLOW)
+    _held(hold, proc)  # step 2's write is held; training goes on to step 4 (and waits there for it)
+    (hold / "release").write_text("")
+    out = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 0, out[-3000:]
+    for step in ("step_0000002", "step_0000004", "step_0000006"):
+        sync, asy = (tmp_path / run / "checkpoints" / step for run in ("sync", "async"))
+        assert checkpoint.verify(asy) is None
+        _assert_same(_contents(sync, tmp_path), _contents(asy, tmp_path))
+    records = [json.loads(line) for line in (tmp_path / "async" / "metrics.jsonl").open()]
+    saves = [r["checkpoint"] for r in records if "checkpoint" in r]
+    assert [s["step"] for s in saves] == [2, 4, 6]
+    assert [s["async"] for s in saves] == [True, True, False]  # the last save blocks: end of training
+    assert all(s["stall_s"] >= 0 and s["write_s"] > 0 for s in saves)
+    _assert_stall_counts_the_wait(records)
+
+
+def _assert_stall_counts_the_wait(records: list[dict]) -> None:
+    """The copy of step s's save started DELAY s after the save returned, so step s+1 either
+    computed (data + forward/backward) or waited at its optimizer step, counted in the stall."""
+    steps = {r["step"]: r for r in records if "loss" in r}
+    for save in (r["checkpoint"] for r in records if "checkpoint" in r and r["checkpoint"]["async"]):
+        following = steps[save["step"] + 1]
+        busy = following["time_data_s"] + following["time_fwd_bwd_s"]
+        assert save["stall_s"] + busy >= 0.9 * DELAY, (save, following)
+        assert following["time_optimizer_s"] >= save["stall_s"] - 1.0, (save, following)  # the wait is there
+
+
+def _sync_vs_async(tiny, tmp_path, sets: dict, nproc: int = 1) -> None:
+    """A sync run and an async run whose copies overlap the next step: the same checkpoints."""
+    for name, on in (("sync", "false"), ("async", "true")):
+        luban("train", "--nproc", nproc, *_args(tiny(name, **BASE, **sets, **{"train.async_checkpoint": on})),
+              check=0, timeout=600, env={**os.environ, **SLOW})
+    for step in ("step_0000002", "step_0000004", "step_0000006"):
+        sync, asy = (tmp_path / run / "checkpoints" / step for run in ("sync", "async"))
+        assert checkpoint.verify(asy) is None and len(list(asy.glob("rng_rank*.pt"))) == nproc
+        _assert_same(_contents(sync, tmp_path), _contents(asy, tmp_path))
+    records = [json.loads(line) for line in (tmp_path / "async" / "metrics.jsonl").open()]
+    saves = [r["checkpoint"] for r in records if "checkpoint" in r]
+    assert [s["async"] for s in saves] == [True, True, False]
+    _assert_stall_counts_the_wait(records)
+
+
+def test_moe_router_bias_async_equals_sync(tiny, tmp_path):
+    """The sigmoid router's bias (a buffer in the checkpoint) changes after the optimizer step, too."""
+    _sync_vs_async(tiny, tmp_path, {"model.experts": 4, "model.router": '"sigmoid"', "model.router_bias_rate": 0.05})
+
+
+def test_kill_9_during_a_background_write_leaves_the_previous_checkpoint(tiny, tmp_path):
+    hold = tmp_path / "hold"
+    hold.mkdir()
+    proc = _popen(["train", *_args(tiny("run", **BASE))], hold, step=4)
+    _held(hold, proc)
+    proc.kill()
+    proc.communicate(timeout=60)
+    root = tmp_path / "run" / "checkpoints"
+    assert (root / ".tmp-step_0000004").is_dir()  # DCP files written, no manifest, never renamed
+    assert checkpoint.latest_valid(root) == root / "step_0000002"
+    luban("train", "--resume", "auto", *_args(tiny("run", **BASE)), check=0)
+    luban("train", *_args(tiny("straight", **BASE)), check=0)
+    assert_bitwise_equal(final_weights(tmp_path / "straight"), final_weights(tmp_path / "run"))
+
+
+def test_sigusr1_during_a_background_write_waits_for_it_and_exits_75(tiny, tmp_path):
+    hold = tmp_path / "hold"
+    hold.mkdir()
+    sets = tiny("run", **{**BASE, "train.steps": 40, "train.checkpoint_every": 4})
+    proc = _popen(["train", "--resume", "auto", *_args(sets)], hold, step=4)
+    _held(hold, proc)
+    proc.send_signal(signal.SIGUSR1)
+    (hold / "release").write_text("")
+    out = proc.communicate(timeout=300)[0]
+    assert proc.returncode == EXIT_SUSPENDED, out[-3000:]
+    root = tmp_path / "run" / "checkpoints"
+    newest = checkpoint.latest_valid(root)
+    assert newest is not None and int(newest.name.split("_")[1]) > 4
+    assert checkpoint.verify(root / "step_0000004") is None and not list(root.glob(".tmp-*"))
+    luban("train", "--resume", "auto", *_args(sets), check=0)
+    luban("train", *_args(tiny("straight", **{**BASE, "train.steps": 40, "train.checkpoint_every": 4})), check=0)
+    assert_bitwise_equal(final_weights(tmp_path / "straight"), final_weights(tmp_path / "run"))
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("layout", [{"parallel.dp": 2, "parallel.zero": 1}, {"parallel.dp": 2, "parallel.zero": 3},
+                                    {"parallel.dp": 2, "parallel.zero": 1, "parallel.offload": '"optimizer"'},
+                                    {"parallel.dp": 2, "parallel.ep": 2, "model.experts": 4, "model.router": '"sigmoid"'},
+                                    {"parallel.pp": 2, "parallel.micro_batch": 1}],
+                         ids=["zero1", "zero3", "zero1-offload-optimizer", "ep2-moe", "pp2"])
+def test_two_ranks_async_equals_sync(tiny, tmp_path, layout):
+    _sync_vs_async(tiny, tmp_path, layout, nproc=2)
