@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import sys
 
 from luban.errors import LubanError
@@ -21,8 +22,37 @@ SUBCOMMAND_MODULES = [
 ]
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's usage errors as every other bad input: one line, exit 2 (argparse would print
+    the whole usage first). A bad value reads ``luban: error: --key = 'value': <what is allowed>``,
+    whether a ``luban.schema`` type refused it, it is not among the choices, or it is missing.
+    Sub-parsers inherit the class."""
+
+    def error(self, message: str):
+        print(f"luban: error: {self.render(message)}".replace("\n", "\\n"), file=sys.stderr)
+        sys.exit(2)
+
+    def render(self, message: str) -> str:
+        found = re.fullmatch(r"argument (?P<key>[^:]+): (?P<rest>.*)", message, re.DOTALL)
+        if not found:
+            command = self.prog.split(" ", 1)[1] if " " in self.prog else ""
+            return f"{command + ': ' if command else ''}{message}  (see: {self.prog} --help)"
+        names, rest = found["key"].split("/"), found["rest"]
+        key = next((n for n in names if n.startswith("--")), names[-1])
+        choice = re.fullmatch(r"invalid choice: (?P<value>.*) \(choose from (?P<choices>.*)\)", rest, re.DOTALL)
+        if choice:
+            return f"{key} = {choice['value']}: one of {choice['choices']}"
+        if rest.startswith("expected "):  # the flag is there, its value is not
+            action = next((a for a in self._actions if key in a.option_strings), None)
+            return f"{key} = (missing): {getattr(getattr(action, 'type', None), 'allowed', 'a value')}"
+        untyped = re.fullmatch(r"invalid (?P<type>\w+) value: (?P<value>.*)", rest, re.DOTALL)  # type=int, ...
+        if untyped:
+            return f"{key} = {untyped['value']}: {untyped['type']}"
+        return f"{key} = {rest}"  # a luban.schema type's message: <value!r>: <allowed>
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="luban", description="Train language models with composable parallelism, "
+    parser = Parser(prog="luban", description="Train language models with composable parallelism, "
                                      "plan their layouts, and time-share the cluster that runs them.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in SUBCOMMAND_MODULES:
@@ -40,15 +70,28 @@ def early_signals(argv: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    if argv is None:  # a real process entry (in-process callers keep their own signal handling)
+    entry = argv is None  # a real process entry (in-process callers keep their own signal handling)
+    if entry:
         early_signals(sys.argv[1:])
     parser = build_parser()
-    args = parser.parse_args(argv)
     try:
-        return int(args.func(args) or 0)
+        args = parser.parse_args(argv)
+    except SystemExit as done:  # --help, or a usage error Parser.error has printed
+        return int(done.code or 0)
+    training = entry and args.command in ("train", "demo")
+    try:
+        code = int(args.func(args) or 0)
     except LubanError as err:
         print(f"luban: error: {err}", file=sys.stderr)
-        return err.exit_code
+        code = err.exit_code
+    finally:
+        if training:
+            from luban.train import preempt
+
+            preempt.settle()
+    if training:
+        preempt.leave(code)  # does not return once torch is loaded (see preempt.leave)
+    return code
 
 
 if __name__ == "__main__":

@@ -6,16 +6,22 @@ import argparse
 import os
 from pathlib import Path
 
+from luban import schema
 from luban.errors import EXIT_SUSPENDED, bad_value
+from luban.model.config import MAX_SIZE
 
 DEMO_CONFIG = Path(__file__).with_name("demo.toml")
+# rendezvous flags: the same ranges check the flags and the values a luban job supplies (resolve_rendezvous)
+RENDEZVOUS = {"nproc": schema.integer(1, 1024), "nnodes": schema.integer(*schema.CLUSTER_NODES),
+              "node_rank": schema.integer(0, schema.CLUSTER_NODES[1] - 1), "master_port": schema.integer(*schema.PORT)}
+MAX_NEW_TOKENS = 1 << 16  # per sample; the context slides past the model's positions, so this bounds time only
 
 
 def register(sub) -> None:
     p = sub.add_parser("train", help="train a model from a TOML config",
                        description="Train a model. Exit code 75 means suspended: resume with --resume auto.")
     _train_args(p)
-    p.add_argument("config", nargs="?",
+    p.add_argument("config", nargs="?", type=schema.path("file"), metavar="CONFIG",
                    help="TOML config ([model] [data] [train] [parallel] [run]); omitted: the defaults (docs/training.md)")
     p.set_defaults(func=cmd_train)
 
@@ -27,25 +33,30 @@ def register(sub) -> None:
     p.set_defaults(func=cmd_demo, config=str(DEMO_CONFIG), nproc=4, parallel="auto")
 
     p = sub.add_parser("sample", help="generate text from a checkpoint or run directory")
-    p.add_argument("checkpoint", help="checkpoint directory, or a run directory (newest valid checkpoint)")
-    p.add_argument("--prompt", default="def ", help="text to continue (default: %(default)r)")
-    p.add_argument("--tokens", type=int, default=200, help="new tokens per sample")
-    p.add_argument("--samples", type=int, default=1)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-k", type=int, default=40)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--data", help="dataset whose tokenizer to use (default: the one the run trained on)")
+    p.add_argument("checkpoint", type=schema.path("dir"), metavar="CHECKPOINT",
+                   help="checkpoint directory, or a run directory (newest valid checkpoint)")
+    p.add_argument("--prompt", default="def ", type=schema.text(allowed="UTF-8 text", empty=True),
+                   help="text to continue (default: %(default)r; empty: start a new document)")
+    p.add_argument("--tokens", type=schema.integer(1, MAX_NEW_TOKENS), default=200, help="new tokens per sample")
+    p.add_argument("--samples", type=schema.integer(1, 1000), default=1)
+    p.add_argument("--temperature", type=schema.number(1e-3, 100, also=(0,)), default=0.8,
+                   help="0: greedy (always the likeliest token)")
+    p.add_argument("--top-k", type=schema.integer(0, MAX_SIZE["vocab"]), default=40,
+                   help="sample among the k likeliest tokens; 0 or >= the vocabulary: among all")
+    p.add_argument("--seed", type=schema.integer(*schema.SEED), default=0)
+    p.add_argument("--data", type=schema.path("dir"),
+                   help="dataset whose tokenizer to use (default: the one the run trained on)")
     p.set_defaults(func=cmd_sample)
 
     p = sub.add_parser("export", help="write a checkpoint as a Hugging Face folder")
-    p.add_argument("checkpoint")
+    p.add_argument("checkpoint", type=schema.path("dir"), metavar="CHECKPOINT")
     p.add_argument("--format", choices=["hf"], default="hf")
-    p.add_argument("out", help="output folder (config.json + model.safetensors)")
+    p.add_argument("out", type=schema.path("new-dir"), help="output folder (config.json + model.safetensors)")
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("import", help="read a Hugging Face GPT-2/Llama folder into a luban checkpoint")
-    p.add_argument("folder", help="folder with config.json and model.safetensors")
-    p.add_argument("out", help="run directory to create (checkpoint at OUT/checkpoints/step_0000000)")
+    p.add_argument("folder", type=schema.path("dir"), help="folder with config.json and model.safetensors")
+    p.add_argument("out", type=schema.path("new-dir"), help="run directory to create (checkpoint at OUT/checkpoints/step_0000000)")
     p.set_defaults(func=cmd_import)
 
 
@@ -55,12 +66,12 @@ def _train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", metavar="auto|DIR", help="resume from the newest valid checkpoint or a directory")
     p.add_argument("--parallel", choices=["config", "auto"], default="config",
                    help="auto: let the planner choose the [parallel] layout for the world size")
-    p.add_argument("--nproc", type=int, default=None,
+    p.add_argument("--nproc", type=RENDEZVOUS["nproc"], default=None,
                    help="ranks to start on this node (default 1; inside a luban job: one per GPU of the node)")
-    p.add_argument("--nnodes", type=int, default=None, help="default 1, or the job's node count inside a luban job")
-    p.add_argument("--node-rank", type=int, default=None)
-    p.add_argument("--master-addr", default=None)
-    p.add_argument("--master-port", type=int, default=None)
+    p.add_argument("--nnodes", type=RENDEZVOUS["nnodes"], default=None, help="default 1, or the job's node count inside a luban job")
+    p.add_argument("--node-rank", type=RENDEZVOUS["node_rank"], default=None)
+    p.add_argument("--master-addr", type=schema.text(), default=None)
+    p.add_argument("--master-port", type=RENDEZVOUS["master_port"], default=None)
 
 
 def resolve_rendezvous(args) -> None:
@@ -82,10 +93,9 @@ def _run_training(args) -> int:
 
     cfg = load_config(args.config, args.set)
     resolve_rendezvous(args)
-    for key, lo, hi in (("nproc", 1, 1024), ("nnodes", 1, 100_000), ("node_rank", 0, args.nnodes - 1),
-                        ("master_port", 0, 65535)):
-        if not lo <= getattr(args, key) <= hi:
-            raise bad_value("--" + key.replace("_", "-"), getattr(args, key), f"an integer from {lo} to {hi}")
+    for key, parse in RENDEZVOUS.items():
+        schema.check("--" + key.replace("_", "-"), getattr(args, key), parse)
+    schema.check("--node-rank", args.node_rank, schema.integer(0, args.nnodes - 1))
     world = args.nproc * args.nnodes
     sets = list(args.set)
     if "WORLD_SIZE" not in os.environ:  # the launching process (not a rank it started)
@@ -109,9 +119,13 @@ def _run_training(args) -> int:
             argv += ["--resume", args.resume]
         return launch([a for a in argv if a is not None], nproc=args.nproc, nnodes=args.nnodes,
                       node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port)
+    from luban.parallel.launch import shutdown_distributed
     from luban.train.trainer import Trainer
 
-    result = Trainer(cfg).train(args.resume)
+    try:
+        result = Trainer(cfg).train(args.resume)
+    finally:
+        shutdown_distributed()
     return EXIT_SUSPENDED if result.suspended else 0
 
 
@@ -151,15 +165,14 @@ def cmd_sample(args) -> int:
     from luban.data.tokenizer import load_tokenizer
     from luban.train.sample import generate, load_model
 
-    if args.tokens < 1 or args.samples < 1:
-        raise bad_value("--tokens/--samples", (args.tokens, args.samples), "must be >= 1")
     model, meta = load_model(args.checkpoint)
     data = args.data or meta.get("dataset")
     if not data or not Path(data, "manifest.json").is_file():
         raise bad_value("--data", data, "the dataset the run trained on is gone; pass --data DIR for its tokenizer")
     tok = load_tokenizer(data)
+    prompt = tok.encode(args.prompt) or [tok.eos_id]  # nothing to continue: start a new document
     for i in range(args.samples):
-        ids = generate(model, tok.encode(args.prompt), args.tokens, args.temperature, args.top_k, args.seed + i)
+        ids = generate(model, prompt, args.tokens, args.temperature, args.top_k, args.seed + i)
         print(f"--- sample {i + 1} (step {meta['step']}) ---")
         print(tok.decode([t for t in ids if t < tok.vocab_size]))
     return 0

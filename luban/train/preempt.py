@@ -9,13 +9,20 @@ The handlers are installed by ``install()`` as the first thing ``python -m luban
 (``luban/__main__.py``), before torch is imported, and ``parallel.launch`` starts ranks with
 these signals blocked until then: a signal at any moment of start-up is recorded, never the
 default action that would kill a rank (rc -10) or a launcher without its ranks. A signal that
-arrives before the first step ends the run with 75 and nothing new to save.
+arrives before the first step ends the run with 75 and nothing new to save. Once the command has
+its exit code, ``settle()`` ignores the signals: CPython's finalisation puts Python-level handlers
+back to the default action, so a SIGUSR1 landing while a finished rank shuts down (seconds with
+torch) would otherwise kill it (rc -10, reported as 138) after it had saved and finished.
+``leave()`` then ends the process without C++ static destructors: with torch loaded, those tear
+down gloo/store threads that are still joinable and abort (std::terminate, rc 134), even after
+``destroy_process_group`` — seen in CI on ranks that suspended before their first step.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import sys
 
 from luban.errors import EXIT_INTERRUPTED
 
@@ -67,3 +74,26 @@ def install() -> SuspendFlag:
         _FLAG = SuspendFlag()
     signal.pthread_sigmask(signal.SIG_UNBLOCK, HANDLED)  # pending signals are delivered now, to us
     return _FLAG
+
+
+def settle() -> None:
+    """The exit code is decided: a late signal changes nothing, so ignore it until the process ends
+    (SIG_IGN survives interpreter finalisation, which resets Python handlers to SIG_DFL). For the
+    process entries that handle these signals: ``luban`` itself and the cluster's node launcher."""
+    for sig in HANDLED:
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def leave(code: int) -> None:
+    """End a finished ``luban train``/``demo`` process with ``code``. Once torch is loaded, flush
+    and ``os._exit``: everything that must outlive the command (checkpoint writer, loaders, process
+    groups) has been closed by then, and what remains are C++ destructors that can only abort.
+    Without torch (usage errors, the pre-flight checks) it returns and Python exits normally."""
+    if "torch" not in sys.modules:
+        return
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
