@@ -76,3 +76,13 @@ def test_signal_storm_through_training_and_shutdown_never_kills_a_rank(tmp_path,
     assert code in (0, 75), f"exit {code} after {sent} signals\n{log[-3000:]}"
     assert "Traceback" not in log, log[-3000:]
     assert procs.members(launcher.node_tag(tag, 0)) == [], "survivors"
+
+
+def test_leave_exits_with_the_code_without_interpreter_teardown():
+    """preempt.leave: with torch loaded, flushed output and the decided code via os._exit (no C++
+    destructors, which aborted suspended ranks with 134); without torch it returns to Python."""
+    script = ("import sys, atexit; from luban.train import preempt; atexit.register(print, 'teardown ran');"
+              "preempt.leave(3); print('returned'); import torch; print('buffered', end=''); preempt.leave(75)")
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 75, done.stderr
+    assert done.stdout == "returned\nbuffered"  # flushed; atexit (interpreter teardown) never ran
