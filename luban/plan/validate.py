@@ -153,15 +153,10 @@ def megatron_bridge_moe(system="dgx-h100") -> list[dict]:
         layout = ParallelLayout(dp=gpus // (tp * pp * cp), tp=tp, pp=pp, cp=cp, ep=ep, zero=1, precision="fp8" if fp8 else "bf16",
                                 schedule="interleaved-1f1b" if vp > 1 else "1f1b", virtual_stages=vp,
                                 micro_batch=int(r["micro_batch_size_seqs"]))
-        problem = Problem(_moe_model(r), system, gpus, int(r["seq_len_tokens"]), int(r["global_batch_size_seqs"]),
-                          runtime=RUNTIME_MOE, attention_kernel=BRIDGE_ATTENTION)
-        g = Grid.from_layout(layout)
-        est = Estimate.from_results(problem, g, evaluate(problem, g))
-        predicted, ref = est.tokens_per_s / gpus, float(r["tokens_per_s_per_gpu"])
-        rows.append(dict(table="megatron-bridge-h100-moe", row=f"{r['container']} {r['model_as_published']} "
-                         f"{r['precision_as_published']} tp{tp} pp{pp} vp{vp} ep{ep}", reference=ref,
-                         predicted=predicted, error=predicted / ref - 1, unit="tokens/s/GPU", fp8=fp8,
-                         estimate=est))
+        rows.append(_tokens_row("megatron-bridge-h100-moe", f"{r['container']} {r['model_as_published']} "
+                                f"{r['precision_as_published']} tp{tp} pp{pp} vp{vp} ep{ep}", _moe_model(r), system,
+                                layout, gpus, int(r["seq_len_tokens"]), int(r["global_batch_size_seqs"]), RUNTIME_MOE,
+                                float(r["tokens_per_s_per_gpu"]), attention_kernel=BRIDGE_ATTENTION, fp8=fp8))
     return rows
 
 

@@ -155,20 +155,25 @@ def test_a_job_that_could_reach_a_secret_does_not_start(tmp_path):
     assert not (tmp_path / "ran").exists()
 
 
+def _state_folder_of_nobody(prefix: str) -> tuple[Path, Path]:
+    """A fresh base folder (world-readable) holding ``state/admin.token``, all owned by nobody."""
+    base = Path(tempfile.mkdtemp(prefix=prefix))
+    base.chmod(0o755)
+    secret = base / "state"
+    secret.mkdir()
+    (secret / "admin.token").write_text("TOKEN-SECRET")
+    for p in (base, secret, secret / "admin.token"):
+        shutil.chown(p, "nobody")
+    return base, secret
+
+
 def test_no_bypass_through_the_inherited_working_directory_and_the_code_is_read_only(tmp_path):
     """A job with no workdir started by a service whose working directory is its state folder
     (``--state .``): the launcher's cwd is taken before the cover, so the job must be moved by path
     after it, or ``cat admin.token`` reads the token. And a job cannot rewrite the code or the
     Python environment the service runs (its next start would run the job's code)."""
-    base = Path(tempfile.mkdtemp(prefix="luban-nonroot-cwd-"))
-    base.chmod(0o755)
+    base, secret = _state_folder_of_nobody("luban-nonroot-cwd-")
     try:
-        secret = base / "state"
-        secret.mkdir()
-        (secret / "admin.token").write_text("TOKEN-SECRET")
-        shutil.chown(base, "nobody")
-        shutil.chown(secret, "nobody")
-        shutil.chown(secret / "admin.token", "nobody")
         script = (f"cat admin.token || echo DENIED-REL; touch {CODE}/luban/pwned || echo DENIED-CODE; "
                   f"touch {SITE}/pwned || echo DENIED-SITE; pwd")
         env = {**JOB_ENV, "PATH": "/usr/bin:/bin"}
@@ -189,14 +194,8 @@ def test_no_bypass_through_the_inherited_working_directory_and_the_code_is_read_
 def test_a_workdir_inside_a_hidden_folder_refuses_to_start():
     """A job whose workdir lies in the state folder (a careless or hostile spec) does not start
     (it would sit in the empty cover): one line in its log, exit 126, nothing ran."""
-    base = Path(tempfile.mkdtemp(prefix="luban-nonroot-wd-"))
-    base.chmod(0o755)
+    base, secret = _state_folder_of_nobody("luban-nonroot-wd-")
     try:
-        secret = base / "state"
-        secret.mkdir()
-        (secret / "admin.token").write_text("TOKEN-SECRET")
-        for p in (base, secret, secret / "admin.token"):
-            shutil.chown(p, "nobody")
         env = {**JOB_ENV, "LUBAN_WORKDIR": str(secret)}
         result = subprocess.run([*NOBODY, "env", *[f"{k}={v}" for k, v in env.items()], str(SYSTEM_PYTHON), "-m",
                                  "luban.cluster.launcher", "--run-dir", str(base / "run"), "--log", str(base / "log"),
