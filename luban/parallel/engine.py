@@ -190,8 +190,10 @@ class Engine:
 
     def _moe_metrics(self) -> dict:
         """MoE load and aux loss per layer, over the global batch and every pipeline stage."""
+        if not self.model_cfg.moe:  # a dense model: no layer to walk, no collective
+            return {}
         metrics = moe.collect_stats(self.parts, self._sum_over_data)
-        if self.layout.pp > 1 and self.model_cfg.moe:
+        if self.layout.pp > 1:
             stages: list = [None] * self.layout.pp
             dist.all_gather_object(stages, metrics, group=self.mesh["pp"].get_group())
             metrics = moe.merge_stats(stages)
@@ -315,8 +317,10 @@ class Engine:
                 for group in opt.param_groups:
                     group["lr"] = lr
                 opt.step()
-            moe.update_router_bias(self.parts)
-        moe.reset_stats(self.parts)
+            if self.model_cfg.moe:
+                moe.update_router_bias(self.parts)
+        if self.model_cfg.moe:
+            moe.reset_stats(self.parts)
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
         return norm
