@@ -23,6 +23,13 @@ def test_narayanan_table1_tflops_per_gpu(tables):
     assert s["rows"] == 10 and s["mean_abs_error"] <= 0.05
 
 
+def test_narayanan_table1_at_micro_batch_1(tables):
+    """#11's goal: Table 1 within 5% with every row at micro-batch 1, the same profile."""
+    rows = tables["narayanan2021-t1-mb1"]["rows"]
+    assert len(rows) == 10 and all(r["estimate"].layout.micro_batch == 1 for r in rows)
+    assert tables["narayanan2021-t1-mb1"]["summary"]["mean_abs_error"] <= 0.05
+
+
 def test_zero_table1_model_states_exact(tables):
     rows = tables["zero2019-t1"]["rows"]
     assert len(rows) == 54 and all(r["exact"] for r in rows)
