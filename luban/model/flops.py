@@ -76,8 +76,9 @@ def layer_params(cfg: ModelConfig, moe: bool = False, active: bool = False) -> i
     return attention_params(cfg) + qk_norm_params(cfg) + ffn + 2 * norm_params(cfg)
 
 
-def _layers(cfg: ModelConfig, per_layer) -> float:
-    """Sum of ``per_layer(moe)`` over the model's dense and MoE layers."""
+def over_layers(cfg: ModelConfig, per_layer) -> float:
+    """Sum of ``per_layer(moe)`` over the model's dense and MoE layers (``dense_layers`` dense,
+    then ``moe_layers`` MoE); the planner divides it by ``layers`` for its average layer."""
     dense = cfg.layers - cfg.moe_layers
     return dense * per_layer(False) + (cfg.moe_layers * per_layer(True) if cfg.moe_layers else 0)
 
@@ -94,12 +95,12 @@ def embedding_params(cfg: ModelConfig) -> int:
 
 def param_count(cfg: ModelConfig) -> int:
     """Exact number of parameters of ``luban.model.transformer.Transformer(cfg)`` (all experts)."""
-    return _layers(cfg, lambda moe: layer_params(cfg, moe)) + embedding_params(cfg) + norm_params(cfg)
+    return over_layers(cfg, lambda moe: layer_params(cfg, moe)) + embedding_params(cfg) + norm_params(cfg)
 
 
 def active_param_count(cfg: ModelConfig) -> int:
     """Parameters one token uses (equal to ``param_count`` for a dense model)."""
-    return _layers(cfg, lambda moe: layer_params(cfg, moe, active=True)) + embedding_params(cfg) + norm_params(cfg)
+    return over_layers(cfg, lambda moe: layer_params(cfg, moe, active=True)) + embedding_params(cfg) + norm_params(cfg)
 
 
 def narayanan_eq2(layers: int, hidden: int, vocab: int, seq: int) -> float:
@@ -153,7 +154,7 @@ def flops_per_token(cfg: ModelConfig, seq: int | None = None, *, attention: bool
     """
     seq = cfg.seq_len if seq is None else seq
     attn = attention_core_flops(cfg, seq, causal) if attention else 0.0
-    layers_fwd = _layers(cfg, lambda moe: layer_matmul_flops(cfg, moe) + attn)
+    layers_fwd = over_layers(cfg, lambda moe: layer_matmul_flops(cfg, moe) + attn)
     total = 3 * (layers_fwd + head_flops(cfg))
     if recompute == "selective":
         total += cfg.layers * attn

@@ -173,15 +173,8 @@ def from_hf(hf_cfg: dict, tensors: dict[str, torch.Tensor]) -> tuple[ModelConfig
                           norm_eps=hf_cfg.get("layer_norm_epsilon", 1e-5),
                           tie_embeddings=hf_cfg.get("tie_word_embeddings", True))
     elif kind == "llama":
-        cfg = ModelConfig(name="hf-llama", arch="llama", hidden=hf_cfg["hidden_size"],
-                          layers=hf_cfg["num_hidden_layers"], heads=hf_cfg["num_attention_heads"],
-                          kv_heads=hf_cfg.get("num_key_value_heads") or hf_cfg["num_attention_heads"],
-                          head_dim=hf_cfg.get("head_dim") or hf_cfg["hidden_size"] // hf_cfg["num_attention_heads"],
-                          ffn_hidden=hf_cfg["intermediate_size"], vocab=hf_cfg["vocab_size"],
-                          seq_len=hf_cfg.get("max_position_embeddings", 2048), norm="rmsnorm", activation="swiglu",
-                          position="rope", bias=bool(hf_cfg.get("attention_bias", False)),
-                          norm_eps=hf_cfg.get("rms_norm_eps", 1e-5), rope_theta=float(hf_cfg.get("rope_theta", 10000.0)),
-                          tie_embeddings=hf_cfg.get("tie_word_embeddings", False))
+        cfg = ModelConfig(name="hf-llama", ffn_hidden=hf_cfg["intermediate_size"],
+                          **_llama_fields(hf_cfg, norm_eps=1e-5, rope_theta=10000.0))
     elif kind in MOE_EXPERT:
         cfg = _moe_config(hf_cfg, kind)
     else:
@@ -209,7 +202,6 @@ def from_hf(hf_cfg: dict, tensors: dict[str, torch.Tensor]) -> tuple[ModelConfig
 
 def _moe_config(hf_cfg: dict, kind: str) -> ModelConfig:
     """ModelConfig of a Mixtral or Qwen3-MoE config.json (softmax router, dropless)."""
-    h, heads = hf_cfg["hidden_size"], hf_cfg["num_attention_heads"]
     if kind == "qwen3_moe":
         sparse = [i for i in range(hf_cfg["num_hidden_layers"])
                   if i not in hf_cfg.get("mlp_only_layers", []) and (i + 1) % hf_cfg.get("decoder_sparse_step", 1) == 0]
@@ -222,15 +214,21 @@ def _moe_config(hf_cfg: dict, kind: str) -> ModelConfig:
     else:
         moe = dict(experts=hf_cfg["num_local_experts"], expert_ffn_hidden=hf_cfg["intermediate_size"],
                    ffn_hidden=hf_cfg["intermediate_size"])
-    return ModelConfig(name=f"hf-{kind}", arch="llama", hidden=h, layers=hf_cfg["num_hidden_layers"], heads=heads,
-                       kv_heads=hf_cfg.get("num_key_value_heads") or heads,
-                       head_dim=hf_cfg.get("head_dim") or h // heads, vocab=hf_cfg["vocab_size"],
-                       seq_len=hf_cfg.get("max_position_embeddings", 2048), norm="rmsnorm", activation="swiglu",
-                       position="rope", bias=bool(hf_cfg.get("attention_bias", False)),
-                       norm_eps=hf_cfg.get("rms_norm_eps", 1e-6), rope_theta=float(hf_cfg.get("rope_theta", 1e6)),
-                       tie_embeddings=hf_cfg.get("tie_word_embeddings", False),
-                       experts_per_token=hf_cfg["num_experts_per_tok"],
-                       aux_loss_coef=float(hf_cfg.get("router_aux_loss_coef", 0.01)), **moe)
+    return ModelConfig(name=f"hf-{kind}", experts_per_token=hf_cfg["num_experts_per_tok"],
+                       aux_loss_coef=float(hf_cfg.get("router_aux_loss_coef", 0.01)),
+                       **_llama_fields(hf_cfg, norm_eps=1e-6, rope_theta=1e6), **moe)
+
+
+def _llama_fields(hf_cfg: dict, norm_eps: float, rope_theta: float) -> dict:
+    """The ``ModelConfig`` fields every Llama-family config.json (llama, mixtral, qwen3_moe) sets
+    the same way; ``norm_eps`` and ``rope_theta`` are the family's defaults where the file has none."""
+    h, heads = hf_cfg["hidden_size"], hf_cfg["num_attention_heads"]
+    return dict(arch="llama", hidden=h, layers=hf_cfg["num_hidden_layers"], heads=heads,
+                kv_heads=hf_cfg.get("num_key_value_heads") or heads, head_dim=hf_cfg.get("head_dim") or h // heads,
+                vocab=hf_cfg["vocab_size"], seq_len=hf_cfg.get("max_position_embeddings", 2048), norm="rmsnorm",
+                activation="swiglu", position="rope", bias=bool(hf_cfg.get("attention_bias", False)),
+                norm_eps=hf_cfg.get("rms_norm_eps", norm_eps), rope_theta=float(hf_cfg.get("rope_theta", rope_theta)),
+                tie_embeddings=hf_cfg.get("tie_word_embeddings", False))
 
 
 def export_folder(cfg: ModelConfig, state: dict, out: Path) -> None:

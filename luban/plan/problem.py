@@ -58,11 +58,9 @@ class Problem:
         cfg = self.model
         moe_share = cfg.moe_layers / cfg.layers  # share of layers with routed experts
         routed = cfg.experts * flops.expert_params(cfg) if cfg.moe else 0  # routed experts of one MoE layer
-        layer_avg = ((cfg.layers - cfg.moe_layers) * flops.layer_params(cfg)
-                     + cfg.moe_layers * (flops.layer_params(cfg, moe=True) - routed)) / cfg.layers
+        layer_avg = flops.over_layers(cfg, lambda moe: flops.layer_params(cfg, moe) - (routed if moe else 0)) / cfg.layers
         expert_fwd = 2 * cfg.experts_per_token * flops.expert_params(cfg) if cfg.moe else 0  # per token, one MoE layer
-        matmul_avg = ((cfg.layers - cfg.moe_layers) * flops.layer_matmul_flops(cfg)
-                      + cfg.moe_layers * (flops.layer_matmul_flops(cfg, moe=True) - expert_fwd)) / cfg.layers
+        matmul_avg = flops.over_layers(cfg, lambda moe: flops.layer_matmul_flops(cfg, moe) - (expert_fwd if moe else 0)) / cfg.layers
         replicated = 2 * flops.norm_params(cfg) + (2 * cfg.hidden if cfg.bias else 0)
         model_fpt = flops.flops_per_token(cfg, self.seq)
         self.derived = dict(
