@@ -53,15 +53,25 @@ class ActivationCounter:
         self.modules = list(modules)
         self.storages: dict[int, int] = {}
         self.params: set[int] = set()
+        self.refreshes = 0  # parameter-set rebuilds (tests/parallel: few per micro-batch)
         self._alive: list = []
 
     def is_activation(self, t: torch.Tensor) -> bool:
-        """Not (a view of) a parameter: the one rule for what counts and what is offloaded."""
-        ptr = _innermost(t).untyped_storage().data_ptr()
+        """Not (a view of) a parameter: the one rule for what counts and what is offloaded.
+
+        A tensor whose view root has a ``grad_fn`` is an op's output, never a parameter (those
+        are leaves), so only leaf-rooted tensors are looked up; an unknown one refreshes the
+        parameter set (FSDP2 gathers parameters into new storages during the step)."""
+        inner = _innermost(t)
+        root = inner._base if inner._base is not None else inner
+        if root.grad_fn is not None:
+            return True
+        ptr = inner.untyped_storage().data_ptr()
         if ptr in self.params:
             return False
         if ptr not in self.storages:
             self.params = {_innermost(p).untyped_storage().data_ptr() for m in self.modules for p in m.parameters()}
+            self.refreshes += 1
         return ptr not in self.params
 
     def count(self, t: torch.Tensor) -> None:

@@ -65,3 +65,28 @@ def test_runtime_refuses_the_planner_only_block_tier_and_allows_activations_with
     check_layout(ParallelLayout(dp=2, ep=2, offload="activations"), cfg, 8, 2)
     with pytest.raises(LubanError, match="parallel.offload = 'blocks': this runtime offloads"):
         check_layout(ParallelLayout(offload="blocks"), cfg, 8, 1)
+
+
+def test_parameter_rule_is_exact_and_rarely_rebuilds_the_parameter_set():
+    """``is_activation`` counts exactly the saved storages that are not parameters (brute force
+    over the same saved tensors), and only leaf-rooted saved tensors (op outputs never are
+    parameters) make it rebuild the parameter set: far fewer rebuilds than saved tensors."""
+    from luban.model.transformer import Transformer
+    from luban.parallel.memory import ActivationCounter
+
+    torch.manual_seed(0)
+    for preset in ("tiny", "tiny-llama", "tiny-moe"):
+        model = Transformer(get_preset(preset))
+        tokens = torch.randint(0, model.cfg.vocab, (2, 16))
+        saved = []
+        counter = ActivationCounter([model])
+        pack = counter._pack
+        counter._pack = lambda t: pack(saved.append(t) or t)  # see every saved tensor the rule sees
+        with counter.record():
+            model(tokens).float().mean()
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        expected = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved
+                    if t.untyped_storage().data_ptr() not in params}
+        assert counter.total == sum(expected.values()) > 0, preset
+        assert any(t.untyped_storage().data_ptr() in params for t in saved), preset  # weights were saved too
+        assert counter.refreshes * 3 < len(saved), (preset, counter.refreshes, len(saved))
