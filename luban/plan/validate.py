@@ -106,7 +106,7 @@ def narayanan_table1(system="dgx-a100-80g", micro_batch: int | None = None) -> l
         speed = np.where(results["memory"]["fits"], results["tokens_per_s"], 0.0)
         est = Estimate.from_results(problem, g, results, (int(np.argmax(speed)),))
         ref = float(r["achieved_TFLOPs_per_GPU"])
-        rows.append(dict(table="narayanan2021-t1" + ("-mb1" if micro_batch == 1 else ""), row=f"{r['params_billion']}B tp{tp} pp{pp} dp{dp} mb{est.layout.micro_batch}",
+        rows.append(dict(table="narayanan2021-t1" + (f"-mb{micro_batch}" if micro_batch else ""), row=f"{r['params_billion']}B tp{tp} pp{pp} dp{dp} mb{est.layout.micro_batch}",
                          reference=ref, predicted=est.tflops_per_gpu, error=est.tflops_per_gpu / ref - 1,
                          unit="TFLOP/s", estimate=est))
     return rows
