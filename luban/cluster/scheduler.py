@@ -350,9 +350,12 @@ class Scheduler:
 
     def sample(self, now: float) -> None:
         self.last_sample = now
-        with self.sessions.begin() as s:
-            nodes = s.scalar(select(func.count()).select_from(Node).where(Node.state == "up"))
-            held = s.scalar(select(func.count()).select_from(Allocation))
-            running = s.scalar(select(func.coalesce(func.sum(Job.nnodes), 0)).where(Job.state == states.RUNNING))
-            queued = s.scalar(select(func.count()).select_from(Job).where(Job.state == states.QUEUED))
-            s.merge(Sample(t=round(now, 3), nodes=nodes, held=held, running=running, queued_jobs=queued))
+        try:
+            with self.sessions.begin() as s:
+                nodes = s.scalar(select(func.count()).select_from(Node).where(Node.state == "up"))
+                held = s.scalar(select(func.count()).select_from(Allocation))
+                running = s.scalar(select(func.coalesce(func.sum(Job.nnodes), 0)).where(Job.state == states.RUNNING))
+                queued = s.scalar(select(func.count()).select_from(Job).where(Job.state == states.QUEUED))
+                s.merge(Sample(t=round(now, 3), nodes=nodes, held=held, running=running, queued_jobs=queued))
+        except IntegrityError:
+            pass  # another scheduler wrote this millisecond's sample first (merge reads, then inserts)

@@ -133,3 +133,39 @@ def test_concurrent_submissions_and_schedulers_never_exceed_quota(cluster):
     with sessions() as s:
         states = dict(s.execute(select(Job.state, func.count()).group_by(Job.state)).all())
     assert states == {"succeeded": 40}
+
+
+def test_two_schedulers_sampling_the_same_instant_do_not_fail(cluster):
+    """A sample is keyed by its millisecond: a scheduler whose merge finds no row and inserts
+    while another's insert of the same instant is uncommitted loses the race quietly (CI saw
+    the IntegrityError escape from a tick)."""
+    from luban.cluster.models import Sample
+
+    sessions, schedulers, _, _ = cluster
+    now, flushed, done, errors = 1795574192.678, threading.Event(), threading.Event(), []
+
+    def first_writer():
+        with sessions.begin() as s:
+            s.add(Sample(t=now, nodes=0, held=0, running=0, queued_jobs=0))
+            s.flush()  # holds the key until commit
+            flushed.set()
+            done.wait(timeout=2)  # the other scheduler's merge has read "no row" and is blocked
+
+    def racing_scheduler():
+        try:
+            schedulers[1].sample(now)
+        except Exception as err:  # noqa: BLE001 - reported below
+            errors.append(repr(err))
+
+    writer = threading.Thread(target=first_writer)
+    writer.start()
+    flushed.wait()
+    racer = threading.Thread(target=racing_scheduler)
+    racer.start()
+    time.sleep(0.5)
+    done.set()
+    writer.join()
+    racer.join()
+    assert errors == []
+    with sessions() as s:
+        assert s.scalar(select(func.count()).select_from(Sample).where(Sample.t == now)) == 1
