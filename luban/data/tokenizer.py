@@ -42,6 +42,18 @@ class ByteTokenizer:
         return {"kind": self.kind, "vocab_size": self.vocab_size, "eos_id": self.eos_id,
                 "file": None}
 
+    def hf_json(self) -> str:
+        """This tokenizer as a Hugging Face ``tokenizer.json``: a byte-level BPE with no merges, byte b
+        (in GPT-2's printable byte alphabet) at id b, so it encodes every text to the same ids."""
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+        vocab = {char: byte for byte, char in _byte_alphabet().items()}
+        model = Tokenizer(models.BPE(vocab={**vocab, EOS_TOKEN: self.eos_id}, merges=[]))
+        model.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        model.decoder = decoders.ByteLevel()
+        model.add_special_tokens([EOS_TOKEN])
+        return model.to_str()
+
 
 class BpeTokenizer:
     """A byte-level BPE model (``tokenizers.Tokenizer``) with ``EOS_TOKEN`` as a special id."""
@@ -97,6 +109,35 @@ class BpeTokenizer:
     def manifest_entry(self) -> dict:
         return {"kind": self.kind, "vocab_size": self.vocab_size, "eos_id": self.eos_id,
                 "file": BPE_FILE}
+
+    def hf_json(self) -> str:
+        return self._model.to_str()
+
+
+def _byte_alphabet() -> dict[int, str]:
+    """GPT-2's byte -> printable character map (what ``pre_tokenizers.ByteLevel`` uses)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            chars[byte] = chr(byte)
+        else:
+            chars[byte] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+def hf_tokenizer_files(tok, max_len: int) -> dict[str, str]:
+    """The files ``transformers.AutoTokenizer`` loads ``tok`` from: ``tokenizer.json``, ``tokenizer_config.json``
+    and ``special_tokens_map.json``; the end-of-document token is also the start and the padding token (as
+    GPT-2's), and nothing is added around a text (luban's ``encode``)."""
+    import json
+
+    special = {"bos_token": EOS_TOKEN, "eos_token": EOS_TOKEN, "pad_token": EOS_TOKEN}
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", **special, "model_max_length": max_len,
+              "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False}
+    return {"tokenizer.json": tok.hf_json(), "tokenizer_config.json": json.dumps(config, indent=1),
+            "special_tokens_map.json": json.dumps(special, indent=1)}
 
 
 Tokenizer = ByteTokenizer | BpeTokenizer

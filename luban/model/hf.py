@@ -21,11 +21,15 @@ in these two and are refused.
 from __future__ import annotations
 
 import json
+import math
+import os
+import re
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
-from luban.errors import LubanError
+from luban.errors import LubanError, bad_value
 from luban.model.config import ModelConfig
 
 GPT2_LAYER = [("norm1", "ln_1", False), ("norm2", "ln_2", False), ("attn.wo", "attn.c_proj", True),
@@ -107,7 +111,33 @@ def _pairs(cfg: ModelConfig, family: str):
         yield "lm_head.weight", "lm_head.weight", False
 
 
+# What a key missing from config.json means: the defaults of transformers' config classes (4.40 to 5.x);
+# a key with no default here is required. ``rope_theta`` is each class's ``default_theta``.
+DEFAULTS = {
+    "gpt2": {"n_inner": None, "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5, "tie_word_embeddings": True,
+             "resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1, "initializer_range": 0.02,
+             "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False},
+    "llama": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "num_key_value_heads": None, "max_position_embeddings": 2048,
+              "mlp_bias": False},
+    "mixtral": {"rms_norm_eps": 1e-5, "rope_theta": 1e6, "num_key_value_heads": 8, "max_position_embeddings": 4096 * 32,
+                "num_local_experts": 8, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.001,
+                "router_jitter_noise": 0.0, "sliding_window": None},
+    "qwen3_moe": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "num_key_value_heads": 4, "max_position_embeddings": 32768,
+                  "num_experts": 128, "num_experts_per_tok": 8, "router_aux_loss_coef": 0.001, "norm_topk_prob": False,
+                  "decoder_sparse_step": 1, "mlp_only_layers": None, "use_sliding_window": False,
+                  "sliding_window": 4096},
+}
+LLAMA_DEFAULTS = {"hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0, "head_dim": None,
+                  "tie_word_embeddings": False, "initializer_range": 0.02, "rope_parameters": None, "rope_scaling": None,
+                  "partial_rotary_factor": 1.0}
+TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+# buffers older transformers saved with the weights (GPT-2's causal mask, RoPE frequencies): not weights
+BUFFER = re.compile(r"\.attn\.(masked_)?bias$|\.rotary_emb\.inv_freq$")
+
+
 def hf_config(cfg: ModelConfig, family: str) -> dict:
+    """The config.json of ``cfg``; read by transformers 4.40 to 5.x alike (RoPE's theta both at the top,
+    as 4.x reads it, and under ``rope_parameters``, as 5.x writes it)."""
     if family == "gpt2":
         return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": cfg.vocab,
                 "n_positions": cfg.seq_len, "n_embd": cfg.hidden, "n_layer": cfg.layers, "n_head": cfg.heads,
@@ -118,21 +148,22 @@ def hf_config(cfg: ModelConfig, family: str) -> dict:
     common = {"vocab_size": cfg.vocab, "hidden_size": cfg.hidden, "num_hidden_layers": cfg.layers,
               "num_attention_heads": cfg.heads, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
               "max_position_embeddings": cfg.seq_len, "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
-              "hidden_act": "silu", "attention_bias": cfg.bias, "attention_dropout": cfg.dropout,
+              "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+              "hidden_act": "silu", "attention_dropout": cfg.dropout,
               "initializer_range": cfg.init_std, "tie_word_embeddings": cfg.tie_embeddings, "torch_dtype": "float32"}
     if family == "mixtral":
         return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", **common,
                 "intermediate_size": cfg.expert_ffn_hidden, "num_local_experts": cfg.experts,
                 "num_experts_per_tok": cfg.experts_per_token, "router_aux_loss_coef": cfg.aux_loss_coef,
-                "sliding_window": None}
+                "router_jitter_noise": 0.0, "sliding_window": None}
     if family == "qwen3_moe":
-        return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", **common,
+        return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", **common, "attention_bias": False,
                 "intermediate_size": cfg.ffn_hidden, "moe_intermediate_size": cfg.expert_ffn_hidden,
                 "num_experts": cfg.experts, "num_experts_per_tok": cfg.experts_per_token, "norm_topk_prob": True,
                 "decoder_sparse_step": 1, "mlp_only_layers": list(range(cfg.dense_layers)),
                 "router_aux_loss_coef": cfg.aux_loss_coef, "use_sliding_window": False}
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **common,
-            "intermediate_size": cfg.ffn_hidden, "mlp_bias": cfg.bias}
+            "intermediate_size": cfg.ffn_hidden, "attention_bias": cfg.bias, "mlp_bias": cfg.bias}
 
 
 def _expert_pairs(cfg: ModelConfig, family: str):
@@ -163,86 +194,308 @@ def to_hf(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> tuple[dict, dict[
     return hf_config(cfg, family), out
 
 
-def from_hf(hf_cfg: dict, tensors: dict[str, torch.Tensor]) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """HF config.json dict + state dict -> (ModelConfig, luban state dict)."""
-    kind = hf_cfg.get("model_type")
-    if kind == "gpt2":
-        cfg = ModelConfig(name="hf-gpt2", arch="gpt2", hidden=hf_cfg["n_embd"], layers=hf_cfg["n_layer"],
-                          heads=hf_cfg["n_head"], ffn_hidden=hf_cfg.get("n_inner") or 4 * hf_cfg["n_embd"],
-                          vocab=hf_cfg["vocab_size"], seq_len=hf_cfg["n_positions"],
-                          norm_eps=hf_cfg.get("layer_norm_epsilon", 1e-5),
-                          tie_embeddings=hf_cfg.get("tie_word_embeddings", True))
-    elif kind == "llama":
-        cfg = ModelConfig(name="hf-llama", ffn_hidden=hf_cfg["intermediate_size"],
-                          **_llama_fields(hf_cfg, norm_eps=1e-5, rope_theta=10000.0))
-    elif kind in MOE_EXPERT:
-        cfg = _moe_config(hf_cfg, kind)
-    else:
-        raise LubanError(f"config.json model_type = {kind!r}: luban imports 'gpt2', 'llama', 'mixtral' or 'qwen3_moe'")
-    family = _family(cfg)
+class _Keys:
+    """config.json's values, each with transformers' default where the file has none and checked for its
+    type; every problem is one line naming the file and the key."""
+
+    def __init__(self, raw: dict, src: str, defaults: dict):
+        self.raw, self.src, self.defaults = raw, src, defaults
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.raw
+
+    def bad(self, key: str, value, allowed: str) -> LubanError:
+        return bad_value(f"{self.src}: {key}", value, allowed)
+
+    def get(self, key: str, kind: type, nullable: bool = False):
+        value = self.raw.get(key, self.defaults.get(key, _MISSING))
+        if value is _MISSING:
+            raise LubanError(f"{self.src}: {key} missing: a {self.raw.get('model_type')} config needs it")
+        if value is None and nullable:
+            return None
+        ok = {int: lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+              float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0,
+              bool: lambda v: isinstance(v, bool), str: lambda v: isinstance(v, str),
+              list: lambda v: isinstance(v, list), dict: lambda v: isinstance(v, dict)}[kind]
+        if not ok(value):
+            what = {int: "an integer >= 0", float: "a finite number >= 0", bool: "true or false", str: "a string",
+                    list: "a list", dict: "a JSON object"}[kind]
+            raise self.bad(key, value, what + (" or null" if nullable else ""))
+        return float(value) if kind is float else value
+
+
+_MISSING = object()
+
+
+def read_config(raw, src: str = "config.json") -> tuple[ModelConfig, dict, list[str]]:
+    """A config.json (any layout transformers 4.40 to 5.x writes) -> (ModelConfig, the keys luban accepted
+    but does not model, to write back on export, warnings). What luban cannot represent exactly is refused
+    with one line naming the key; what is harmless at the lengths luban runs is accepted with a warning."""
+    if not isinstance(raw, dict):
+        raise LubanError(f"{src}: a JSON object expected, found {type(raw).__name__}")
+    kind = raw.get("model_type")
+    if not isinstance(kind, str) or kind not in DEFAULTS:
+        raise bad_value(f"{src}: model_type", kind, "one of 'gpt2', 'llama', 'mixtral', 'qwen3_moe'")
+    keys = _Keys(raw, src, DEFAULTS[kind] if kind == "gpt2" else {**LLAMA_DEFAULTS, **DEFAULTS[kind]})
+    extra = {k: raw[k] for k in TOKEN_IDS if k in raw and (raw[k] is None or isinstance(raw[k], list) or keys.get(k, int))}
+    notes: list[str] = []
+    fields = _gpt2_fields(keys, notes, extra) if kind == "gpt2" else _llama_fields(keys, kind, notes, extra)
     try:
-        state = {ours: (tensors[theirs].t() if t else tensors[theirs]).contiguous()
-                 for ours, theirs, t in _pairs(cfg, family)}
-        if family == "gpt2":
-            for i in range(cfg.layers):
-                w = tensors[f"transformer.h.{i}.attn.c_attn.weight"].t()
-                b = tensors[f"transformer.h.{i}.attn.c_attn.bias"]
-                for j, n in enumerate(("wq", "wk", "wv")):
-                    rows = slice(j * cfg.hidden, (j + 1) * cfg.hidden)
-                    state[f"layers.{i}.attn.{n}.weight"] = w[rows].contiguous()
-                    state[f"layers.{i}.attn.{n}.bias"] = b[rows].contiguous()
-        for ours, theirs in _expert_pairs(cfg, family):
-            state[ours] = torch.stack([tensors[theirs.format(e=e)] for e in range(cfg.experts)])
-    except KeyError as err:
-        raise LubanError(f"model.safetensors: missing tensor {err.args[0]} for a {kind} model") from None
+        return ModelConfig(name=f"hf-{kind}", **fields), extra, notes
+    except LubanError as err:
+        raise LubanError(f"{src}: {err}") from None
+
+
+def _gpt2_fields(keys: _Keys, notes: list[str], extra: dict) -> dict:
+    act = keys.get("activation_function", str)
+    if act not in ("gelu_new", "gelu_pytorch_tanh"):
+        raise keys.bad("activation_function", act, "'gelu_new' or 'gelu_pytorch_tanh' (luban's GELU is the tanh "
+                                                   "approximation)")
+    if not keys.get("scale_attn_weights", bool):
+        raise keys.bad("scale_attn_weights", False, "true (luban scales attention scores by 1/sqrt(head_dim))")
+    if keys.get("scale_attn_by_inverse_layer_idx", bool):
+        raise keys.bad("scale_attn_by_inverse_layer_idx", True, "false (luban does not scale attention by layer)")
+    hidden = keys.get("n_embd", int)
+    return dict(arch="gpt2", hidden=hidden, layers=keys.get("n_layer", int), heads=keys.get("n_head", int),
+                ffn_hidden=keys.get("n_inner", int, nullable=True) or 4 * hidden, vocab=keys.get("vocab_size", int),
+                seq_len=keys.get("n_positions", int), norm_eps=keys.get("layer_norm_epsilon", float),
+                tie_embeddings=keys.get("tie_word_embeddings", bool), init_std=keys.get("initializer_range", float),
+                dropout=_dropout(keys, ("resid_pdrop", "embd_pdrop", "attn_pdrop"), notes, extra))
+
+
+def _llama_fields(keys: _Keys, kind: str, notes: list[str], extra: dict) -> dict:
+    """The ``ModelConfig`` fields of a Llama-family config.json (llama, mixtral, qwen3_moe): the fields they
+    share are read once here, then each family's own."""
+    act = keys.get("hidden_act", str)
+    if act != "silu":
+        raise keys.bad("hidden_act", act, "'silu' (luban's swiglu MLP computes silu(gate) * up)")
+    h, heads, bias = keys.get("hidden_size", int), keys.get("num_attention_heads", int), keys.get("attention_bias", bool)
+    seq = keys.get("max_position_embeddings", int)
+    fields = dict(arch="llama", hidden=h, layers=keys.get("num_hidden_layers", int), heads=heads,
+                  kv_heads=keys.get("num_key_value_heads", int, nullable=True) or heads,
+                  head_dim=keys.get("head_dim", int, nullable=True) or (h // heads if heads else 0),
+                  vocab=keys.get("vocab_size", int), seq_len=seq, norm="rmsnorm", activation="swiglu",
+                  position="rope", bias=bias, norm_eps=keys.get("rms_norm_eps", float),
+                  rope_theta=_rope_theta(keys, seq, notes, extra), tie_embeddings=keys.get("tie_word_embeddings", bool),
+                  init_std=keys.get("initializer_range", float),
+                  dropout=_dropout(keys, ("attention_dropout",), notes, extra))
+    if kind == "llama":
+        if keys.get("mlp_bias", bool) != bias:
+            raise keys.bad("mlp_bias", not bias, f"equal to attention_bias = {str(bias).lower()} (luban's bias key "
+                                                 "covers both)")
+        return {**fields, "ffn_hidden": keys.get("intermediate_size", int)}
+    if bias:
+        raise keys.bad("attention_bias", True, f"false (a {kind} model has no MLP biases; luban's bias key covers both)")
+    _sliding_window(keys, kind, seq, notes, extra)
+    fields.update(experts_per_token=keys.get("num_experts_per_tok", int),
+                  aux_loss_coef=keys.get("router_aux_loss_coef", float))
+    if kind == "mixtral":
+        jitter = keys.get("router_jitter_noise", float)
+        if jitter > 0:
+            notes.append(f"router_jitter_noise = {jitter}: transformers jitters the router only in training, so the "
+                         "imported logits are exact; training in luban runs without jitter; written back on export")
+            extra["router_jitter_noise"] = jitter
+        ffn = keys.get("intermediate_size", int)
+        return {**fields, "experts": keys.get("num_local_experts", int), "ffn_hidden": ffn, "expert_ffn_hidden": ffn}
+    if not keys.get("norm_topk_prob", bool):
+        raise keys.bad("norm_topk_prob", False, "true (luban's softmax router renormalises the top-k weights)")
+    layers, step = fields["layers"], keys.get("decoder_sparse_step", int)
+    only = keys.get("mlp_only_layers", list, nullable=True) or []
+    sparse = [i for i in range(layers) if i not in only and step and (i + 1) % step == 0]
+    dense = layers - len(sparse)
+    if sparse != list(range(dense, layers)):
+        raise LubanError(f"{keys.src}: mlp_only_layers = {only}, decoder_sparse_step = {step}: luban keeps dense "
+                         "layers only first (mlp_only_layers = [0, ..., k-1], decoder_sparse_step = 1)")
+    experts = "num_experts" if "num_experts" in keys else "num_local_experts"  # transformers 4.x, 5.x
+    return {**fields, "experts": keys.get(experts, int), "ffn_hidden": keys.get("intermediate_size", int),
+            "expert_ffn_hidden": keys.get("moe_intermediate_size", int), "dense_layers": dense, "qk_norm": True}
+
+
+def _rope_theta(keys: _Keys, seq: int, notes: list[str], extra: dict) -> float:
+    """RoPE's base from ``rope_parameters`` (5.x) or ``rope_scaling`` with a top-level ``rope_theta``
+    (4.x), in transformers' order; a frequency scaling luban does not have is refused, except NTK
+    'dynamic', which changes nothing up to its original length."""
+    scaling = keys.get("rope_scaling", dict, nullable=True)
+    where = "rope_scaling" if scaling else "rope_parameters"
+    rope = scaling or keys.get("rope_parameters", dict, nullable=True) or {}
+    if any(isinstance(v, dict) for v in rope.values()):
+        raise keys.bad(where, rope, "one RoPE for every layer")
+    nested = _Keys(rope, f"{keys.src}: {where}", {"rope_type": rope.get("type", "default"),
+                                                  "rope_theta": keys.get("rope_theta", float),
+                                                  "partial_rotary_factor": keys.get("partial_rotary_factor", float),
+                                                  "original_max_position_embeddings": seq})
+    theta, kind = nested.get("rope_theta", float), nested.get("rope_type", str)
+    if nested.get("partial_rotary_factor", float) != 1.0:
+        raise nested.bad("partial_rotary_factor", rope["partial_rotary_factor"], "1.0 (luban rotates every dimension)")
+    if kind == "dynamic" and nested.get("original_max_position_embeddings", int) >= seq:
+        notes.append(f"{where}.rope_type = 'dynamic': NTK scaling starts only beyond max_position_embeddings = {seq}, "
+                     "the longest sequence luban runs, so the model is exact; written back on export")
+        extra[where] = rope
+    elif kind != "default":
+        raise nested.bad("rope_type", kind, "'default' (luban's RoPE has no frequency scaling; 'dynamic' is accepted "
+                                            "where it starts beyond max_position_embeddings)")
+    return theta
+
+
+def _sliding_window(keys: _Keys, kind: str, seq: int, notes: list[str], extra: dict) -> None:
+    """Refuse a window shorter than the model's positions (luban attends to the whole context); accept a
+    longer one, which never applies, with a warning; written back on export either way."""
+    window = keys.get("sliding_window", int, nullable=True)
+    used = keys.get("use_sliding_window", bool) if kind == "qwen3_moe" else window is not None
+    extra.update({k: keys.raw[k] for k in ("sliding_window", "use_sliding_window", "max_window_layers") if k in keys})
+    if not used or window is None:
+        return
+    if window < seq:
+        raise keys.bad("sliding_window", window, f"null or >= max_position_embeddings = {seq} (luban attends to the "
+                                                 f"whole context; a window of {window} differs beyond {window} tokens)")
+    notes.append(f"sliding_window = {window} >= max_position_embeddings = {seq}: the window never applies at the "
+                 "lengths luban runs, so the model is exact; written back on export")
+
+
+def _dropout(keys: _Keys, names: tuple[str, ...], notes: list[str], extra: dict) -> float:
+    """luban's one dropout probability (attention, residual and embedding outputs) from the file's."""
+    values = {n: keys.get(n, float) for n in names}
+    p = values[names[0]]
+    if len(set(values.values())) > 1 or (names == ("attention_dropout",) and p > 0):
+        notes.append(", ".join(f"{n} = {v}" for n, v in values.items()) + f": luban applies one dropout p = {p} to "
+                     "attention, residual and embedding outputs in training (inference is unaffected); written back on "
+                     "export")
+        extra.update(values)
+    return p
+
+
+def from_hf(hf_cfg: dict, tensors: dict[str, torch.Tensor], src: str = "model.safetensors",
+            src_cfg: str = "config.json") -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """HF config.json dict + state dict -> (ModelConfig, luban state dict)."""
+    cfg = read_config(hf_cfg, src_cfg)[0]
+    return cfg, _state(cfg, tensors, src)
+
+
+def _state(cfg: ModelConfig, tensors: dict[str, torch.Tensor], src: str) -> dict[str, torch.Tensor]:
+    """luban's state dict from the HF tensors, after checking that they are exactly the ones ``cfg``
+    has (names, shapes, floating point): one line naming the first that is not."""
+    from luban.model.transformer import Transformer
+
+    family = _family(cfg)
+    if family == "gpt2" and "transformer.wte.weight" not in tensors:  # saved from GPT2Model (the Hub's gpt2)
+        tensors = {k if k.startswith("lm_head.") else f"transformer.{k}": v for k, v in tensors.items()}
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in to_hf(cfg, Transformer(cfg).state_dict())[1].items()}
+    missing = [k for k in shapes if k not in tensors]
+    if missing:
+        raise LubanError(f"{src}: tensor {missing[0]} missing ({len(missing)} missing): the {family} model of "
+                         "config.json has it")
+    unexpected = [k for k in tensors if k not in shapes and not BUFFER.search(k)
+                  and not (cfg.tie_embeddings and k == "lm_head.weight")]
+    if unexpected:
+        raise LubanError(f"{src}: tensor {unexpected[0]} ({len(unexpected)} unexpected) is not part of the "
+                         f"{family} model of config.json; luban would drop it")
+    for k, shape in shapes.items():
+        if tuple(tensors[k].shape) != shape:
+            raise LubanError(f"{src}: tensor {k} has shape {list(tensors[k].shape)}; config.json implies {list(shape)}")
+        if not tensors[k].is_floating_point():
+            raise LubanError(f"{src}: tensor {k} has dtype {tensors[k].dtype}; a floating-point weight expected")
+    tensors = {k: tensors[k].float() for k in shapes}  # luban's weights are fp32 (bf16 and fp16 widen exactly)
+    state = {ours: (tensors[theirs].t() if t else tensors[theirs]).contiguous()
+             for ours, theirs, t in _pairs(cfg, family)}
+    if family == "gpt2":
+        for i in range(cfg.layers):
+            w = tensors[f"transformer.h.{i}.attn.c_attn.weight"].t()
+            b = tensors[f"transformer.h.{i}.attn.c_attn.bias"]
+            for j, n in enumerate(("wq", "wk", "wv")):
+                rows = slice(j * cfg.hidden, (j + 1) * cfg.hidden)
+                state[f"layers.{i}.attn.{n}.weight"] = w[rows].contiguous()
+                state[f"layers.{i}.attn.{n}.bias"] = b[rows].contiguous()
+    for ours, theirs in _expert_pairs(cfg, family):
+        state[ours] = torch.stack([tensors[theirs.format(e=e)] for e in range(cfg.experts)])
     if cfg.tie_embeddings:
         state["lm_head.weight"] = state["tok_emb.weight"]
-    return cfg, state
+    return state
 
 
-def _moe_config(hf_cfg: dict, kind: str) -> ModelConfig:
-    """ModelConfig of a Mixtral or Qwen3-MoE config.json (softmax router, dropless)."""
-    if kind == "qwen3_moe":
-        sparse = [i for i in range(hf_cfg["num_hidden_layers"])
-                  if i not in hf_cfg.get("mlp_only_layers", []) and (i + 1) % hf_cfg.get("decoder_sparse_step", 1) == 0]
-        dense = hf_cfg["num_hidden_layers"] - len(sparse)
-        if sparse != list(range(dense, hf_cfg["num_hidden_layers"])) or not hf_cfg.get("norm_topk_prob", False):
-            raise LubanError("config.json: luban imports Qwen3-MoE with dense layers first (mlp_only_layers = "
-                             "0..k-1, decoder_sparse_step = 1) and norm_topk_prob = true")
-        moe = dict(experts=hf_cfg["num_experts"], expert_ffn_hidden=hf_cfg["moe_intermediate_size"],
-                   ffn_hidden=hf_cfg["intermediate_size"], dense_layers=dense, qk_norm=True)
-    else:
-        moe = dict(experts=hf_cfg["num_local_experts"], expert_ffn_hidden=hf_cfg["intermediate_size"],
-                   ffn_hidden=hf_cfg["intermediate_size"])
-    return ModelConfig(name=f"hf-{kind}", experts_per_token=hf_cfg["num_experts_per_tok"],
-                       aux_loss_coef=float(hf_cfg.get("router_aux_loss_coef", 0.01)),
-                       **_llama_fields(hf_cfg, norm_eps=1e-6, rope_theta=1e6), **moe)
+class HfImport(NamedTuple):
+    cfg: ModelConfig
+    state: dict
+    extra: dict  # config.json keys luban accepted but does not model: written back by export_folder
+    warnings: list
 
 
-def _llama_fields(hf_cfg: dict, norm_eps: float, rope_theta: float) -> dict:
-    """The ``ModelConfig`` fields every Llama-family config.json (llama, mixtral, qwen3_moe) sets
-    the same way; ``norm_eps`` and ``rope_theta`` are the family's defaults where the file has none."""
-    h, heads = hf_cfg["hidden_size"], hf_cfg["num_attention_heads"]
-    return dict(arch="llama", hidden=h, layers=hf_cfg["num_hidden_layers"], heads=heads,
-                kv_heads=hf_cfg.get("num_key_value_heads") or heads, head_dim=hf_cfg.get("head_dim") or h // heads,
-                vocab=hf_cfg["vocab_size"], seq_len=hf_cfg.get("max_position_embeddings", 2048), norm="rmsnorm",
-                activation="swiglu", position="rope", bias=bool(hf_cfg.get("attention_bias", False)),
-                norm_eps=hf_cfg.get("rms_norm_eps", norm_eps), rope_theta=float(hf_cfg.get("rope_theta", rope_theta)),
-                tie_embeddings=hf_cfg.get("tie_word_embeddings", False))
+def import_folder(folder: Path) -> HfImport:
+    """Read a folder transformers saved (config.json, model.safetensors or its sharded index)."""
+    src = folder / "config.json"
+    if not src.is_file():
+        raise LubanError(f"{src}: no such file; a Hugging Face folder holds config.json and model.safetensors")
+    cfg, extra, notes = read_config(_read_json(src), str(src))
+    tensors, src = _read_tensors(folder)
+    return HfImport(cfg, _state(cfg, tensors, src), extra, notes)
 
 
-def export_folder(cfg: ModelConfig, state: dict, out: Path) -> None:
-    from safetensors.torch import save_file
-
-    hf_cfg, tensors = to_hf(cfg, state)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(hf_cfg, indent=1))
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as err:
+        raise LubanError(f"{path}: not readable as JSON ({str(err).splitlines()[0][:200]})") from None
 
 
-def import_folder(folder: Path) -> tuple[ModelConfig, dict]:
+def _read_tensors(folder: Path) -> tuple[dict[str, torch.Tensor], str]:
+    """(every tensor, the file(s) they came from for messages): ``model.safetensors``, or the shards that
+    ``model.safetensors.index.json`` names."""
     from safetensors.torch import load_file
 
-    if not (folder / "config.json").is_file() or not (folder / "model.safetensors").is_file():
-        raise LubanError(f"FOLDER = {str(folder)!r}: needs config.json and model.safetensors")
-    return from_hf(json.loads((folder / "config.json").read_text()), load_file(str(folder / "model.safetensors")))
+    single, index = folder / "model.safetensors", folder / "model.safetensors.index.json"
+    if single.is_file():
+        files, src = [single], str(single)
+    elif index.is_file():
+        weight_map = _read_json(index).get("weight_map") if isinstance(_read_json(index), dict) else None
+        names = sorted(set(weight_map.values())) if isinstance(weight_map, dict) else []
+        if not names or not all(isinstance(n, str) and n and Path(n).name == n for n in names):
+            raise LubanError(f"{index}: weight_map must name the shard files in {folder}")
+        files, src = [folder / n for n in names], str(index)
+    else:
+        raise LubanError(f"{single}: no such file; luban reads safetensors weights (model.safetensors, or "
+                         "model.safetensors.index.json and its shards)")
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            tensors.update(load_file(str(f)))
+        except Exception as err:  # safetensors' own error (truncated, garbled header) or OSError: name the file
+            raise LubanError(f"{f}: not a readable safetensors file ({str(err).splitlines()[0][:200]})") from None
+    return tensors, src
+
+
+def export_folder(cfg: ModelConfig, state: dict, out: Path, tokenizer=None, extra: dict | None = None) -> list[str]:
+    """Write ``out/config.json`` and ``model.safetensors``; with ``tokenizer`` (luban's byte or BPE one) also
+    ``tokenizer.json``, ``tokenizer_config.json``, ``special_tokens_map.json``, and the special-token ids in
+    ``config.json`` and ``generation_config.json``. ``extra``: keys an import accepted but luban does not model,
+    written back. Every file gets the mode the umask gives (644 under 022). Returns the names written."""
+    from safetensors.torch import save_file
+
+    from luban.data.atomic import write_bytes
+    from luban.data.tokenizer import hf_tokenizer_files
+
+    hf_cfg, tensors = to_hf(cfg, state)
+    hf_cfg.update(extra or {})
+    files = {}
+    if tokenizer is not None:
+        eos = tokenizer.eos_id
+        hf_cfg.update(bos_token_id=eos, eos_token_id=eos)
+        files.update(hf_tokenizer_files(tokenizer, cfg.seq_len))
+    generation = {k: hf_cfg[k] for k in TOKEN_IDS if hf_cfg.get(k) is not None}
+    if tokenizer is not None:
+        generation["pad_token_id"] = tokenizer.eos_id  # as GPT-2: padding with the end of document
+    if generation:
+        files["generation_config.json"] = json.dumps(generation, indent=1)
+    files["config.json"] = json.dumps(hf_cfg, indent=1)
+    umask = os.umask(0)
+    os.umask(umask)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        temp = out / f".model.safetensors.tmp-{os.getpid()}"
+        save_file(tensors, str(temp), metadata={"format": "pt"})
+        os.chmod(temp, 0o666 & ~umask)  # safetensors creates its file 600; the other files follow the umask
+        os.replace(temp, out / "model.safetensors")
+        for name, text in files.items():
+            write_bytes(out / name, text.encode("utf-8"))
+    except OSError as err:
+        raise LubanError(f"{out}: cannot write the Hugging Face folder ({err.strerror or err})") from None
+    return ["model.safetensors", *files]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
 from luban import schema
@@ -51,10 +52,10 @@ def register(sub) -> None:
     p = sub.add_parser("export", help="write a checkpoint as a Hugging Face folder")
     p.add_argument("checkpoint", type=schema.path("dir"), metavar="CHECKPOINT")
     p.add_argument("--format", choices=["hf"], default="hf")
-    p.add_argument("out", type=schema.path("new-dir"), help="output folder (config.json + model.safetensors)")
+    p.add_argument("out", type=schema.path("new-dir"), help="output folder (config.json, model.safetensors, the tokenizer files)")
     p.set_defaults(func=cmd_export)
 
-    p = sub.add_parser("import", help="read a Hugging Face GPT-2/Llama folder into a luban checkpoint")
+    p = sub.add_parser("import", help="read a Hugging Face GPT-2/Llama/Mixtral/Qwen3-MoE folder into a luban checkpoint")
     p.add_argument("folder", type=schema.path("dir"), help="folder with config.json and model.safetensors")
     p.add_argument("out", type=schema.path("new-dir"), help="run directory to create (checkpoint at OUT/checkpoints/step_0000000)")
     p.set_defaults(func=cmd_import)
@@ -182,19 +183,46 @@ def cmd_export(args) -> int:
     from luban.model.hf import export_folder
     from luban.train.sample import load_model
 
-    model, _ = load_model(args.checkpoint)
-    export_folder(model.cfg, model.state_dict(), Path(args.out))
-    print(f"wrote {args.out}/config.json and model.safetensors")
+    model, meta = load_model(args.checkpoint)
+    tokenizer, why = _run_tokenizer(meta, model.cfg.vocab)
+    written = export_folder(model.cfg, model.state_dict(), Path(args.out), tokenizer, meta.get("hf_extra"))
+    if tokenizer is None:
+        print(f"luban: warning: no tokenizer written: {why}", file=sys.stderr)
+    print(f"wrote {args.out}: {', '.join(written)}")
     return 0
+
+
+def _run_tokenizer(meta: dict, vocab: int):
+    """(the tokenizer of the dataset the run trained on, or None and why not)."""
+    from luban.data.tokenizer import load_tokenizer
+    from luban.errors import LubanError
+
+    data = meta.get("dataset")
+    if not data:
+        source = meta.get("source")
+        return None, (f"the checkpoint was imported from {source}; copy its tokenizer files" if source else
+                      "the checkpoint names no dataset")
+    if not Path(data, "manifest.json").is_file():
+        return None, f"the run's dataset {data} is gone"
+    try:
+        tokenizer = load_tokenizer(data)
+    except LubanError as err:
+        return None, str(err)
+    if tokenizer.vocab_size > vocab:
+        return None, f"the dataset's tokenizer has {tokenizer.vocab_size} tokens, the model {vocab}"
+    return tokenizer, ""
 
 
 def cmd_import(args) -> int:
     from luban.model.hf import import_folder
     from luban.train import checkpoint
 
-    cfg, state = import_folder(Path(args.folder))
+    imported = import_folder(Path(args.folder))
+    for note in imported.warnings:
+        print(f"luban: warning: {args.folder}/config.json: {note}", file=sys.stderr)
     root = Path(args.out) / "checkpoints"
-    meta = {"step": 0, "config": {"model": cfg.to_dict()}, "world_size": 1, "source": str(args.folder)}
-    path = checkpoint.save(root, 0, {"model": state}, meta, keep=1)
+    meta = {"step": 0, "config": {"model": imported.cfg.to_dict()}, "world_size": 1, "source": str(args.folder),
+            "hf_extra": imported.extra}
+    path = checkpoint.save(root, 0, {"model": imported.state}, meta, keep=1)
     print(f"wrote {path}")
     return 0

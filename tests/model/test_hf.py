@@ -1,5 +1,7 @@
 """Export to Hugging Face transformers and back: same logits, bit-exact round trip."""
 
+import json
+
 import pytest
 import torch
 
@@ -37,7 +39,7 @@ def test_export_loads_in_transformers_with_same_logits(case, tmp_path):
         ours, theirs = model(x), hf(x).logits
     assert torch.allclose(ours, theirs, atol=1e-5, rtol=1e-5), (ours - theirs).abs().max()
 
-    cfg2, state = import_folder(tmp_path)
+    cfg2, state, _, _ = import_folder(tmp_path)
     assert cfg2.replace(name=cfg.name) == cfg
     for name, tensor in model.state_dict().items():
         assert torch.equal(state[name], tensor), name
@@ -63,3 +65,244 @@ def test_incompatible_model_is_refused(tmp_path):
     cfg = ModelConfig(arch="gpt2", hidden=64, layers=1, heads=4, position="rope", vocab=64, seq_len=16)
     with pytest.raises(LubanError, match="no Hugging Face equivalent"):
         export_folder(cfg, build_model(cfg).state_dict(), tmp_path)
+
+
+# --- folders saved by the installed transformers itself (5.x nests rope_theta under rope_parameters,
+# Qwen3-MoE's expert count is num_local_experts; 4.x wrote rope_theta / num_experts at the top) ---
+
+TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=61,
+            max_position_embeddings=64, initializer_range=0.2)
+SAVED = {
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel",
+             dict(n_embd=32, n_layer=2, n_head=4, vocab_size=61, n_positions=64, initializer_range=0.2)),
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(TINY, intermediate_size=48, rope_theta=5e5, rms_norm_eps=1e-5)),
+    "llama-tied-bias": ("LlamaConfig", "LlamaForCausalLM",
+                        dict(TINY, intermediate_size=48, rope_theta=5e5, tie_word_embeddings=True, attention_bias=True,
+                             mlp_bias=True, head_dim=16)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                dict(TINY, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, rope_theta=5e5)),
+    "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(TINY, intermediate_size=48, moe_intermediate_size=24, num_experts=4, num_experts_per_tok=2,
+                       head_dim=16, norm_topk_prob=True, mlp_only_layers=[0], rope_theta=5e5)),
+}
+
+
+def save_hf(case, path, **changes):
+    """A tiny random model saved by transformers' own save_pretrained; returns the model."""
+    config_cls, model_cls, kwargs = SAVED[case]
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**{**kwargs, **changes})).eval()
+    with torch.no_grad():  # norms away from 1 so a swapped or dropped norm shows
+        for name, p in model.named_parameters():
+            if "norm" in name or "ln_" in name:
+                p.add_(0.1 * torch.randn(p.shape))
+    model.save_pretrained(path)
+    return model
+
+
+def logits_of(cfg, state, x):
+    model = build_model(cfg).eval()
+    model.load_state_dict(state)
+    with torch.no_grad():
+        return model(x)
+
+
+@pytest.mark.parametrize("case", list(SAVED))
+def test_folder_saved_by_transformers_imports_with_same_logits(case, tmp_path):
+    hf = save_hf(case, tmp_path / "hf")
+    imported = import_folder(tmp_path / "hf")
+    assert imported.warnings == []
+    x = torch.randint(0, 61, (2, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        theirs = hf(x).logits
+    ours = logits_of(imported.cfg, imported.state, x)
+    assert torch.allclose(ours, theirs, atol=1e-5, rtol=0), (ours - theirs).abs().max()
+    if case != "gpt2":
+        assert imported.cfg.rope_theta == 5e5
+
+    # export writes back what was imported: transformers loads the same config fields and logits
+    export_folder(imported.cfg, imported.state, tmp_path / "out", extra=imported.extra)
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "intermediate_size", "moe_intermediate_size", "num_local_experts", "num_experts_per_tok",
+                "rms_norm_eps", "layer_norm_epsilon", "tie_word_embeddings", "max_position_embeddings", "n_positions",
+                "activation_function", "hidden_act", "resid_pdrop", "attention_dropout", "router_aux_loss_coef",
+                "mlp_only_layers", "norm_topk_prob", "sliding_window", "attention_bias", "mlp_bias",
+                "bos_token_id", "eos_token_id"):
+        assert getattr(again.config, key, None) == getattr(hf.config, key, None), key
+    if case != "gpt2":  # head_dim null means hidden_size / heads; luban writes it out
+        assert again.config.head_dim == (hf.config.head_dim or hf.config.hidden_size // hf.config.num_attention_heads)
+        assert again.config.rope_parameters["rope_theta"] == hf.config.rope_parameters["rope_theta"]
+    with torch.no_grad():
+        assert torch.equal(again(x).logits, theirs) or torch.allclose(again(x).logits, theirs, atol=1e-6, rtol=0)
+
+
+def test_transformers_4_layouts_are_read(tmp_path):
+    """The keys transformers 4.40-4.57 wrote: rope_theta at the top, rope_scaling, Qwen3-MoE's num_experts,
+    no head_dim (4.40 Llama/Mixtral), torch_dtype."""
+    save_hf("qwen3-moe", tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    theta = raw.pop("rope_parameters")["rope_theta"]
+    raw.update(rope_theta=theta, rope_scaling=None, num_experts=raw.pop("num_local_experts"),
+               torch_dtype=raw.pop("dtype"), max_window_layers=2, sliding_window=4096)
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    imported = import_folder(tmp_path)
+    assert (imported.cfg.rope_theta, imported.cfg.experts, imported.cfg.head_dim) == (5e5, 4, 16)
+    assert imported.extra["max_window_layers"] == 2  # inactive (use_sliding_window false): written back as read
+
+    save_hf("llama", tmp_path / "llama")
+    raw = json.loads((tmp_path / "llama/config.json").read_text())
+    raw.update(rope_theta=raw.pop("rope_parameters")["rope_theta"], rope_scaling=None)
+    del raw["head_dim"], raw["mlp_bias"]
+    (tmp_path / "llama/config.json").write_text(json.dumps(raw))
+    cfg = import_folder(tmp_path / "llama").cfg
+    assert (cfg.rope_theta, cfg.head_dim, cfg.bias) == (5e5, 8, False)
+
+
+@pytest.mark.parametrize("case, changes, message", [
+    ("llama", {"hidden_act": "gelu"}, "hidden_act = 'gelu': 'silu'"),
+    ("gpt2", {"activation_function": "relu"}, "activation_function = 'relu': 'gelu_new' or"),
+    ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_type = 'linear': 'default'"),
+    ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 32}},
+     "rope_type = 'llama3'"),
+    ("mixtral", {"sliding_window": 8}, "sliding_window = 8: null or >= max_position_embeddings = 64"),
+    ("qwen3-moe", {"use_sliding_window": True, "sliding_window": 8}, "sliding_window = 8: null or >="),
+    ("qwen3-moe", {"norm_topk_prob": False}, "norm_topk_prob = False: true"),
+    ("qwen3-moe", {"mlp_only_layers": [1]}, r"mlp_only_layers = \[1\], decoder_sparse_step = 1"),
+    ("llama", {"mlp_bias": True}, "mlp_bias = True: equal to attention_bias = false"),
+    ("gpt2", {"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx = True: false"),
+])
+def test_what_luban_cannot_represent_is_refused_naming_the_key(case, changes, message, tmp_path):
+    from luban.errors import LubanError
+
+    save_hf(case, tmp_path, **changes)
+    with pytest.raises(LubanError, match=rf"config.json: .*{message}") as err:
+        import_folder(tmp_path)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("case, changes, warning, extra", [
+    ("mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise = 0.1: transformers jitters the router only in "
+     "training", {"router_jitter_noise": 0.1}),
+    ("mixtral", {"sliding_window": 64}, "sliding_window = 64 >= max_position_embeddings = 64: the window never applies",
+     {"sliding_window": 64}),
+    ("qwen3-moe", {"use_sliding_window": True, "sliding_window": 100}, "sliding_window = 100 >=",
+     {"sliding_window": 100, "use_sliding_window": True}),
+    ("llama", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type = 'dynamic': NTK scaling starts "
+     "only beyond", {}),
+])
+def test_what_is_harmless_at_the_lengths_luban_runs_is_accepted_with_a_warning(case, changes, warning, extra, tmp_path):
+    hf = save_hf(case, tmp_path / "hf", **changes)
+    imported = import_folder(tmp_path / "hf")
+    assert len(imported.warnings) == 1 and warning in imported.warnings[0], imported.warnings
+    assert extra.items() <= imported.extra.items()
+    x = torch.randint(0, 61, (1, 64), generator=torch.Generator().manual_seed(1))  # max_position_embeddings
+    with torch.no_grad():
+        theirs = hf(x).logits
+    assert torch.allclose(logits_of(imported.cfg, imported.state, x), theirs, atol=1e-5, rtol=0)
+    export_folder(imported.cfg, imported.state, tmp_path / "out", extra=imported.extra)
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    for key in ("router_jitter_noise", "sliding_window", "use_sliding_window"):
+        assert getattr(again.config, key, None) == getattr(hf.config, key, None), key
+    assert again.config.rope_parameters["rope_type"] == hf.config.rope_parameters["rope_type"]
+    with torch.no_grad():
+        assert torch.allclose(again(x).logits, theirs, atol=1e-5, rtol=0)
+
+
+# --- damaged folders: one line naming the file and what is wrong, exit 2, through the real CLI ---
+
+def luban_cli(*args, timeout=120):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(__import__("pathlib").Path(__file__).parents[2])}
+    return subprocess.run([sys.executable, "-m", "luban", *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def _truncate(path):
+    data = path.read_bytes()
+    path.write_bytes(data[:len(data) // 2])
+
+
+def _garble_header(path):
+    data = bytearray(path.read_bytes())
+    data[8:40] = b"\xff" * 32
+    path.write_bytes(bytes(data))
+
+
+def _edit_tensors(change):
+    def edit(path):
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(str(path))
+        change(tensors)
+        save_file(tensors, str(path))
+    return edit
+
+
+DAMAGE = {
+    "config-not-json": ("config.json", lambda p: p.write_text("{'model_type': llama"), "config.json: not readable as JSON"),
+    "config-a-list": ("config.json", lambda p: p.write_text("[1, 2, 3]"), "config.json: a JSON object expected, found list"),
+    "config-key-missing": ("config.json", lambda p: p.write_text(json.dumps(
+        {k: v for k, v in json.loads(p.read_text()).items() if k != "hidden_size"})),
+        "config.json: hidden_size missing: a llama config needs it"),
+    "config-wrong-type": ("config.json", lambda p: p.write_text(json.dumps(
+        {**json.loads(p.read_text()), "num_hidden_layers": "2"})), "config.json: num_hidden_layers = '2': an integer"),
+    "safetensors-truncated": ("model.safetensors", _truncate, "model.safetensors: not a readable safetensors file"),
+    "safetensors-garbled": ("model.safetensors", _garble_header, "model.safetensors: not a readable safetensors file"),
+    "safetensors-empty": ("model.safetensors", lambda p: p.write_bytes(b""), "model.safetensors: not a readable"),
+    "tensor-missing": ("model.safetensors", _edit_tensors(lambda t: t.pop("model.norm.weight")),
+                       "model.safetensors: tensor model.norm.weight missing"),
+    "tensor-wrong-shape": ("model.safetensors", _edit_tensors(lambda t: t.update({"model.norm.weight": torch.ones(31)})),
+                           r"model.safetensors: tensor model.norm.weight has shape \[31\]; config.json implies \[32\]"),
+    "tensor-unexpected": ("model.safetensors", _edit_tensors(lambda t: t.update({"model.extra.weight": torch.ones(3)})),
+                          "model.safetensors: tensor model.extra.weight .* is not part of the llama model"),
+    "tensor-integer": ("model.safetensors", _edit_tensors(lambda t: t.update(
+        {"model.norm.weight": torch.ones(32, dtype=torch.int64)})), "tensor model.norm.weight has dtype torch.int64"),
+    "no-weights": ("model.safetensors", lambda p: p.unlink(), "model.safetensors: no such file"),
+}
+
+
+SUBPROCESS = {"config-not-json", "config-a-list", "safetensors-truncated", "tensor-wrong-shape"}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_damaged_folder_is_one_line_naming_the_file(damage, tmp_path, capsys):
+    """Four cases in a real ``luban import`` process (each starts torch: slow), the rest through the same
+    ``luban.cli.main`` in this process."""
+    import re
+
+    from luban.cli import main
+
+    save_hf("llama", tmp_path / "hf")
+    name, change, message = DAMAGE[damage]
+    change(tmp_path / "hf" / name)
+    args = ["import", str(tmp_path / "hf"), str(tmp_path / "run")]
+    if damage in SUBPROCESS:
+        result = luban_cli(*args)
+        code, err = result.returncode, result.stderr
+    else:
+        capsys.readouterr()
+        code, err = main(args), capsys.readouterr().err
+    assert code == 2, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert re.search(message, err), err
+    assert err.startswith(f"luban: error: {tmp_path / 'hf'}/")  # names the file, not only its name
+    assert not (tmp_path / "run").exists()
+
+
+def test_import_refusal_and_warning_through_the_cli(tmp_path):
+    save_hf("mixtral", tmp_path / "bad", sliding_window=8)
+    result = luban_cli("import", tmp_path / "bad", tmp_path / "run")
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith(f"luban: error: {tmp_path / 'bad' / 'config.json'}: sliding_window = 8: ")
+    save_hf("mixtral", tmp_path / "ok", router_jitter_noise=0.1)
+    result = luban_cli("import", tmp_path / "ok", tmp_path / "run")
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.startswith("luban: warning: ") and "router_jitter_noise = 0.1" in result.stderr
+    result = luban_cli("export", tmp_path / "run", "--format", "hf", tmp_path / "out")
+    assert result.returncode == 0, result.stderr
+    assert json.loads((tmp_path / "out/config.json").read_text())["router_jitter_noise"] == 0.1
