@@ -306,3 +306,101 @@ def test_import_refusal_and_warning_through_the_cli(tmp_path):
     result = luban_cli("export", tmp_path / "run", "--format", "hf", tmp_path / "out")
     assert result.returncode == 0, result.stderr
     assert json.loads((tmp_path / "out/config.json").read_text())["router_jitter_noise"] == 0.1
+
+
+# --- exports carry the run's tokenizer; transformers loads them without a warning ---
+
+@pytest.fixture(scope="module")
+def bpe_dataset(tmp_path_factory):
+    import sysconfig
+    from pathlib import Path
+
+    from luban.data.build import build_dataset
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    out = tmp_path_factory.mktemp("data") / "bpe"
+    build_dataset([str(stdlib / "textwrap.py"), str(stdlib / "shlex.py")], out, tokenizer="bpe", vocab_size=300)
+    return out
+
+
+def _run_with_dataset(root, dataset, cfg):
+    """A run whose one checkpoint names ``dataset`` as the one it trained on (as the trainer writes)."""
+    from luban.train import checkpoint
+
+    meta = {"step": 0, "config": {"model": cfg.to_dict()}, "world_size": 1, "dataset": str(dataset)}
+    checkpoint.save(root / "checkpoints", 0, {"model": build_model(cfg, seed=3).state_dict()}, meta, keep=1)
+    return root
+
+
+class TransformersWarnings:
+    """Every Python warning and every transformers log record at WARNING or above."""
+
+    def __enter__(self):
+        import logging
+        import warnings
+
+        self.records, self.handler = [], logging.Handler(logging.WARNING)
+        self.handler.emit = lambda record: self.records.append(record.getMessage())
+        self.logger = logging.getLogger("transformers")  # does not propagate to the root logger
+        self.logger.addHandler(self.handler)
+        self.catch = warnings.catch_warnings(record=True)
+        self.caught = self.catch.__enter__()
+        warnings.simplefilter("always")
+        transformers.logging.get_logger("transformers.luban_test").warning("probe")  # the capture itself works
+        return self
+
+    def __exit__(self, *exc):
+        self.catch.__exit__(*exc)
+        self.logger.removeHandler(self.handler)
+        assert self.records[:1] == ["probe"]
+        self.messages = self.records[1:] + [str(w.message) for w in self.caught]
+
+
+@pytest.mark.parametrize("kind", ["byte", "bpe"])
+def test_export_carries_the_tokenizer_and_loads_without_warnings(kind, small_dataset, bpe_dataset, tmp_path,
+                                                                 capsys):
+    import os
+
+    from luban.cli import main
+    from luban.data.tokenizer import load_tokenizer
+
+    dataset = small_dataset if kind == "byte" else bpe_dataset
+    tok = load_tokenizer(dataset)
+    cfg = get_preset("tiny-llama").replace(vocab=max(257, tok.vocab_size))
+    run = _run_with_dataset(tmp_path / "run", dataset, cfg)
+    assert main(["export", str(run), "--format", "hf", str(tmp_path / "hf")]) == 0
+    assert "warning" not in capsys.readouterr().err
+    names = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+             "special_tokens_map.json"}
+    assert {p.name for p in (tmp_path / "hf").iterdir()} == names
+    umask = os.umask(0)
+    os.umask(umask)
+    assert {oct(p.stat().st_mode & 0o777) for p in (tmp_path / "hf").iterdir()} == {oct(0o666 & ~umask)}
+    config = json.loads((tmp_path / "hf/config.json").read_text())
+    assert config["bos_token_id"] == config["eos_token_id"] == tok.eos_id
+
+    with TransformersWarnings() as seen:
+        hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+        hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+        text = "def wrap(text):\n    return 'héllo, wörld' \u2603"
+        ids = hf_tok(text, return_tensors="pt")
+        generated = hf.generate(**ids, max_new_tokens=4, do_sample=False)
+    assert seen.messages == []
+    assert ids["input_ids"][0].tolist() == tok.encode(text)
+    assert hf_tok.decode(tok.encode(text)) == text
+    assert (hf_tok.eos_token_id, hf_tok.bos_token_id, hf_tok.pad_token_id) == (tok.eos_id,) * 3
+    assert generated.shape == (1, len(tok.encode(text)) + 4)
+
+
+def test_export_without_a_known_tokenizer_says_so(tmp_path, capsys):
+    from luban.cli import main
+
+    save_hf("llama", tmp_path / "hf")
+    assert main(["import", str(tmp_path / "hf"), str(tmp_path / "run")]) == 0
+    capsys.readouterr()
+    assert main(["export", str(tmp_path / "run"), "--format", "hf", str(tmp_path / "out")]) == 0
+    err = capsys.readouterr().err
+    assert err == f"luban: warning: no tokenizer written: the checkpoint was imported from {tmp_path / 'hf'}; " \
+                  "copy its tokenizer files\n"
+    config = json.loads((tmp_path / "out/config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"]) == (1, 2)  # written back as imported
