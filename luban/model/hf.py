@@ -1,6 +1,10 @@
 """Hugging Face ``transformers`` interop: export to / import from ``GPT2LMHeadModel``,
 ``LlamaForCausalLM``, ``MixtralForCausalLM`` and ``Qwen3MoeForCausalLM`` folders
-(``config.json`` + ``model.safetensors``).
+(``config.json`` + ``model.safetensors``; exports add the run's tokenizer files).
+
+Import reads every ``config.json`` layout transformers 4.40 to 5.x writes (``read_config``): what
+luban cannot compute exactly is refused with one line naming the key, what is harmless at the
+lengths luban runs is accepted with a warning and kept (``extra``) for export to write back.
 
 The mapping is a table of (luban name, HF name, transpose?) per layer; GPT-2 stores its
 projections as ``Conv1D`` (weight [in, out]) with Q, K, V fused in ``c_attn``. Export then

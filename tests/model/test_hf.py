@@ -404,3 +404,14 @@ def test_export_without_a_known_tokenizer_says_so(tmp_path, capsys):
                   "copy its tokenizer files\n"
     config = json.loads((tmp_path / "out/config.json").read_text())
     assert (config["bos_token_id"], config["eos_token_id"]) == (1, 2)  # written back as imported
+
+
+def test_sharded_bf16_folder_is_read(tmp_path):
+    hf = save_hf("llama", tmp_path / "fp32").to(torch.bfloat16)
+    hf.save_pretrained(tmp_path / "hf", max_shard_size=20000)
+    assert (tmp_path / "hf/model.safetensors.index.json").is_file() and not (tmp_path / "hf/model.safetensors").exists()
+    imported = import_folder(tmp_path / "hf")
+    hf = hf.float()  # bf16 -> fp32 is exact: the same weights luban holds
+    x = torch.randint(0, 61, (1, 32), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert torch.allclose(logits_of(imported.cfg, imported.state, x), hf(x).logits, atol=1e-5, rtol=0)
