@@ -241,7 +241,8 @@ def read_config(raw, src: str = "config.json") -> tuple[ModelConfig, dict, list[
     if not isinstance(kind, str) or kind not in DEFAULTS:
         raise bad_value(f"{src}: model_type", kind, "one of 'gpt2', 'llama', 'mixtral', 'qwen3_moe'")
     keys = _Keys(raw, src, DEFAULTS[kind] if kind == "gpt2" else {**LLAMA_DEFAULTS, **DEFAULTS[kind]})
-    extra = {k: raw[k] for k in TOKEN_IDS if k in raw and (raw[k] is None or isinstance(raw[k], list) or keys.get(k, int))}
+    extra = {k: raw[k] if isinstance(raw[k], list) and all(isinstance(i, int) for i in raw[k])
+             else keys.get(k, int, nullable=True) for k in TOKEN_IDS if k in keys}  # eos may be a list
     notes: list[str] = []
     fields = _gpt2_fields(keys, notes, extra) if kind == "gpt2" else _llama_fields(keys, kind, notes, extra)
     try:

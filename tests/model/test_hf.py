@@ -159,6 +159,20 @@ def test_transformers_4_layouts_are_read(tmp_path):
     assert (cfg.rope_theta, cfg.head_dim, cfg.bias) == (5e5, 8, False)
 
 
+def test_gpt2_in_the_hubs_layout_is_read(tmp_path):
+    """openai-community/gpt2's file: no ``transformer.`` prefix, the causal-mask buffers saved, bos = eos = 0."""
+    from safetensors.torch import load_file, save_file
+
+    save_hf("gpt2", tmp_path, bos_token_id=0, eos_token_id=0)
+    ours = import_folder(tmp_path)
+    tensors = {k.removeprefix("transformer."): v for k, v in load_file(str(tmp_path / "model.safetensors")).items()}
+    tensors.update({f"h.{i}.attn.bias": torch.ones(1, 1, 64, 64) for i in range(2)})
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    hub = import_folder(tmp_path)
+    assert hub.cfg == ours.cfg and hub.extra["bos_token_id"] == hub.extra["eos_token_id"] == 0
+    assert all(torch.equal(hub.state[k], v) for k, v in ours.state.items())
+
+
 @pytest.mark.parametrize("case, changes, message", [
     ("llama", {"hidden_act": "gelu"}, "hidden_act = 'gelu': 'silu'"),
     ("gpt2", {"activation_function": "relu"}, "activation_function = 'relu': 'gelu_new' or"),
@@ -411,7 +425,8 @@ def test_sharded_bf16_folder_is_read(tmp_path):
     hf.save_pretrained(tmp_path / "hf", max_shard_size=20000)
     assert (tmp_path / "hf/model.safetensors.index.json").is_file() and not (tmp_path / "hf/model.safetensors").exists()
     imported = import_folder(tmp_path / "hf")
-    hf = hf.float()  # bf16 -> fp32 is exact: the same weights luban holds
+    # bf16 -> fp32 is exact: the weights luban holds (hf.float() would keep RoPE frequencies rounded to bf16)
+    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
     x = torch.randint(0, 61, (1, 32), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         assert torch.allclose(logits_of(imported.cfg, imported.state, x), hf(x).logits, atol=1e-5, rtol=0)
