@@ -369,13 +369,6 @@ def _dropout(keys: _Keys, names: tuple[str, ...], notes: list[str], extra: dict)
     return p
 
 
-def from_hf(hf_cfg: dict, tensors: dict[str, torch.Tensor], src: str = "model.safetensors",
-            src_cfg: str = "config.json") -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """HF config.json dict + state dict -> (ModelConfig, luban state dict)."""
-    cfg = read_config(hf_cfg, src_cfg)[0]
-    return cfg, _state(cfg, tensors, src)
-
-
 def _state(cfg: ModelConfig, tensors: dict[str, torch.Tensor], src: str) -> dict[str, torch.Tensor]:
     """luban's state dict from the HF tensors, after checking that they are exactly the ones ``cfg``
     has (names, shapes, floating point): one line naming the first that is not."""

@@ -1,6 +1,10 @@
 """Export to Hugging Face transformers and back: same logits, bit-exact round trip."""
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -226,12 +230,9 @@ def test_what_is_harmless_at_the_lengths_luban_runs_is_accepted_with_a_warning(c
 
 # --- damaged folders: one line naming the file and what is wrong, exit 2, through the real CLI ---
 
-def luban_cli(*args, timeout=120):
-    import os
-    import subprocess
-    import sys
-
-    env = {**os.environ, "PYTHONPATH": str(__import__("pathlib").Path(__file__).parents[2])}
+def luban_cli(*args, timeout=300):
+    """``luban ARGS`` in a real process of this tree, bounded; its output is read by ``run``."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
     return subprocess.run([sys.executable, "-m", "luban", *map(str, args)], capture_output=True, text=True,
                           timeout=timeout, env=env)
 
@@ -327,7 +328,6 @@ def test_import_refusal_and_warning_through_the_cli(tmp_path):
 @pytest.fixture(scope="module")
 def bpe_dataset(tmp_path_factory):
     import sysconfig
-    from pathlib import Path
 
     from luban.data.build import build_dataset
 
@@ -373,8 +373,6 @@ class TransformersWarnings:
 @pytest.mark.parametrize("kind", ["byte", "bpe"])
 def test_export_carries_the_tokenizer_and_loads_without_warnings(kind, small_dataset, bpe_dataset, tmp_path,
                                                                  capsys):
-    import os
-
     from luban.cli import main
     from luban.data.tokenizer import load_tokenizer
 
