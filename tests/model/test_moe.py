@@ -179,7 +179,7 @@ def test_published_sizes():
 
 def test_flops_count_active_experts():
     cfg = CFG.replace(shared_experts=0)
-    dense_equiv = cfg.replace(experts=0, ffn_hidden=cfg.experts_per_token * cfg.expert_ffn_hidden)
+    dense_equiv = cfg.replace(experts=0, dense_layers=0, ffn_hidden=cfg.experts_per_token * cfg.expert_ffn_hidden)
     router = 2 * cfg.experts * cfg.hidden
     extra = cfg.moe_layers * 3 * router  # the router's matmul, forward and backward
     assert flops.flops_per_token(cfg) == flops.flops_per_token(dense_equiv) - 3 * 2 * 3 * cfg.hidden * (
@@ -196,8 +196,18 @@ def test_flops_count_active_experts():
     ({"experts": 4, "experts_per_token": 4, "capacity_factor": 0.1}, "model.capacity_factor = 0.1"),
     ({"experts": 4, "expert_ffn_hidden": 0.5}, "model.expert_ffn_hidden = 0.5: must be of type int"),
     ({"experts": True}, "model.experts = True: must be of type int"),
+    ({"shared_experts": 1}, "model.shared_experts = 1: needs experts > 0"),  # was silently ignored
+    ({"dense_layers": 1}, "model.dense_layers = 1: needs experts > 0"),
+    ({"preset": "tiny-moe", "experts": 0, "dense_layers": 1}, "model.dense_layers = 1: needs experts > 0"),
 ])
 def test_bad_moe_keys_are_one_line_errors(raw, message):
     with pytest.raises(LubanError) as err:
         ModelConfig.from_dict({"preset": "tiny-llama", "layers": 2, **raw})
     assert str(err.value).startswith(message), str(err.value)
+
+
+def test_moe_preset_made_dense_drops_its_moe_keys():
+    """experts = 0 over a MoE preset is a dense model: the preset's shared experts and dense layers go too."""
+    cfg = ModelConfig.from_dict({"preset": "tiny-moe", "experts": 0})
+    assert (cfg.experts, cfg.shared_experts, cfg.dense_layers) == (0, 0, 0)
+    assert get_preset("tiny-moe").shared_experts and get_preset("tiny-moe").dense_layers  # the case is real
