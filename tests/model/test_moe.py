@@ -136,6 +136,7 @@ def test_bias_update_as_in_deepseek_v3():
         expected += torch.bincount(ids.flatten(), minlength=cfg.experts)
     metrics = collect_stats([model])
     assert metrics["moe_tokens_per_expert"]["1"] == expected.long().tolist()
+    assert metrics["moe_kept_tokens_per_expert"]["1"] == expected.long().tolist()  # dropless: all kept
     assert metrics["moe_load_max_over_mean"]["1"] == pytest.approx(float(expected.max() / expected.mean()))
     update_router_bias([model])
     assert torch.equal(layer.router.expert_bias, 0.01 * torch.sign(expected.mean() - expected))
@@ -145,6 +146,36 @@ def test_bias_update_as_in_deepseek_v3():
     update_router_bias([softmax])
     assert not softmax.layers["1"].mlp.router.expert_bias.any()
     assert "layers.1.mlp.router.expert_bias" not in softmax.state_dict()
+
+
+def test_capacity_reports_routed_and_kept_load_and_the_bias_follows_routing():
+    """Under a capacity limit the metrics give the routing's load (top-k decisions) and the kept
+    load (after the cut) apart; the DeepSeek-V3 bias moves by the routed load: kept counts are
+    clamped per micro-batch and here call an expert routed above the mean underloaded."""
+    cfg = CFG.replace(router="sigmoid", router_bias_rate=0.01, aux_loss_coef=0.0, capacity_factor=1.0)
+    model = build_model(cfg, seed=0).train()
+    layer = model.layers["1"].mlp
+    x = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1))
+    captured = []
+    layer.register_forward_hook(lambda mod, inp, out: captured.append(inp[0].reshape(-1, cfg.hidden)))
+    model(x[:2])
+    model(x[2:])
+    routed, kept = torch.zeros(cfg.experts), torch.zeros(cfg.experts)
+    for h in captured:  # capacity per micro-batch of T = 32 tokens: ceil(1.0 * 32 * 2 / 6) = 11
+        ids = ((h @ layer.router.weight.t()).sigmoid() + layer.router.expert_bias).topk(2).indices
+        counts = torch.bincount(ids.flatten(), minlength=cfg.experts).float()
+        routed += counts
+        kept += counts.clamp(max=math.ceil(32 * 2 / 6))
+    assert torch.sign(routed.mean() - routed).ne(torch.sign(kept.mean() - kept)).any(), "the case must tell them apart"
+    metrics = collect_stats([model])
+    assert metrics["moe_tokens_per_expert"]["1"] == routed.long().tolist()
+    assert metrics["moe_kept_tokens_per_expert"]["1"] == kept.long().tolist()
+    assert metrics["moe_load_max_over_mean"]["1"] == pytest.approx(float(routed.max() / routed.mean()))
+    assert metrics["moe_kept_load_max_over_mean"]["1"] == pytest.approx(float(kept.max() / kept.mean()))
+    assert metrics["moe_load_max_over_mean"]["1"] > metrics["moe_kept_load_max_over_mean"]["1"]
+    assert metrics["moe_dropped_tokens"]["1"] == int(routed.sum() - kept.sum()) > 0
+    update_router_bias([model])
+    assert torch.equal(layer.router.expert_bias, 0.01 * torch.sign(routed.mean() - routed))
 
 
 def test_recompute_and_eval_do_not_count():
