@@ -24,7 +24,7 @@ What is checked, as the kernel and ``execvp`` would for the account's uid and gr
 
 The permissions are the mode bits (owner, group, other); POSIX ACLs and network file systems that
 map root to nobody are not read, so a job they stop still fails at start, with the launcher's
-"cannot start" line.
+"cannot start" line (and where the service itself is denied a look, the check says nothing).
 """
 
 from __future__ import annotations
@@ -49,6 +49,10 @@ class Blocked(Exception):
     def __init__(self, path: str, st: os.stat_result, need: str, why: str):
         super().__init__(path)
         self.path, self.st, self.need, self.why, self.candidate = path, st, need, why, None
+
+
+class NotRunnable(OSError):
+    """The command's path leads to something exec refuses whoever asks (a directory, a device)."""
 
 
 def allowed(st: os.stat_result, who, want: int) -> bool:
@@ -126,7 +130,7 @@ def _check_file(path: str, who, search: list[str], depth: int = 0) -> None:
     real = resolve(path, who)
     st = os.stat(real)
     if not stat.S_ISREG(st.st_mode):
-        raise OSError(errno.EACCES, f"{real} is not a regular file")
+        raise NotRunnable(errno.EACCES, "not a regular file", real)
     if not allowed(st, who, X):
         raise Blocked(real, st, "x", "to execute it")
     line = _first_line(real)
@@ -181,7 +185,8 @@ def problem(command: str, env: dict[str, str], workdir: str | None, who) -> str 
         except Blocked as err:
             return _blocked_line("workdir", workdir, err, who)
         except OSError as err:
-            return f"workdir = {workdir!r}: {err.strerror or err} (the job starts there)"
+            if err.errno not in (errno.EACCES, errno.EPERM):
+                return f"workdir = {workdir!r}: {err.strerror or err} (the job starts there)"
     dirs = [d if d.startswith("/") else os.path.join(base, d) for d in os.get_exec_path(env)]
     try:
         if "/" in command:
@@ -196,6 +201,8 @@ def problem(command: str, env: dict[str, str], workdir: str | None, who) -> str 
     except Blocked as err:
         return _blocked_line("command", command, err, who)
     except OSError as err:
+        if err.errno in (errno.EACCES, errno.EPERM) and not isinstance(err, NotRunnable):
+            return None  # the service itself may not look (root-squashed network file system): exec decides
         return f"command = {command!r}: {err.strerror or err}" + (f": {err.filename}" if err.filename else "")
     return None
 
