@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 from luban import jobenv, procs
-from luban.cluster import accounts, jobguard
+from luban.cluster import accounts, jobcheck, jobguard
 from luban.train import preempt
 
 FORWARDED = (signal.SIGUSR1, signal.SIGINT)
@@ -113,6 +113,17 @@ def main(argv: list[str] | None = None) -> int:
                 log.write(f"== luban: cannot run as {args.user}: {err} ==\n".encode())
                 write_atomic(exit_file(args.run_dir, rank), "126")
                 return 126
+            # before anything of the job starts: a command its account cannot reach fails here in
+            # one line that names the path and the fix, not as exec's bare "Permission denied"
+            try:
+                why = jobcheck.problem(command[0], env, env.get("LUBAN_WORKDIR") or None, who) if command else None
+            except Exception as err:  # noqa: BLE001 - a fault of the check must not stop a job: exec decides
+                log.write(f"== luban: could not check the command ({err!r}); starting it anyway ==\n".encode())
+                why = None
+            if why is not None:
+                log.write(f"== luban: cannot start {command[:1]}: {why} ==\n".encode())
+                write_atomic(exit_file(args.run_dir, rank), "127")
+                return 127
         if state["kill"]:
             code = EXIT_KILLED
         else:

@@ -27,7 +27,8 @@ from fastapi.responses import FileResponse, JSONResponse
 from sqlalchemy import func, or_, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from luban.cluster import accounts
+from luban import jobenv
+from luban.cluster import accounts, jobcheck
 from luban.cluster import priority as prio
 from luban.cluster import spec as specs
 from luban.cluster import states
@@ -197,6 +198,19 @@ def _read_json(path: Path, owner: str | None, lines: bool = False) -> list[dict]
     return out
 
 
+def check_command(spec: specs.JobSpec, account: str) -> None:
+    """Refuse, in one line, a job whose OS account could not start its command (``jobcheck``):
+    the job's environment is the one the scheduler will give it (``Scheduler.job_env``)."""
+    try:
+        who = accounts.identity(account)
+    except KeyError:
+        return  # the launcher says "cannot run as" (an admin's mapping, not the submitter's doing)
+    env = {**jobenv.base_environment(spec.to_dict()), **spec.env}
+    why = jobcheck.problem(spec.command, env, spec.workdir, who)
+    if why is not None:
+        raise LubanError(why)
+
+
 def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool = True,
                max_body: int = MAX_BODY, max_queued: int = MAX_QUEUED_PER_USER) -> FastAPI:
     state_dir = Path(scheduler.settings.state_dir)
@@ -296,6 +310,8 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
             spec = specs.parse_yaml(str_field(body, "yaml", limit=specs.MAX_YAML))
         else:
             spec = specs.parse(body.get("spec"))
+        if per_user and getattr(scheduler.executor, "runs_here", False) and p.user.os_user:
+            check_command(spec, p.user.os_user)  # file system reads: outside the (serialised) transaction
         with sessions.begin() as s:
             user = s.get(User, p.user.name)
             queued = s.scalar(select(func.count()).select_from(Job).where(Job.user == user.name,

@@ -31,7 +31,9 @@ experts             routed experts per MoE layer; 0 = dense (``model.moe``)     
 experts_per_token   experts each token is routed to (top-k)                    2
 expert_ffn_hidden   inner width of one expert                                  ffn_hidden
 shared_experts      always-on experts (DeepSeekMoE), each expert_ffn_hidden     0
+                    (needs experts > 0)
 dense_layers        the first k layers keep a dense MLP (ffn_hidden)           0
+                    (needs experts > 0)
 router              ``softmax`` top-k, or ``sigmoid`` with DeepSeek-V3's        softmax
                     auxiliary-loss-free bias balancing
 router_bias_rate    sigmoid router: bias update per step (DeepSeek-V3's gamma)  0.001
@@ -54,6 +56,7 @@ ARCH_DEFAULTS = {
     "llama": dict(norm="rmsnorm", activation="swiglu", position="rope", bias=False, tie_embeddings=False),
 }
 # A derived key is recomputed when a key it depends on is overridden (unless also given).
+MOE_ONLY = ("shared_experts", "dense_layers")  # refused on a dense model (experts = 0)
 DERIVED = {"head_dim": ("hidden", "heads"), "kv_heads": ("heads",), "ffn_hidden": ("hidden", "activation")}
 CHOICES = {
     "arch": tuple(ARCH_DEFAULTS),
@@ -133,6 +136,8 @@ class ModelConfig:
         for key, sources in DERIVED.items():  # re-derive what the overrides change
             if key not in raw and any(src in raw for src in sources):
                 values[key] = 0
+        if raw.get("experts") == 0:  # a MoE preset made dense: its MoE-only keys go with its experts
+            values.update({key: 0 for key in MOE_ONLY if key not in raw})
         for f in dataclasses.fields(cls):
             if f.name in values:
                 values[f.name] = _coerce(f"{section}.{f.name}", values[f.name], f.type)
@@ -198,6 +203,11 @@ class ModelConfig:
             if not math.isfinite(value) or value < 0:
                 raise bad_value(f"{section}.{key}", value, "a finite number >= 0")
         if not self.moe:
+            for key in MOE_ONLY:  # they would change nothing: say so rather than train a different model
+                if getattr(self, key):
+                    raise bad_value(f"{section}.{key}", getattr(self, key),
+                                    f"needs experts > 0 (a dense model has no {key}); "
+                                    f"set {section}.experts or remove {section}.{key}")
             return
         if self.experts_per_token > self.experts:
             raise bad_value(f"{section}.experts_per_token", self.experts_per_token,

@@ -13,7 +13,12 @@ One ``MoE`` replaces the ``MLP`` of every block from ``dense_layers`` on:
     chosen. b (``expert_bias``, a buffer: not trained by the optimizer, saved in checkpoints)
     is the auxiliary-loss-free balancing bias: after every optimizer step each expert's
     b_i += gamma * sign(mean load - load_i) (``router_bias_rate`` = gamma, 0.001 in the
-    paper), the load counted over the whole global batch (``update_router_bias``).
+    paper), the load counted over the whole global batch (``update_router_bias``). The load
+    is the *routed* count (the top-k decisions), also under a capacity limit: the bias only
+    enters the top-k, so what it can balance is the routing; the paper adjusts it by whether
+    an expert is "overloaded" by that routing (and DeepSeek-V3 drops no tokens, Sec. 2.1.2).
+    Kept counts are clamped at the capacity, so they hide how overloaded an expert is and can
+    flip the sign: an expert routed below the mean but above the kept mean looked overloaded.
     DeepSeek-V3's node-limited group routing and routed scaling factor are not modelled.
 * ``Experts`` holds the routed experts as three stacked weights ``[E, ...]`` (one parameter
   per projection, so every expert has a gradient every step and DDP/FSDP need no
@@ -33,9 +38,9 @@ One ``MoE`` replaces the ``MLP`` of every block from ``dense_layers`` on:
   schedules see is unchanged; the engine tells the layers the factor its loss is scaled by
   (``set_aux_grad_scale``: micro-batch averaging, fp16 loss scale).
 * Each layer counts, during training forwards only (not recompute, not evaluation, not a
-  pipeline stage's shape inference), the tokens routed to each expert, the tokens dropped
-  and the aux loss: ``collect_stats`` / ``reset_stats`` for metrics.jsonl (per layer) and
-  the bias update.
+  pipeline stage's shape inference), the tokens routed to each expert, those kept after the
+  capacity cut (equal when dropless), the tokens dropped and the aux loss: ``collect_stats``
+  / ``reset_stats`` for metrics.jsonl (per layer) and the bias update (routed counts).
 """
 
 from __future__ import annotations
@@ -146,17 +151,17 @@ def aux_loss(probs: torch.Tensor, ids: torch.Tensor, num_experts: int, group=Non
 def sort_by_expert(ids: torch.Tensor, num_experts: int, capacity: int | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Assignments [T, k] -> (kept flat assignment indices sorted by expert (stable: token order
-    within an expert), tokens per expert [E] after the capacity cut, dropped count)."""
+    within an expert), tokens per expert [E] after the capacity cut, tokens routed to each
+    expert [E] before it (the same tensor when dropless))."""
     flat = ids.flatten()
     order = flat.argsort(stable=True)
     counts = torch.bincount(flat, minlength=num_experts)
     if capacity is None:
-        return order, counts, torch.zeros((), dtype=torch.long, device=ids.device)
+        return order, counts, counts
     starts = counts.cumsum(0) - counts
     position = torch.arange(flat.numel(), device=ids.device) - starts[flat[order]]
     keep = position < capacity
-    kept = counts.clamp(max=capacity)
-    return order[keep], kept, counts.sum() - kept.sum()
+    return order[keep], counts.clamp(max=capacity), counts
 
 
 class MoE(nn.Module):
@@ -176,8 +181,10 @@ class MoE(nn.Module):
         self.dispatch = None  # expert parallel replaces this (luban.parallel.expert_parallel)
         self.counting = True  # off while a pipeline stage infers its shapes (``not_counted``)
         self.sequence_group = None  # context parallel: ranks holding the rest of the sequence
+        # tokens routed to each expert (the top-k decisions) and kept after the capacity cut
         self.register_buffer("load", torch.zeros(cfg.experts, dtype=torch.float64), persistent=False)
-        self.register_buffer("stats", torch.zeros(3, dtype=torch.float64), persistent=False)  # aux sum, forwards, dropped
+        self.register_buffer("kept", torch.zeros(cfg.experts, dtype=torch.float64), persistent=False)
+        self.register_buffer("stats", torch.zeros(2, dtype=torch.float64), persistent=False)  # aux sum, forwards
 
     def capacity(self, tokens: int) -> int | None:
         if not self.capacity_factor:
@@ -188,7 +195,7 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, ids, probs = self.router(x)
-        order, counts, dropped = sort_by_expert(ids, self.num_experts, self.capacity(x.shape[0]))
+        order, counts, routed = sort_by_expert(ids, self.num_experts, self.capacity(x.shape[0]))
         token = order // self.k
         rows = x[token]
         if self.dispatch is None:
@@ -203,9 +210,9 @@ class MoE(nn.Module):
                 y = _AttachAux.apply(y, aux, self.aux_coef * self.aux_grad_scale)
             if self.counting and not _in_backward():
                 with torch.no_grad():
-                    self.load += counts.to(self.load.dtype)
-                    self.stats += torch.stack([aux.detach().double(), torch.ones_like(self.stats[0]),
-                                               dropped.to(self.stats.dtype)])
+                    self.load += routed.to(self.load.dtype)
+                    self.kept += counts.to(self.kept.dtype)
+                    self.stats += torch.stack([aux.detach().double(), torch.ones_like(self.stats[0])])
         if self.shared is not None:
             y = y + self.shared(x)
         return y.reshape(shape)
@@ -248,30 +255,40 @@ def set_aux_grad_scale(parts, scale: float) -> None:
 
 @torch.no_grad()
 def collect_stats(parts, all_reduce=None) -> dict:
-    """Per-layer metrics of the last step's training forwards: tokens per expert, max/mean
-    load, mean aux loss (over micro-batches, before the coefficient) and dropped tokens, all
-    summed over the data-parallel ranks by ``all_reduce`` (sums a tensor in place). Leaves
-    the summed load in each layer's ``load`` for ``update_router_bias``. Layers are keyed by
-    global index, so the dicts of several pipeline stages merge with ``merge_stats``."""
+    """Per-layer metrics of the last step's training forwards: tokens routed to each expert and
+    their max/mean (the routing's balance), the same for the tokens kept after the capacity
+    cut (what the experts computed; equal when dropless), mean aux loss (over micro-batches,
+    before the coefficient) and dropped tokens (routed - kept), all summed over the
+    data-parallel ranks by ``all_reduce`` (sums a tensor in place). Leaves the summed routed
+    load in each layer's ``load`` for ``update_router_bias``. Layers are keyed by global
+    index, so the dicts of several pipeline stages merge with ``merge_stats``."""
     layers = moe_layers(parts)
     if not layers:
         return {}
-    flat = torch.cat([torch.cat([layer.load, layer.stats]) for _, layer in layers])
+    flat = torch.cat([torch.cat([layer.load, layer.kept, layer.stats]) for _, layer in layers])
     if all_reduce is not None:
         all_reduce(flat)
     metrics: dict = {key: {} for key in STAT_KEYS}
-    for (name, layer), chunk in zip(layers, flat.split([layer.num_experts + 3 for _, layer in layers])):
-        load, (aux_sum, forwards, dropped) = chunk[:-3], chunk[-3:].tolist()
+    for (name, layer), chunk in zip(layers, flat.split([2 * layer.num_experts + 2 for _, layer in layers])):
+        load, kept, (aux_sum, forwards) = chunk[:layer.num_experts], chunk[layer.num_experts:-2], chunk[-2:].tolist()
         layer.load.copy_(load)
-        mean = float(load.mean())
+        layer.kept.copy_(kept)
         metrics["moe_tokens_per_expert"][name] = [int(v) for v in load.tolist()]
-        metrics["moe_load_max_over_mean"][name] = float(load.max()) / mean if mean else 0.0
+        metrics["moe_load_max_over_mean"][name] = _max_over_mean(load)
+        metrics["moe_kept_tokens_per_expert"][name] = [int(v) for v in kept.tolist()]
+        metrics["moe_kept_load_max_over_mean"][name] = _max_over_mean(kept)
         metrics["moe_aux_loss"][name] = aux_sum / forwards if forwards else 0.0
-        metrics["moe_dropped_tokens"][name] = int(dropped)
+        metrics["moe_dropped_tokens"][name] = int(load.sum() - kept.sum())
     return metrics
 
 
-STAT_KEYS = ("moe_tokens_per_expert", "moe_load_max_over_mean", "moe_aux_loss", "moe_dropped_tokens")
+def _max_over_mean(load: torch.Tensor) -> float:
+    mean = float(load.mean())
+    return float(load.max()) / mean if mean else 0.0
+
+
+STAT_KEYS = ("moe_tokens_per_expert", "moe_load_max_over_mean", "moe_kept_tokens_per_expert",
+             "moe_kept_load_max_over_mean", "moe_aux_loss", "moe_dropped_tokens")
 
 
 def merge_stats(per_stage: list[dict]) -> dict:
@@ -285,8 +302,9 @@ def merge_stats(per_stage: list[dict]) -> dict:
 
 @torch.no_grad()
 def update_router_bias(parts) -> None:
-    """DeepSeek-V3's auxiliary-loss-free balancing, once per optimizer step, from the loads
-    ``collect_stats`` summed: b_i += gamma * sign(mean load - load_i)."""
+    """DeepSeek-V3's auxiliary-loss-free balancing, once per optimizer step, from the routed
+    loads ``collect_stats`` summed (not the kept ones: module docstring): b_i += gamma *
+    sign(mean load - load_i)."""
     for _, layer in moe_layers(parts):
         if layer.router.kind == "sigmoid" and layer.bias_rate:
             layer.router.expert_bias += layer.bias_rate * torch.sign(layer.load.mean() - layer.load).to(
@@ -298,4 +316,5 @@ def reset_stats(parts) -> None:
     """Zero the per-step counters (after the step that used them)."""
     for _, layer in moe_layers(parts):
         layer.load.zero_()
+        layer.kept.zero_()
         layer.stats.zero_()

@@ -9,7 +9,12 @@ after each sub-layer plus an all-gather before the next (``PrepareModuleInput``)
 activations shrink by tp. The token embedding is vocab-parallel (``RowwiseParallel`` on an
 ``nn.Embedding`` masks out-of-shard ids), the LM head is column-parallel over the vocabulary
 and the loss is computed on the vocab-sharded logits with ``loss_parallel`` (no rank ever
-holds full logits). Tied embeddings stay tied: both are ``Shard(0)`` of one DTensor.
+holds full logits). The model returns those logits as a ``DTensor`` (``Shard(-1)``), the way
+torchtitan feeds ``loss_parallel``: not its local tensor, because ``to_local()`` returns a
+*view*, and a view as the output of an FSDP2-wrapped model (tp with dp·cp > 1, zero >= 1)
+is what FSDP2 warns about ("returned a view tensor ... will silently drop the pre-backward
+hook": an in-place op on it would replace the autograd node its pre-backward hook is on).
+Tied embeddings stay tied: both are ``Shard(0)`` of one DTensor.
 A mixture-of-experts feed-forward is not tensor-parallel: its router and experts are
 replicated over tp and every tp rank runs it on the whole sequence (with ``sp`` the input is
 gathered and the output cut back to this rank's sequence shard); experts are spread by
@@ -65,7 +70,7 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, sp: bool) -> 
     if model.norm is not None and sp:
         plan["norm"] = SequenceParallel()
     if model.lm_head is not None:
-        plan["lm_head"] = ColwiseParallel(input_layouts=residual, output_layouts=Shard(-1), use_local_output=True)
+        plan["lm_head"] = ColwiseParallel(input_layouts=residual, output_layouts=Shard(-1), use_local_output=False)
     tied = model.tok_emb is not None and model.lm_head is not None and model.lm_head.weight is model.tok_emb.weight
     parallelize_module(model, tp_mesh, plan)
     if tied:
@@ -73,13 +78,15 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, sp: bool) -> 
 
 
 def vocab_parallel_loss(tp_mesh: DeviceMesh, vocab: int):
-    """Mean cross-entropy of vocab-sharded local logits [b, s, V/tp] (V may not divide by tp);
-    call it, and the backward, under ``loss_parallel()``."""
+    """Mean cross-entropy of vocab-sharded logits: the model's ``DTensor`` [b, s, V] ``Shard(2)``,
+    or a local tensor [b, s, V/tp] (V may not divide by tp); call it, and the backward, under
+    ``loss_parallel()``."""
     def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        shape = (*logits.shape[:-1], vocab)
-        stride = (shape[1] * vocab, vocab, 1)
-        logits = DTensor.from_local(logits.float(), tp_mesh, [Shard(2)], run_check=False, shape=shape, stride=stride)
-        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        if not isinstance(logits, DTensor):
+            shape = (*logits.shape[:-1], vocab)
+            stride = (shape[1] * vocab, vocab, 1)
+            logits = DTensor.from_local(logits, tp_mesh, [Shard(2)], run_check=False, shape=shape, stride=stride)
+        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
     return loss_fn
 
 

@@ -10,6 +10,7 @@ import pwd
 import secrets
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -111,3 +112,65 @@ def test_a_job_token_cannot_act_as_its_user(users):
               "except Exception as e:\n    print('REFUSED', getattr(e, 'code', e))\nEOF")
     state, log = run(alice, "escalate", script)
     assert "REFUSED 403" in log, log
+
+
+def _closed_venv(public: Path) -> tuple[Path, Path]:
+    """A venv-shaped environment (bin/python, a console script ``luban`` whose #! is it) inside a
+    folder of mode 700 that only root can enter, like a venv under /root or a private home."""
+    closed = public / "home"
+    venv_bin = closed / "venv" / "bin"
+    venv_bin.mkdir(parents=True)
+    (venv_bin / "python").symlink_to(os.path.realpath("/bin/sh"))
+    tool = venv_bin / "luban"
+    tool.write_text(f"#!{venv_bin}/python\necho STARTED-AS $(id -un)\n")
+    tool.chmod(0o755)
+    for d in (closed / "venv", venv_bin):
+        d.chmod(0o755)
+    closed.chmod(0o700)
+    return closed, venv_bin
+
+
+def test_a_command_the_account_cannot_reach_is_refused_at_submit_with_the_path_and_the_fix(users):
+    """Was: accepted, queued, then `cannot start ['luban']: [Errno 13] Permission denied: 'luban'`
+    (exit 127) in the job log. Now `luban submit` refuses it in one line; opened up (o+rx, the
+    layout docs/platform.md gives), the same command runs."""
+    from luban.errors import LubanError
+
+    svc, add, public = users
+    name, alice = add("a")
+    closed, venv_bin = _closed_venv(public)
+    spec = {"name": "env", "command": "luban", "env": {"PATH": f"{venv_bin}:/usr/bin:/bin"}}
+    with pytest.raises(LubanError) as err:
+        alice.submit(spec)
+    message = str(err.value)
+    assert "\n" not in message, message
+    assert message.startswith(f"command = 'luban' (found at {venv_bin}/luban): the job's account "
+                              f"{accounts.account_for(name)} lacks x on {closed} (drwx------ root:root)"), message
+    assert "docs/platform.md" in message and "/opt" in message, message
+    assert alice.jobs() == []  # nothing was queued
+    with pytest.raises(LubanError, match=f"workdir = '{closed}': "):
+        alice.submit({"name": "wd", "command": "/bin/true", "workdir": str(closed)})
+    closed.chmod(0o755)
+    job = alice.submit(spec)["id"]
+    assert alice.wait(job, timeout=60)["state"] == "succeeded"
+    assert f"STARTED-AS {accounts.account_for(name)}" in alice.logs(job)["text"]
+
+
+def test_the_launcher_checks_the_command_before_it_starts_it(users, tmp_path):
+    """Where the service cannot look (a Slurm node), or when the environment changed after submit,
+    the node launcher makes the same check before the job's command starts: one line, exit 127."""
+    svc, add, public = users
+    name, _ = add("a")
+    closed, venv_bin = _closed_venv(public)
+    env = {**os.environ, "PATH": f"{venv_bin}:/usr/bin:/bin", "LUBAN_JOB_ID": "0"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]),
+                                                      os.environ.get("PYTHONPATH")]))
+    log = tmp_path / "rank0.log"
+    done = subprocess.run([sys.executable, "-m", "luban.cluster.launcher", "--run-dir", str(tmp_path), "--log", str(log),
+                           "--rank", "0", "--tag", f"luban-check-{name}", "--user", accounts.account_for(name),
+                           "--", "luban"], env=env, capture_output=True, text=True, timeout=120)
+    text = log.read_text()
+    assert done.returncode == 127 and (tmp_path / "rank0.exit").read_text() == "127", (done, text)
+    line = next(line for line in text.splitlines() if "cannot start" in line)
+    assert f"lacks x on {closed} (drwx------ root:root)" in line and "docs/platform.md" in line, text
+    assert "Errno 13" not in text and "STARTED-AS" not in text, text

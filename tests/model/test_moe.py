@@ -136,6 +136,7 @@ def test_bias_update_as_in_deepseek_v3():
         expected += torch.bincount(ids.flatten(), minlength=cfg.experts)
     metrics = collect_stats([model])
     assert metrics["moe_tokens_per_expert"]["1"] == expected.long().tolist()
+    assert metrics["moe_kept_tokens_per_expert"]["1"] == expected.long().tolist()  # dropless: all kept
     assert metrics["moe_load_max_over_mean"]["1"] == pytest.approx(float(expected.max() / expected.mean()))
     update_router_bias([model])
     assert torch.equal(layer.router.expert_bias, 0.01 * torch.sign(expected.mean() - expected))
@@ -145,6 +146,36 @@ def test_bias_update_as_in_deepseek_v3():
     update_router_bias([softmax])
     assert not softmax.layers["1"].mlp.router.expert_bias.any()
     assert "layers.1.mlp.router.expert_bias" not in softmax.state_dict()
+
+
+def test_capacity_reports_routed_and_kept_load_and_the_bias_follows_routing():
+    """Under a capacity limit the metrics give the routing's load (top-k decisions) and the kept
+    load (after the cut) apart; the DeepSeek-V3 bias moves by the routed load: kept counts are
+    clamped per micro-batch and here call an expert routed above the mean underloaded."""
+    cfg = CFG.replace(router="sigmoid", router_bias_rate=0.01, aux_loss_coef=0.0, capacity_factor=1.0)
+    model = build_model(cfg, seed=0).train()
+    layer = model.layers["1"].mlp
+    x = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1))
+    captured = []
+    layer.register_forward_hook(lambda mod, inp, out: captured.append(inp[0].reshape(-1, cfg.hidden)))
+    model(x[:2])
+    model(x[2:])
+    routed, kept = torch.zeros(cfg.experts), torch.zeros(cfg.experts)
+    for h in captured:  # capacity per micro-batch of T = 32 tokens: ceil(1.0 * 32 * 2 / 6) = 11
+        ids = ((h @ layer.router.weight.t()).sigmoid() + layer.router.expert_bias).topk(2).indices
+        counts = torch.bincount(ids.flatten(), minlength=cfg.experts).float()
+        routed += counts
+        kept += counts.clamp(max=math.ceil(32 * 2 / 6))
+    assert torch.sign(routed.mean() - routed).ne(torch.sign(kept.mean() - kept)).any(), "the case must tell them apart"
+    metrics = collect_stats([model])
+    assert metrics["moe_tokens_per_expert"]["1"] == routed.long().tolist()
+    assert metrics["moe_kept_tokens_per_expert"]["1"] == kept.long().tolist()
+    assert metrics["moe_load_max_over_mean"]["1"] == pytest.approx(float(routed.max() / routed.mean()))
+    assert metrics["moe_kept_load_max_over_mean"]["1"] == pytest.approx(float(kept.max() / kept.mean()))
+    assert metrics["moe_load_max_over_mean"]["1"] > metrics["moe_kept_load_max_over_mean"]["1"]
+    assert metrics["moe_dropped_tokens"]["1"] == int(routed.sum() - kept.sum()) > 0
+    update_router_bias([model])
+    assert torch.equal(layer.router.expert_bias, 0.01 * torch.sign(routed.mean() - routed))
 
 
 def test_recompute_and_eval_do_not_count():
@@ -179,7 +210,7 @@ def test_published_sizes():
 
 def test_flops_count_active_experts():
     cfg = CFG.replace(shared_experts=0)
-    dense_equiv = cfg.replace(experts=0, ffn_hidden=cfg.experts_per_token * cfg.expert_ffn_hidden)
+    dense_equiv = cfg.replace(experts=0, dense_layers=0, ffn_hidden=cfg.experts_per_token * cfg.expert_ffn_hidden)
     router = 2 * cfg.experts * cfg.hidden
     extra = cfg.moe_layers * 3 * router  # the router's matmul, forward and backward
     assert flops.flops_per_token(cfg) == flops.flops_per_token(dense_equiv) - 3 * 2 * 3 * cfg.hidden * (
@@ -196,8 +227,18 @@ def test_flops_count_active_experts():
     ({"experts": 4, "experts_per_token": 4, "capacity_factor": 0.1}, "model.capacity_factor = 0.1"),
     ({"experts": 4, "expert_ffn_hidden": 0.5}, "model.expert_ffn_hidden = 0.5: must be of type int"),
     ({"experts": True}, "model.experts = True: must be of type int"),
+    ({"shared_experts": 1}, "model.shared_experts = 1: needs experts > 0"),  # was silently ignored
+    ({"dense_layers": 1}, "model.dense_layers = 1: needs experts > 0"),
+    ({"preset": "tiny-moe", "experts": 0, "dense_layers": 1}, "model.dense_layers = 1: needs experts > 0"),
 ])
 def test_bad_moe_keys_are_one_line_errors(raw, message):
     with pytest.raises(LubanError) as err:
         ModelConfig.from_dict({"preset": "tiny-llama", "layers": 2, **raw})
     assert str(err.value).startswith(message), str(err.value)
+
+
+def test_moe_preset_made_dense_drops_its_moe_keys():
+    """experts = 0 over a MoE preset is a dense model: the preset's shared experts and dense layers go too."""
+    cfg = ModelConfig.from_dict({"preset": "tiny-moe", "experts": 0})
+    assert (cfg.experts, cfg.shared_experts, cfg.dense_layers) == (0, 0, 0)
+    assert get_preset("tiny-moe").shared_experts and get_preset("tiny-moe").dense_layers  # the case is real

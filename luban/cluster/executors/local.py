@@ -22,6 +22,8 @@ _alive = procs.alive
 
 
 class LocalExecutor:
+    runs_here = True  # jobs run on the service's machine: it can check their command up front (jobcheck)
+
     def __init__(self, nodes: int = 1, gpus: int = 0, zones: int = 1, node_group: str = "default",
                  prefix: str = "node"):
         self.nodes, self.gpus, self.zones, self.node_group, self.prefix = nodes, gpus, zones, node_group, prefix
