@@ -115,6 +115,10 @@ def _run_training(args) -> int:
         from luban.parallel.layout import check_layout
 
         check_layout(cfg.parallel, cfg.model, cfg.train.global_batch, world, cfg.seq_len)
+        from luban.train.memcheck import check_fits
+        from luban.train.trainer import pick_device
+
+        check_fits(cfg, world, args.nproc, pick_device(cfg.run.device).type)  # before any rank allocates
         argv = ["train", args.config, *sum((["--set", s] for s in sets), [])]
         if args.resume:
             argv += ["--resume", args.resume]

@@ -90,6 +90,10 @@ class Trainer:
         self.device = pick_device(cfg.run.device)
         world = int(os.environ.get("WORLD_SIZE", "1"))
         check_layout(cfg.parallel, cfg.model, cfg.train.global_batch, world, cfg.seq_len)
+        if "WORLD_SIZE" not in os.environ:  # one process, not launched: no launcher checked the memory
+            from luban.train.memcheck import check_fits
+
+            check_fits(cfg, world, 1, self.device.type)  # before anything is allocated
         data_dir = dataset_path(cfg)
         self._check_vocab(data_dir)
         t = cfg.train
