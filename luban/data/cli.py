@@ -40,9 +40,10 @@ def register(subparsers) -> None:
                        help=f"tokens per CRC chunk (default {DEFAULT_CHUNK_TOKENS})")
     build.set_defaults(func=_build)
 
-    verify = sub.add_parser("verify", help="check every checksum of a dataset",
-                            description="Check sizes, header, index and every token-chunk CRC "
-                            "of every shard; exit 2 naming the file and byte offset on error.")
+    verify = sub.add_parser("verify", help="check everything training reads from a dataset",
+                            description="Check the manifest; every shard's sizes, header, index, token-chunk "
+                            "CRCs and token ids; the tokenizer file, its SHA-256 and vocabulary; exit 2 "
+                            "naming the file on error.")
     verify.add_argument("dir", metavar="DIR")
     verify.set_defaults(func=_verify)
 
@@ -79,14 +80,27 @@ def _print_splits(manifest: dict) -> None:
 
 
 def _verify(args: argparse.Namespace) -> int:
+    """Everything training reads: the manifest, every shard (sizes, header, index, chunk CRCs, and
+    token ids below the tokenizer's vocabulary) and the tokenizer (its file, SHA-256, vocabulary)."""
     from luban.data.manifest import open_dataset
+    from luban.data.tokenizer import load_tokenizer
+    from luban.errors import LubanError
 
     started = time.perf_counter()
     manifest, splits = open_dataset(args.dir)
+    tok = load_tokenizer(args.dir)
+    entry = manifest["tokenizer"]
+    print(f"ok tokenizer {tok.kind} (vocab {tok.vocab_size}, eos {tok.eos_id}"
+          + (f", {entry['file']} sha256 {entry['sha256'][:12]}..." if entry.get("sha256") else "") + ")")
     total = 0
     for readers in splits.values():
         for reader in readers:
             reader.verify()
+            top = max((int(reader.read(i, min(i + (1 << 24), reader.tokens)).max())
+                       for i in range(0, reader.tokens, 1 << 24)), default=-1)
+            if top >= tok.vocab_size:
+                raise LubanError(f"{reader.path}: token id {top} is outside the tokenizer's vocabulary "
+                                 f"({tok.vocab_size} ids); rebuild the dataset with `luban data build`")
             total += reader.size
             print(f"ok {reader.path} ({reader.tokens} tokens, {reader.size} bytes)")
     print(f"verified {args.dir}: {total} bytes in {time.perf_counter() - started:.2f} s")

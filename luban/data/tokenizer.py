@@ -9,6 +9,7 @@ style byte-level alphabet, so every string round-trips and nothing is downloaded
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -108,7 +109,7 @@ class BpeTokenizer:
 
     def manifest_entry(self) -> dict:
         return {"kind": self.kind, "vocab_size": self.vocab_size, "eos_id": self.eos_id,
-                "file": BPE_FILE}
+                "file": BPE_FILE, "sha256": hashlib.sha256(self._model.to_str().encode("utf-8")).hexdigest()}
 
     def hf_json(self) -> str:
         return self._model.to_str()
@@ -144,17 +145,54 @@ Tokenizer = ByteTokenizer | BpeTokenizer
 
 
 def tokenizer_from_entry(dataset_dir: Path, entry: dict) -> Tokenizer:
-    """The tokenizer a manifest's ``tokenizer`` entry describes."""
+    """The tokenizer a manifest's ``tokenizer`` entry describes, checked against it: the file
+    exists and has the recorded SHA-256 (manifests since it was recorded), and its vocabulary
+    size and end-of-document id are the entry's. ``LubanError`` naming the file otherwise."""
+    where = Path(dataset_dir) / "manifest.json"
+    if not isinstance(entry, dict):
+        raise bad_value(f"{where}: tokenizer", entry, "an object with kind, vocab_size, eos_id, file")
     if entry.get("kind") == "byte":
-        return ByteTokenizer()
-    if entry.get("kind") == "bpe":
-        return BpeTokenizer.load(Path(dataset_dir) / entry["file"])
-    raise bad_value(f"{Path(dataset_dir) / 'manifest.json'}: tokenizer.kind", entry.get("kind"),
-                    "one of 'byte', 'bpe'")
+        tok = ByteTokenizer()
+    elif entry.get("kind") == "bpe":
+        if entry.get("file") != BPE_FILE:
+            raise bad_value(f"{where}: tokenizer.file", entry.get("file"), repr(BPE_FILE))
+        path = Path(dataset_dir) / BPE_FILE
+        if not path.is_file():
+            raise LubanError(f"{path}: cannot load the BPE tokenizer (missing, but {where.name} names it): the "
+                             "dataset cannot be decoded or trained on; rebuild it with `luban data build`")
+        try:
+            text = path.read_bytes()
+        except OSError as err:
+            raise LubanError(f"{path}: unreadable ({err.strerror or err})") from None
+        if "sha256" in entry and hashlib.sha256(text).hexdigest() != entry["sha256"]:
+            raise LubanError(f"{path}: SHA-256 {hashlib.sha256(text).hexdigest()[:12]}... is not the "
+                             f"{entry['sha256'][:12]}... {where.name} records (replaced or damaged); "
+                             "rebuild the dataset with `luban data build`")
+        tok = BpeTokenizer.load(path)
+    else:
+        raise bad_value(f"{where}: tokenizer.kind", entry.get("kind"), "one of 'byte', 'bpe'")
+    for key in ("vocab_size", "eos_id"):
+        if entry.get(key) != getattr(tok, key):
+            raise LubanError(f"{where}: tokenizer.{key} = {entry.get(key)!r} but the {tok.kind} tokenizer "
+                             f"has {getattr(tok, key)!r}; rebuild the dataset with `luban data build`")
+    return tok
 
 
 def load_tokenizer(dataset_dir: str | Path) -> Tokenizer:
-    """The tokenizer ``luban data build`` recorded in ``dataset_dir/manifest.json``."""
+    """The tokenizer ``luban data build`` recorded in ``dataset_dir/manifest.json`` (checked)."""
     from luban.data.manifest import load_manifest
 
     return tokenizer_from_entry(Path(dataset_dir), load_manifest(dataset_dir)["tokenizer"])
+
+
+def tokenizer_identity(dataset_dir: str | Path) -> dict:
+    """What makes a dataset's ids mean the same text: kind, vocab_size, eos_id and, for a BPE,
+    the SHA-256 of its tokenizer file (checked by ``load_tokenizer``). A run records it."""
+    from luban.data.manifest import load_manifest
+
+    entry = load_manifest(dataset_dir)["tokenizer"]
+    tok = tokenizer_from_entry(Path(dataset_dir), entry)
+    out = {"kind": tok.kind, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id}
+    if tok.kind == "bpe":
+        out["sha256"] = hashlib.sha256((Path(dataset_dir) / BPE_FILE).read_bytes()).hexdigest()
+    return out

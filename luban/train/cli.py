@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from luban import schema
-from luban.errors import EXIT_SUSPENDED, bad_value
+from luban.errors import EXIT_SUSPENDED, LubanError, bad_value
 from luban.model.config import MAX_SIZE
 
 DEMO_CONFIG = Path(__file__).with_name("demo.toml")
@@ -175,12 +175,43 @@ def cmd_sample(args) -> int:
     if not data or not Path(data, "manifest.json").is_file():
         raise bad_value("--data", data, "the dataset the run trained on is gone; pass --data DIR for its tokenizer")
     tok = load_tokenizer(data)
+    _check_same_tokenizer(args, meta, data, model.cfg.vocab)
     prompt = tok.encode(args.prompt) or [tok.eos_id]  # nothing to continue: start a new document
     for i in range(args.samples):
         ids = generate(model, prompt, args.tokens, args.temperature, args.top_k, args.seed + i)
         print(f"--- sample {i + 1} (step {meta['step']}) ---")
         print(tok.decode([t for t in ids if t < tok.vocab_size]))
     return 0
+
+
+def _describe_tokenizer(ident: dict) -> str:
+    return (f"{ident.get('kind')}, vocab {ident.get('vocab_size')}, eos {ident.get('eos_id')}"
+            + (f", sha256 {ident['sha256'][:12]}..." if ident.get("sha256") else ""))
+
+
+def _check_same_tokenizer(args, meta: dict, data: str, model_vocab: int) -> None:
+    """The dataset's tokenizer must be the one the run trained with (recorded in its checkpoints:
+    kind, vocabulary, end-of-document id, and a BPE file's SHA-256); else its ids decode to garbage."""
+    from luban.data.tokenizer import tokenizer_identity
+
+    given = tokenizer_identity(data)
+    recorded = meta.get("tokenizer")
+    if recorded is None and args.data and meta.get("dataset") and Path(meta["dataset"], "manifest.json").is_file():
+        try:  # a checkpoint from before runs recorded their tokenizer: the dataset it names, if intact
+            recorded = tokenizer_identity(meta["dataset"])
+        except LubanError:
+            recorded = None
+    if recorded is not None:
+        differs = [k for k in ("kind", "vocab_size", "eos_id", "sha256")
+                   if k in recorded and k in given and recorded[k] != given[k]]
+        if differs:
+            where = f"--data = {data!r}" if args.data else f"the run's dataset {data!r}"
+            raise LubanError(f"{where}: its tokenizer ({_describe_tokenizer(given)}) is not the one "
+                             f"{args.checkpoint} was trained with ({_describe_tokenizer(recorded)}); its ids "
+                             "would decode to other text; pass --data with a dataset built with the run's tokenizer")
+    elif given["vocab_size"] > model_vocab:
+        raise bad_value("--data", data, f"its tokenizer has {given['vocab_size']} ids, more "
+                        f"than the model's vocabulary {model_vocab}: not the run's tokenizer")
 
 
 def cmd_export(args) -> int:

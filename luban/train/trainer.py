@@ -96,6 +96,9 @@ class Trainer:
             check_fits(cfg, world, 1, self.device.type)  # before anything is allocated
         data_dir = dataset_path(cfg)
         self._check_vocab(data_dir)
+        from luban.data.tokenizer import tokenizer_identity
+
+        self.tokenizer = tokenizer_identity(data_dir)  # in every checkpoint: `luban sample --data` checks it
         t = cfg.train
         optim = OptimizerConfig(name=t.optimizer, weight_decay=t.weight_decay, betas=(t.beta1, t.beta2),
                                 momentum=t.momentum)
@@ -128,7 +131,7 @@ class Trainer:
     def meta(self) -> dict:
         return {"step": self.step, "loader": self.loader.state_dict(), "config": self.cfg.to_dict(),
                 "world_size": self.engine.world_size, "layout": self.cfg.parallel.to_dict(),
-                "dataset": str(self.data_dir)}
+                "dataset": str(self.data_dir), "tokenizer": self.tokenizer}
 
     def save(self, blocking: bool = False) -> Path:
         """Collective. Asynchronous unless ``blocking`` (suspend, end of training) or async is off/unsafe;

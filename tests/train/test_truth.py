@@ -54,3 +54,59 @@ def test_a_model_that_fits_is_not_refused(tiny):
     check_fits(cfg, 1, 1, "cpu")
     device, host = rank_bytes(cfg, 1)
     assert 0 < device < 1 << 30 and host == 0
+
+
+# -- data verify and sample: the tokenizer is part of what training reads ------------------
+
+@pytest.fixture(scope="module")
+def bpe_datasets(tmp_path_factory):
+    """Two BPE datasets with the same vocabulary size and different merges."""
+    import sysconfig
+    from pathlib import Path
+
+    from luban.data.build import build_dataset
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    root = tmp_path_factory.mktemp("bpe")
+    for name, files in (("a", ["textwrap.py", "shlex.py"]), ("b", ["json/decoder.py", "json/encoder.py"])):
+        build_dataset([str(stdlib / f) for f in files], root / name, tokenizer="bpe", vocab_size=300)
+    return root / "a", root / "b"
+
+
+def _verify(path):
+    from .conftest import luban
+
+    return luban("data", "verify", path)
+
+
+def test_data_verify_checks_the_tokenizer_file(bpe_datasets, tmp_path):
+    import shutil
+
+    a, b = bpe_datasets
+    assert _verify(a).returncode == 0 and "ok tokenizer bpe (vocab 300" in _verify(a).stdout
+    gone = shutil.copytree(a, tmp_path / "gone")
+    (gone / "tokenizer.json").unlink()
+    proc = _verify(gone)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "verified" not in proc.stdout, proc.stdout + proc.stderr
+    assert f"{gone / 'tokenizer.json'}: cannot load the BPE tokenizer (missing" in lines[0]
+    swapped = shutil.copytree(a, tmp_path / "swapped")
+    shutil.copy(b / "tokenizer.json", swapped / "tokenizer.json")  # same vocabulary size, other merges
+    proc = _verify(swapped)
+    assert proc.returncode == 2 and "verified" not in proc.stdout, proc.stdout + proc.stderr
+    assert "tokenizer.json: SHA-256" in proc.stderr and "replaced or damaged" in proc.stderr
+
+
+def test_sample_refuses_a_dataset_with_another_tokenizer(tiny, tmp_path, small_dataset, bpe_datasets):
+    import shutil
+
+    from .conftest import luban
+
+    luban("train", *sum((["--set", s] for s in tiny(**{"train.steps": 2, "train.eval_every": 0})), []), check=0)
+    run = tmp_path / "run"
+    proc = luban("sample", run, "--data", bpe_datasets[0], "--tokens", 5)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "--- sample" not in proc.stdout, proc.stdout + proc.stderr
+    assert "its tokenizer (bpe, vocab 300" in lines[0] and "trained with (byte, vocab 257, eos 256)" in lines[0]
+    same = shutil.copytree(small_dataset, tmp_path / "same-tokenizer")  # another dataset, the run's tokenizer
+    assert luban("sample", run, "--data", same, "--tokens", 5).returncode == 0
