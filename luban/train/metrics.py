@@ -7,7 +7,8 @@ Each line of metrics.jsonl is one JSON object. Fields (docs/training.md):
   activation_bytes (this rank, from tensor storages), host_optimizer_bytes (optimizer offload
   only), val_loss (on eval steps only).
 MFU = tokens/s · model FLOPs per token / (world size · peak FLOP/s); HFU uses hardware
-FLOPs (recompute included). FLOPs per token come from ``luban.model.flops``.
+FLOPs (recompute included); both null where above 100% (the run's peak is too low:
+``luban.train.peak.run_peak``). FLOPs per token come from ``luban.model.flops``.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ class MetricsLogger:
         parts = [f"step {r['step']}/{self.total}"]
         if "loss" in r:
             parts += [f"loss {r['loss']:.4f}", f"lr {r['lr']:.2e}", f"{r['tokens_per_s']:.0f} tok/s",
-                      f"mfu {100 * r['mfu']:.1f}%"]
+                      "mfu n/a" if r["mfu"] is None else f"mfu {100 * r['mfu']:.1f}%"]
         if "val_loss" in r:
             parts.append(f"val {r['val_loss']:.4f}")
         line = "  ".join(parts)

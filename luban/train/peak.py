@@ -6,6 +6,10 @@ the planner's system profiles carry the same figures). On a CPU there is no data
 so the peak is measured: the best of a few large fp32 matmuls (``luban.plan.probe``).
 The environment variable ``LUBAN_PEAK_FLOPS`` (FLOP/s per device) overrides both, for
 devices not listed here.
+
+A run uses one peak (``run_peak``): measured or looked up at its first start, recorded in
+``<run>/peak.json`` and its checkpoints, reused on every resume. The trainer reports MFU/HFU
+above 100% as not measured (null) with one warning: the recorded peak is then too low.
 """
 
 from __future__ import annotations
@@ -35,3 +39,49 @@ def peak_flops(device_type: str, precision: str) -> float:
     from luban.plan.probe import measure_matmul_peak
 
     return measure_matmul_peak(dtype=torch.float32)
+
+
+PEAK_FILE = "peak.json"
+
+
+def run_peak(run_dir, device_type: str, precision: str, recorded: dict | None = None,
+             write: bool = True) -> dict:
+    """The peak of this run: ``{"flops" (per device), "device", "precision", "source"}``.
+
+    One per run: the first start measures it (a CPU) or looks it up (a GPU) and records it in
+    ``<run>/peak.json`` (and every checkpoint's meta.json); later starts and resumes reuse it, so
+    a resume on a busier machine does not divide by a lower re-measured peak. ``recorded``: the
+    resumed checkpoint's entry, used where the run folder has none. A recorded peak is reused
+    while the device type is the same (a GPU's also needs the same precision). ``LUBAN_PEAK_FLOPS``
+    wins over all of it and is not recorded."""
+    import json
+    from pathlib import Path
+
+    if os.environ.get("LUBAN_PEAK_FLOPS"):
+        return {"flops": float(os.environ["LUBAN_PEAK_FLOPS"]), "device": device_type, "precision": precision,
+                "source": "LUBAN_PEAK_FLOPS"}
+    path = Path(run_dir) / PEAK_FILE
+
+    def usable(entry) -> bool:
+        return (isinstance(entry, dict) and entry.get("device") == device_type
+                and (device_type != "cuda" or entry.get("precision") == precision)
+                and isinstance(entry.get("flops"), (int, float)) and 0 < entry["flops"] < float("inf"))
+
+    try:
+        found = json.loads(path.read_text())
+    except (OSError, ValueError):
+        found = None
+    if usable(found):
+        return found
+    entry = recorded if usable(recorded) else {
+        "flops": peak_flops(device_type, precision), "device": device_type, "precision": precision,
+        "source": "datasheet" if device_type == "cuda" and any(f in torch.cuda.get_device_name() for f in GPU_PEAKS)
+        else "measured (fp32 matmul)"}
+    if write:
+        from luban.data.atomic import write_bytes
+
+        try:
+            write_bytes(path, (json.dumps(entry, indent=1) + "\n").encode())
+        except OSError:
+            pass  # the checkpoints record it too
+    return entry

@@ -27,7 +27,7 @@ from luban.parallel.engine import Engine, OptimizerConfig, build_engine
 from luban.parallel.layout import check_layout
 from luban.train import checkpoint
 from luban.train.metrics import MetricsLogger
-from luban.train.peak import peak_flops
+from luban.train.peak import run_peak
 from luban.train import preempt
 from luban.train.rundir import check_run_dir
 from luban.train.schedule import lr_at
@@ -131,7 +131,7 @@ class Trainer:
     def meta(self) -> dict:
         return {"step": self.step, "loader": self.loader.state_dict(), "config": self.cfg.to_dict(),
                 "world_size": self.engine.world_size, "layout": self.cfg.parallel.to_dict(),
-                "dataset": str(self.data_dir), "tokenizer": self.tokenizer}
+                "dataset": str(self.data_dir), "tokenizer": self.tokenizer, "peak": getattr(self, "peak", None)}
 
     def save(self, blocking: bool = False) -> Path:
         """Collective. Asynchronous unless ``blocking`` (suspend, end of training) or async is off/unsafe;
@@ -202,6 +202,7 @@ class Trainer:
         meta = checkpoint.load(ckpt, state)
         self.engine.load_state_dict(state)
         self.step = meta["step"]
+        self.resumed_peak = meta.get("peak")  # the run's MFU peak (run_peak), if its folder lost peak.json
         self.loader.load_state_dict(meta["loader"])
         self.resume_notes = [f"[train] {k} = {saved['train'].get(k)!r} in the checkpoint, {v!r} now"
                              for k, v in self.cfg.to_dict()["train"].items() if saved.get("train", {}).get(k) != v]
@@ -270,7 +271,10 @@ class Trainer:
             (self.run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
             self._report_to_cluster(log)
         tokens_per_step = t.global_batch * cfg.seq_len
-        peak = peak_flops(self.device.type, cfg.parallel.precision) * self.engine.world_size
+        self.peak = run_peak(self.run_dir, self.device.type, cfg.parallel.precision,
+                             getattr(self, "resumed_peak", None), write=self.is_main)
+        peak = self.peak["flops"] * self.engine.world_size
+        implausible = False  # MFU/HFU above 100%: reported as not measured, with one warning
         loss, saved, step_times, memory = None, None, [], {}
         try:
             if suspend.agreed():  # signalled during start-up: nothing new to save
@@ -299,6 +303,15 @@ class Trainer:
                           "time_data_s": t1 - t0, "time_fwd_bwd_s": t2 - t1, "time_optimizer_s": t3 - t2,
                           "time_step_s": t3 - t0, "peak_memory_bytes": peak_memory_bytes(self.device), **memory,
                           **self.engine.moe_metrics}
+                if record["hfu"] > 1 or record["mfu"] > 1:
+                    if not implausible:
+                        log.message(f"MFU {100 * record['mfu']:.0f}% / HFU {100 * record['hfu']:.0f}% is above 100%: "
+                                    f"the peak {self.peak['flops'] / 1e12:.3g} TFLOP/s per rank "
+                                    f"({self.peak['source']}, {self.run_dir / 'peak.json'}) is below what this "
+                                    "machine does; mfu and hfu are reported as not measured (null); set "
+                                    "LUBAN_PEAK_FLOPS to this machine's peak")
+                    implausible = True
+                    record["mfu"] = record["hfu"] = None
                 if t.eval_every and self.step % t.eval_every == 0:
                     record["val_loss"] = self.validate()
                 if self.step % t.log_every == 0 or self.step == t.steps or "val_loss" in record:

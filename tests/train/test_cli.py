@@ -27,7 +27,7 @@ def test_train_logs_metrics_and_learns_then_samples_exports_imports(tiny, tmp_pa
     assert all(METRIC_FIELDS <= r.keys() for r in records)
     assert [r["step"] for r in records if "val_loss" in r] == [10, 20, 30]
     assert records[-1]["loss"] < records[0]["loss"] - 1.0  # it learns
-    assert 0 < records[-1]["mfu"] < 1.5 and records[-1]["tokens"] == 30 * 4 * 32
+    assert (records[-1]["mfu"] is None or 0 < records[-1]["mfu"] <= 1) and records[-1]["tokens"] == 30 * 4 * 32
     assert records[-1]["param_bytes"] == sum(p.numel() for p in
                                              __import__("luban.model.transformer", fromlist=["x"]).build_model(
                                                  __import__("luban.config", fromlist=["x"]).load_config(

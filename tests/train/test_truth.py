@@ -110,3 +110,47 @@ def test_sample_refuses_a_dataset_with_another_tokenizer(tiny, tmp_path, small_d
     assert "its tokenizer (bpe, vocab 300" in lines[0] and "trained with (byte, vocab 257, eos 256)" in lines[0]
     same = shutil.copytree(small_dataset, tmp_path / "same-tokenizer")  # another dataset, the run's tokenizer
     assert luban("sample", run, "--data", same, "--tokens", 5).returncode == 0
+
+
+# -- MFU: one peak per run, and a sanity cap -------------------------------------------------
+
+def _steps(run):
+    return [r for line in (run / "metrics.jsonl").read_text().splitlines()
+            if "step" in (r := json.loads(line)) and "loss" in r]
+
+
+def test_a_resumed_run_reuses_its_recorded_cpu_peak(tiny, tmp_path, monkeypatch):
+    """A resume on a busier CPU measures a lower peak; the run keeps the one of its first start."""
+    from luban.plan import probe
+    from luban.train import peak as peak_module
+    from luban.train.trainer import Trainer
+
+    monkeypatch.delenv("LUBAN_PEAK_FLOPS", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    run = tmp_path / "run"
+    monkeypatch.setattr(probe, "measure_matmul_peak", lambda **kw: 1e13)  # the first start's CPU
+    peak_module.peak_flops.cache_clear()  # a new process
+    Trainer(load_config(None, tiny(**{"train.steps": 2, "train.eval_every": 0}))).train()
+    recorded = json.loads((run / "peak.json").read_text())
+    assert recorded["flops"] == 1e13 and recorded["device"] == "cpu" and recorded["source"].startswith("measured")
+    monkeypatch.setattr(probe, "measure_matmul_peak", lambda **kw: 1e3)  # the resume's CPU: loaded
+    peak_module.peak_flops.cache_clear()
+    Trainer(load_config(None, tiny(**{"train.steps": 4, "train.eval_every": 0}))).train(resume="auto")
+    records = _steps(run)
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert all(r["mfu"] is not None and 0 < r["mfu"] < 0.01 for r in records), [r["mfu"] for r in records]
+    assert all(abs(r["mfu"] - r["tflops"] * 1e12 / 1e13) < 1e-9 for r in records)  # the same peak throughout
+    meta = json.loads(next((run / "checkpoints").glob("step_0000004/meta.json")).read_text())
+    assert meta["peak"]["flops"] == 1e13
+
+
+def test_mfu_above_100_percent_is_reported_as_not_measured_with_one_warning(tiny, tmp_path, monkeypatch, capsys):
+    from luban.train.trainer import Trainer
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setenv("LUBAN_PEAK_FLOPS", "1000")  # a peak far below any CPU: MFU would be millions of %
+    Trainer(load_config(None, tiny(**{"train.steps": 3, "train.eval_every": 0}))).train()
+    records = _steps(tmp_path / "run")
+    assert len(records) == 3 and all(r["mfu"] is None and r["hfu"] is None and r["tflops"] > 0 for r in records)
+    out = capsys.readouterr().out
+    assert out.count("is above 100%") == 1 and "mfu n/a" in out and "LUBAN_PEAK_FLOPS" in out
