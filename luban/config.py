@@ -67,6 +67,9 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelLayout = field(default_factory=ParallelLayout)
     run: RunSection = field(default_factory=RunSection)
+    # [model] keys the config file or --set gave (the rest come from the preset): a vocabulary
+    # the user did not choose follows the dataset's tokenizer (luban.train.trainer.fit_vocab)
+    model_keys: frozenset = field(default=frozenset(), compare=False, repr=False)
 
     @property
     def seq_len(self) -> int:
@@ -155,7 +158,8 @@ def config_from_dict(raw: dict) -> RunConfig:
                     data=_section(DataConfig, raw.get("data", {}), "data"),
                     train=_section(TrainConfig, raw.get("train", {}), "train"),
                     parallel=ParallelLayout.from_dict(raw.get("parallel", {})),
-                    run=_section(RunSection, raw.get("run", {}), "run"))
+                    run=_section(RunSection, raw.get("run", {}), "run"),
+                    model_keys=frozenset(raw.get("model", {})))
     if cfg.seq_len > cfg.model.seq_len:
         raise bad_value("data.seq_len", cfg.data.seq_len, f"must be <= model.seq_len = {cfg.model.seq_len}")
     if cfg.train.min_lr > cfg.train.lr:

@@ -93,6 +93,11 @@ def _run_training(args) -> int:
     from luban.config import load_config
 
     cfg = load_config(args.config, args.set)
+    from luban.train.trainer import fit_vocab
+
+    cfg, note = fit_vocab(cfg)  # every rank does the same: the same dataset
+    if note and "WORLD_SIZE" not in os.environ:
+        print(note, flush=True)
     resolve_rendezvous(args)
     for key, parse in RENDEZVOUS.items():
         schema.check("--" + key.replace("_", "-"), getattr(args, key), parse)

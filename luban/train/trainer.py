@@ -49,6 +49,22 @@ def dataset_path(cfg: RunConfig) -> Path:
     return ensure_default_dataset(cache_dir() / "datasets" / "default-byte")
 
 
+def fit_vocab(cfg: RunConfig) -> tuple[RunConfig, str | None]:
+    """A vocabulary the config did not set (it came from the preset) grows to the dataset's
+    tokenizer vocabulary, so a BPE dataset trains on any preset; returns the config and a note
+    (None when unchanged). An explicit ``model.vocab`` is kept (``Trainer`` names it if too small)."""
+    if not cfg.data.path or "vocab" in cfg.model_keys:
+        return cfg, None
+    from luban.data.manifest import load_manifest
+
+    vocab = load_manifest(dataset_path(cfg))["tokenizer"]["vocab_size"]
+    if not isinstance(vocab, int) or vocab <= cfg.model.vocab:
+        return cfg, None
+    note = (f"model.vocab = {vocab}: the dataset's tokenizer vocabulary ({cfg.data.path}); the preset's "
+            f"{cfg.model.vocab} is smaller (set model.vocab to choose another)")
+    return cfg.replace(model=cfg.model.replace(vocab=vocab)), note
+
+
 def pick_device(choice: str) -> torch.device:
     if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
@@ -125,7 +141,8 @@ class Trainer:
         vocab = load_tokenizer(data_dir).vocab_size
         if vocab > self.cfg.model.vocab:
             raise bad_value("model.vocab", self.cfg.model.vocab,
-                            f"must be >= the dataset's tokenizer vocabulary {vocab} ({data_dir})")
+                            f"must be >= the dataset's tokenizer vocabulary {vocab} ({data_dir}); set "
+                            f"model.vocab = {vocab}, or leave it unset to follow the dataset")
 
     # -- checkpoints ---------------------------------------------------------------------
     def meta(self) -> dict:

@@ -154,3 +154,26 @@ def test_mfu_above_100_percent_is_reported_as_not_measured_with_one_warning(tiny
     assert len(records) == 3 and all(r["mfu"] is None and r["hfu"] is None and r["tflops"] > 0 for r in records)
     out = capsys.readouterr().out
     assert out.count("is above 100%") == 1 and "mfu n/a" in out and "LUBAN_PEAK_FLOPS" in out
+
+
+# -- first contact (issue 24 item 5) ---------------------------------------------------------
+
+def test_a_bpe_dataset_sizes_a_presets_vocabulary(tiny, tmp_path, bpe_datasets):
+    """The tiny preset (257 ids) on a 300-id BPE dataset trains; an explicit model.vocab is kept
+    and a too-small one names the key to set."""
+    from .conftest import luban
+
+    def sets(**extra):
+        return sum((["--set", s] for s in tiny(**{"data.path": f'"{bpe_datasets[0]}"', "train.steps": 2,
+                                                   "train.eval_every": 0, **extra})), [])
+
+    proc = luban("train", *sets(), check=0)
+    assert "model.vocab = 300: the dataset's tokenizer vocabulary" in proc.stdout
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["model"]["vocab"] == 300
+    out = luban("sample", tmp_path / "run", "--tokens", 5, check=0).stdout
+    assert "--- sample 1" in out
+    proc = luban("train", *sets(**{"model.vocab": 257, "run.dir": f'"{tmp_path / "explicit"}"'}))
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert "model.vocab = 257: must be >= the dataset's tokenizer vocabulary 300" in lines[0]
+    assert "set model.vocab = 300" in lines[0]
