@@ -177,3 +177,45 @@ def test_a_bpe_dataset_sizes_a_presets_vocabulary(tiny, tmp_path, bpe_datasets):
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert "model.vocab = 257: must be >= the dataset's tokenizer vocabulary 300" in lines[0]
     assert "set model.vocab = 300" in lines[0]
+
+
+def _readme_block(after: str, lang: str) -> str:
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    rest = text[text.index(after):]
+    start = rest.index(f"```{lang}\n") + len(f"```{lang}\n")
+    return rest[start:rest.index("```", start)]
+
+
+def test_the_readmes_three_commands_work_literally_in_order(tmp_path):
+    """'Training in three commands' with the README's config.toml, run as written (the train step
+    shortened with extra --set flags after the README's own): the sample command samples the run
+    the config writes."""
+    import shlex
+    import shutil
+    import sysconfig
+    import tomllib
+    from pathlib import Path
+
+    from .conftest import luban
+
+    commands = [shlex.split(line) for line in _readme_block("## Training in three commands", "bash").splitlines()
+                if line.strip()]
+    config = _readme_block("A config has five sections", "toml")
+    assert [c[:2] for c in commands] == [["luban", "data"], ["luban", "train"], ["luban", "sample"]]
+    run_dir = tomllib.loads(config)["run"]["dir"]
+    assert commands[2][2] == run_dir, f"the README samples {commands[2][2]}, its config writes {run_dir}"
+
+    texts = tmp_path / "my_texts"
+    texts.mkdir()
+    for name in ("textwrap.py", "shlex.py", "json/decoder.py"):
+        shutil.copy(Path(sysconfig.get_paths()["stdlib"]) / name, texts / Path(name).name)
+    (tmp_path / "config.toml").write_text(config)
+    shorter = ["model.preset=\"tiny\"", "train.steps=2", "train.global_batch=4", "run.tensorboard=false"]
+    commands[1] += sum((["--set", s] for s in shorter), [])
+    for argv in commands:
+        proc = luban(*argv[1:], cwd=tmp_path, timeout=600)
+        assert proc.returncode == 0, (argv, proc.stdout, proc.stderr)
+    assert "--- sample 1 (step 2) ---" in proc.stdout
+    assert (tmp_path / run_dir / "checkpoints").is_dir()
