@@ -203,7 +203,7 @@ class MoE(nn.Module):
         else:
             out = self.dispatch(self.experts, rows, counts)
         out = out * weights.flatten()[order, None].to(out.dtype)
-        y = torch.zeros_like(x).index_add_(0, token, out)
+        y = torch.zeros_like(x, dtype=out.dtype).index_add_(0, token, out)  # autocast: out may be bf16
         if self.training:
             aux = aux_loss(probs, ids, self.num_experts, self.sequence_group)
             if self.aux_coef and torch.is_grad_enabled():

@@ -39,8 +39,11 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout:
 
 
 def rope_tables(cfg: ModelConfig, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin of shape [s, head_dim] for the given positions (Su et al. 2021, RoFormer)."""
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
+    """cos/sin of shape [s, head_dim] for the given positions (Su et al. 2021, RoFormer), on
+    ``positions``' device. Each entry depends on its position only, so a row of a longer table
+    equals the row computed alone (the model caches one table per device: ``Transformer.rope``)."""
+    arange = torch.arange(0, cfg.head_dim, 2, dtype=torch.float32, device=positions.device)
+    inv = 1.0 / (cfg.rope_theta ** (arange / cfg.head_dim))
     angles = positions.to(torch.float32)[:, None] * inv[None, :]
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos(), angles.sin()
@@ -141,20 +144,29 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
+        self._rope_cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def rope(self, positions: torch.Tensor | None, length: int, device: torch.device):
+        """cos/sin for ``positions`` (default ``0..length-1``) from a table of all ``seq_len``
+        positions built once per device, on that device (never on the host per forward)."""
+        table = self._rope_cache.get(device)
+        if table is None:
+            table = rope_tables(self.cfg, torch.arange(self.cfg.seq_len, device=device))
+            self._rope_cache[device] = table
+        if positions is None:
+            return table[0][:length], table[1][:length]
+        return table[0][positions], table[1][positions]
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids [b, s] (or hidden states on a non-first pipeline stage) -> logits [b, s, V]
         (or hidden states on a non-last stage). ``positions`` default to 0..s-1."""
-        if positions is None:
-            positions = torch.arange(x.shape[1], device=x.device)
+        length = x.shape[1]
         if self.tok_emb is not None:
             h = self.tok_emb(x)
             if self.pos_emb is not None:
-                h = h + self.pos_emb(positions)
+                h = h + self.pos_emb(torch.arange(length, device=x.device) if positions is None else positions)
             x = self.drop(h)
-        rope = None
-        if self.cfg.position == "rope":
-            rope = tuple(t.to(x.device) for t in rope_tables(self.cfg, positions))
+        rope = self.rope(positions, length, x.device) if self.cfg.position == "rope" else None
         for block in self.layers.values():
             x = block(x, rope)
         if self.norm is not None:
