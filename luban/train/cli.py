@@ -27,11 +27,11 @@ def register(sub) -> None:
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("demo", help="train the demo model on the embedded corpus, then print samples",
-                       description="luban train on the packaged demo config with 4 CPU ranks: the first half of "
-                                   "the steps on the planner's layout (--nproc 4 --parallel auto), the second half "
-                                   "resumed on pp=2 x dp=2 (ZeRO-1), then three samples.")
+                       description="luban train on the packaged demo config with 4 ranks (CPU), or one per GPU "
+                                   "up to 4: the first half of the steps on the planner's layout (--parallel "
+                                   "auto), the second half resumed on pp=2 x dp=N/2 (ZeRO-1), then three samples.")
     _train_args(p)
-    p.set_defaults(func=cmd_demo, config=str(DEMO_CONFIG), nproc=4, parallel="auto")
+    p.set_defaults(func=cmd_demo, config=str(DEMO_CONFIG), parallel="auto")
 
     p = sub.add_parser("sample", help="generate text from a checkpoint or run directory")
     p.add_argument("checkpoint", type=schema.path("dir"), metavar="CHECKPOINT",
@@ -89,6 +89,34 @@ def resolve_rendezvous(args) -> None:
             setattr(args, key, value)
 
 
+DEMO_RANKS = 4  # the demo's ranks on a CPU; on GPUs one per GPU up to this
+
+
+def local_gpus(device: str) -> int:
+    """GPUs the ranks of this node would use (``run.device``): 0 for CPU ranks."""
+    if device == "cpu":
+        return 0
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def fit_ranks(nproc: int | None, gpus: int, demo: bool = False) -> int:
+    """Ranks to start on this node: one per GPU at most (each rank owns ``cuda:LOCAL_RANK``).
+    The demo, unless told, takes ``DEMO_RANKS`` on a CPU and one per GPU up to that (an even
+    count, so that it can move to pp = 2); anything else asking for more ranks than GPUs is
+    refused, naming the count and the way to CPU ranks."""
+    if nproc is None:
+        if not demo:
+            return 1
+        nproc = DEMO_RANKS if gpus == 0 else min(DEMO_RANKS, gpus)
+        return nproc - nproc % 2 if nproc > 1 else nproc
+    if gpus and nproc > gpus:
+        raise bad_value("--nproc", nproc, f"at most {gpus}: this node has {gpus} GPU(s), one rank each; "
+                        "set run.device = \"cpu\" for CPU ranks")
+    return nproc
+
+
 def _run_training(args) -> int:
     from luban.config import load_config
 
@@ -99,6 +127,8 @@ def _run_training(args) -> int:
     if note and "WORLD_SIZE" not in os.environ:
         print(note, flush=True)
     resolve_rendezvous(args)
+    if "WORLD_SIZE" not in os.environ:  # the launching process: its ranks' devices are on this node
+        args.nproc = fit_ranks(args.nproc, local_gpus(cfg.run.device))
     for key, parse in RENDEZVOUS.items():
         schema.check("--" + key.replace("_", "-"), getattr(args, key), parse)
     schema.check("--node-rank", args.node_rank, schema.integer(0, args.nnodes - 1))
@@ -149,6 +179,8 @@ def cmd_demo(args) -> int:
     from luban.config import load_config
 
     cfg = load_config(args.config, args.set)
+    if args.nproc is None and "WORLD_SIZE" not in os.environ:
+        args.nproc = fit_ranks(None, local_gpus(cfg.run.device), demo=True)
     resolve_rendezvous(args)
     world, half = args.nproc * args.nnodes, cfg.train.steps // 2
     if world % 2 or "WORLD_SIZE" in os.environ:  # no second layout to move to (or already a rank)

@@ -88,3 +88,21 @@ def test_demo_plans_then_moves_the_run_to_another_layout(tiny, tmp_path):
     assert "resumed from" in proc.stdout and "Samples from" in proc.stdout
     records = [r for line in (tmp_path / "run" / "metrics.jsonl").open() if "checkpoint" not in (r := json.loads(line))]
     assert [r["step"] for r in records] == list(range(1, 11))
+
+
+def test_ranks_fit_the_gpus_present(capsys, monkeypatch, tmp_path):
+    """A one-GPU machine: the demo takes one rank (it started 4, and ranks 1-3 died on
+    ``set_device``); ``luban train --nproc 2`` is one line naming the count; CPU ranks when
+    asked. Pure rule first, then through the CLI with the GPU count pinned."""
+    from luban.cli import main
+    from luban.train import cli as train_cli
+    from luban.train.cli import fit_ranks
+
+    assert [fit_ranks(None, g, demo=True) for g in (0, 1, 2, 3, 4, 8)] == [4, 1, 2, 2, 4, 4]
+    assert fit_ranks(None, 1) == 1 and fit_ranks(2, 0) == 2 and fit_ranks(8, 8) == 8
+    monkeypatch.setattr(train_cli, "local_gpus", lambda device: 0 if device == "cpu" else 1)
+    code = main(["train", "--nproc", "2", "--set", f'run.dir="{tmp_path}/r"'])
+    err = capsys.readouterr().err
+    assert code == 2 and err.strip().splitlines() == [
+        'luban: error: --nproc = 2: at most 1: this node has 1 GPU(s), one rank each; set run.device = "cpu" for CPU ranks']
+    assert not (tmp_path / "r").exists()
