@@ -27,6 +27,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from luban.model.config import ModelConfig
+from luban.model.head_loss import chunked_head_loss, lm_loss
 from luban.model.moe import MoE, is_moe_layer
 
 
@@ -145,6 +146,7 @@ class Transformer(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
         self._rope_cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.head_loss = chunked_head_loss  # (h, head weight, labels) -> loss; compiled: apply_compile
 
     def rope(self, positions: torch.Tensor | None, length: int, device: torch.device):
         """cos/sin for ``positions`` (default ``0..length-1``) from a table of all ``seq_len``
@@ -157,9 +159,12 @@ class Transformer(nn.Module):
             return table[0][:length], table[1][:length]
         return table[0][positions], table[1][positions]
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids [b, s] (or hidden states on a non-first pipeline stage) -> logits [b, s, V]
-        (or hidden states on a non-last stage). ``positions`` default to 0..s-1."""
+        (or hidden states on a non-last stage). ``positions`` default to 0..s-1. With ``labels``
+        the part holding the head returns the mean loss instead, the head and the loss fused
+        (``luban.model.head_loss``: no logits tensor, no fp32 copy of it)."""
         length = x.shape[1]
         if self.tok_emb is not None:
             h = self.tok_emb(x)
@@ -172,6 +177,8 @@ class Transformer(nn.Module):
         if self.norm is not None:
             x = self.norm(x)
         if self.lm_head is not None:
+            if labels is not None:
+                return self.head_loss(x, self.lm_head.weight, labels)
             x = self.lm_head(x)
         return x
 
@@ -228,6 +235,4 @@ def build_model(cfg: ModelConfig, seed: int = 0, recompute: str = "none") -> Tra
     return model
 
 
-def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy, computed in fp32."""
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
+__all__ = ["Transformer", "build_model", "init_weights", "lm_loss"]

@@ -50,6 +50,13 @@ class MicroBatchLoop:
     def __init__(self, module: nn.Module, layout: ParallelLayout, loss_fn: LossFn, scaler: LossScaler,
                  autocast: Callable[[], ContextManager]):
         self.parts, self.layout, self.loss_fn, self.scaler, self.autocast = [module], layout, loss_fn, scaler, autocast
+        # the model computes its loss with the head fused (luban.model.head_loss); tensor
+        # parallel keeps the logits for its vocab-parallel loss
+        self.fused = layout.tp == 1
+
+    def _loss(self, x, y):
+        model = self.parts[0]
+        return model(x, labels=y) if self.fused else self.loss_fn(model(x), y)
 
     def forward_backward(self, tokens, labels, saved) -> torch.Tensor:
         model, mb = self.parts[0], self.layout.micro_batch
@@ -59,14 +66,14 @@ class MicroBatchLoop:
         for i, (x, y) in enumerate(zip(tokens.split(mb), labels.split(mb))):
             with set_gradient_sync(model, self.layout, sync=i == n - 1):
                 with saved(i == 0), self.autocast():
-                    loss = self.loss_fn(model(x), y) / n
+                    loss = self._loss(x, y) / n
                 (loss * self.scaler.scale).backward()
             total += _local(loss.detach())
         return total
 
     def evaluate(self, tokens, labels) -> torch.Tensor:
         with self.autocast():
-            return self.loss_fn(self.parts[0](tokens), labels)
+            return self._loss(tokens, labels)
 
 
 class PipelineSchedule:

@@ -258,8 +258,15 @@ class Luban(FSDP2):
         rope = 8.0 * problem.seq * cfg.head_dim if cfg.position == "rope" else 8.0 * problem.seq
         every_layer_recomputed = (g.recompute == FULL) & (g.recompute_every == 1) & (cfg.position == "rope")
         first = (8.0, np.where(every_layer_recomputed, 0.0, rope))
-        last_tok = norm_saved / rep_div + np.where(g.precision == FP32, big, e) * h + 4.0 * cfg.vocab / t + 8.0
-        last_fix = np.where(g.precision == FP32, 0.0, 2.0 * cfg.vocab * h / t)
+        # the logits path (tensor or pipeline parallel): the head's input (an autocast copy
+        # unless fp32), fp32 log-probabilities, the labels; the head weight's autocast copy
+        logits_tok = norm_saved / rep_div + np.where(g.precision == FP32, big, e) * h + 4.0 * cfg.vocab / t + 8.0
+        logits_fix = np.where(g.precision == FP32, 0.0, 2.0 * cfg.vocab * h / t)
+        # the fused head + loss (luban.model.head_loss, one stage without tensor parallel):
+        # the gradients it computed in forward, the input's (fp32 norm output) and the weight's
+        fused = (g.tp == 1) & (g.pp == 1)
+        last_tok = np.where(fused, norm_saved + big * h, logits_tok)
+        last_fix = np.where(fused, big * cfg.vocab * h, logits_fix)
         return first, (last_tok, last_fix)
 
     def dp_collective_counts(self, problem, g, m, n):
