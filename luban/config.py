@@ -49,6 +49,8 @@ class TrainConfig:
     keep_checkpoints: int = 3
     eval_every: int = 50  # 0: never
     log_every: int = 1
+    compile: str = "auto"  # torch.compile each block and the head + loss: "auto" (on CUDA) | true | false
+    deterministic: bool = False  # bitwise-reproducible kernels on a GPU (slower); the CPU is always
 
 
 @dataclass(frozen=True)
@@ -86,8 +88,9 @@ class RunConfig:
 
 DEFAULT_PRESET = "tiny"  # [model] keys not given come from this preset unless `preset` names another
 SECTIONS = ("model", "data", "train", "parallel", "run")
-CHOICES = {("train", "optimizer"): ("adamw", "sgd"), ("run", "progress"): ("auto", "bar", "plain", "none"),
+CHOICES = {("train", "optimizer"): ("adamw", "sgd"), ("train", "compile"): ("auto", "true", "false"), ("run", "progress"): ("auto", "bar", "plain", "none"),
            ("run", "device"): ("auto", "cpu", "cuda")}
+AUTO_OR_BOOL = {("train", "compile")}  # "auto", or a TOML boolean (kept as "true"/"false")
 NON_NEGATIVE = {("train", k) for k in ("checkpoint_every", "checkpoint_every_minutes", "eval_every", "warmup_steps", "momentum", "weight_decay",
                                        "grad_clip", "seed", "min_lr")} | {("data", "seq_len"), ("data", "prefetch"),
                                                                           ("data", "eval_batches")}
@@ -116,6 +119,8 @@ def _section(cls, raw: dict, name: str):
     for key, value in raw.items():
         if key not in known:
             raise LubanError(f"{name}.{key}: unknown key; allowed: {', '.join(known)}")
+        if (name, key) in AUTO_OR_BOOL and isinstance(value, bool):
+            value = "true" if value else "false"
         value = _coerce(f"{name}.{key}", value, known[key].type)
         if (name, key) in CHOICES and value not in CHOICES[(name, key)]:
             raise bad_value(f"{name}.{key}", value, f"one of {', '.join(CHOICES[(name, key)])}")

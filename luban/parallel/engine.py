@@ -45,6 +45,7 @@ from torch.distributed.tensor import DTensor
 
 from luban.model import moe
 from luban.model.config import ModelConfig
+from luban.model.head_loss import compiled_head_loss
 from luban.model.transformer import Transformer, lm_loss
 from luban.parallel.context_parallel import apply_context_parallel, feed_positions, shard_sequence
 from luban.parallel.expert_parallel import apply_expert_parallel, reduce_expert_grads
@@ -96,25 +97,40 @@ def apply_ep(module: Transformer, layout: ParallelLayout, mesh: LayoutMesh | Non
         apply_expert_parallel(module, mesh["ep"])
 
 
+def apply_compile(module: Transformer, compile: bool) -> None:
+    """``torch.compile`` each block in place (torchtitan's per-block compile: one graph per
+    distinct block, reused by every layer; names and state dicts unchanged) and the fused head
+    + loss as one graph. After recompute, TP, CP and EP (their hooks and collectives are traced
+    or break the graph where they must), before data parallel (FSDP2 wraps compiled blocks)."""
+    if not compile:
+        return
+    for block in module.layers.values():
+        block.compile()
+    if module.lm_head is not None:
+        module.head_loss = compiled_head_loss
+
+
 def apply_dp(module: Transformer, layout: ParallelLayout, mesh: LayoutMesh | None, device: torch.device) -> nn.Module:
     """Data parallel / ZeRO over dp x cp (DDP or FSDP2); returns the module to call."""
     return apply_data_parallel(module, layout, mesh, device)
 
 
-def parallelize(module: Transformer, layout: ParallelLayout, mesh: LayoutMesh | None, device: torch.device) -> nn.Module:
+def parallelize(module: Transformer, layout: ParallelLayout, mesh: LayoutMesh | None, device: torch.device,
+                compile: bool = False) -> nn.Module:
     """One model part (a whole model or a pipeline stage) under ``layout``."""
     apply_ac(module, layout)
     apply_tp(module, layout, mesh)
     apply_cp(module, layout, mesh)
     apply_ep(module, layout, mesh)
+    apply_compile(module, compile)
     return apply_dp(module, layout, mesh, device)
 
 
 def build_schedule(model: TransformerPipeline, layout: ParallelLayout, mesh: LayoutMesh | None, global_batch: int,
-                   device: torch.device, loss_fn, scaler: LossScaler, autocast_fn) -> Schedule:
+                   device: torch.device, loss_fn, scaler: LossScaler, autocast_fn, compile: bool = False) -> Schedule:
     """The model parts of this rank, parallelized, behind the schedule that runs them."""
     def prepare(module: nn.Module, _stage_id: int) -> nn.Module:
-        return parallelize(module, layout, mesh, device)
+        return parallelize(module, layout, mesh, device, compile)
 
     if layout.pp == 1:
         return MicroBatchLoop(prepare(model.build_stage(0, 1), 0), layout, loss_fn, scaler, autocast_fn)
@@ -127,13 +143,15 @@ class Engine:
     """Any layout: a single process (world size 1) or the current process group."""
 
     def __init__(self, model_cfg: ModelConfig, layout: ParallelLayout, optim_cfg: OptimizerConfig,
-                 global_batch: int, seed: int, device: torch.device):
+                 global_batch: int, seed: int, device: torch.device, compile: bool = False):
         self.model_cfg, self.layout, self.device, self.global_batch = model_cfg, layout, device, global_batch
+        self.compiled = compile
         self.mesh = self._join(layout, device)
         self.scaler = LossScaler(layout.precision == "fp16")
         self.loss_fn = vocab_parallel_loss(self.mesh["tp"], model_cfg.vocab) if layout.tp > 1 else lm_loss
         self.schedule = build_schedule(TransformerPipeline(model_cfg, seed, device, layout.pp_split), layout,
-                                       self.mesh, global_batch, device, self.loss_fn, self.scaler, self._autocast)
+                                       self.mesh, global_batch, device, self.loss_fn, self.scaler, self._autocast,
+                                       compile)
         self.parts = self.schedule.parts
         self.tied = TiedEmbedding(self.parts, model_cfg, layout, self.mesh)
         self.optimizers = [build_optimizer(part.parameters(), optim_cfg, device, offload=layout.offload == "optimizer")
@@ -374,9 +392,17 @@ class Engine:
 
 
 def build_engine(model_cfg: ModelConfig, layout: ParallelLayout, optim_cfg: OptimizerConfig,
-                 global_batch: int, seed: int, device: torch.device) -> Engine:
-    """The engine for the current process group and layout (after ``check_layout``)."""
+                 global_batch: int, seed: int, device: torch.device, compile: bool = False) -> Engine:
+    """The engine for the current process group and layout (after ``check_layout``);
+    ``compile``: ``apply_compile`` (``resolve_compile`` turns ``[train] compile`` into it)."""
     from luban.parallel.launch import world_size
 
     check_layout(layout, model_cfg, global_batch, world_size=world_size())
-    return Engine(model_cfg, layout, optim_cfg, global_batch, seed, device)
+    return Engine(model_cfg, layout, optim_cfg, global_batch, seed, device, compile)
+
+
+def resolve_compile(choice: str, device: torch.device) -> bool:
+    """``[train] compile``: "true" | "false" | "auto" — on for CUDA, where it pays (issue #22:
+    GPT-2 124M 63 -> 40 ms a step on an H100 with the loss inside the graph); off on a CPU,
+    where compiling costs more than a short run saves."""
+    return device.type == "cuda" if choice == "auto" else choice == "true"

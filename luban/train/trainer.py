@@ -23,7 +23,7 @@ from luban.config import RunConfig
 from luban.errors import EXIT_SUSPENDED, LubanError, bad_value
 from luban.model import flops
 from luban.model.config import ModelConfig
-from luban.parallel.engine import Engine, OptimizerConfig, build_engine
+from luban.parallel.engine import Engine, OptimizerConfig, build_engine, resolve_compile
 from luban.parallel.layout import check_layout
 from luban.train import checkpoint
 from luban.train.metrics import MetricsLogger
@@ -73,6 +73,27 @@ def pick_device(choice: str) -> torch.device:
     return torch.device("cpu")
 
 
+# cuBLAS needs a fixed workspace to be deterministic (NVIDIA cuBLAS docs, "Results
+# reproducibility"; PyTorch's randomness notes): set before the first cuBLAS call
+CUBLAS_WORKSPACE = ":4096:8"
+
+
+def set_deterministic(on: bool, device: torch.device) -> None:
+    """``[train] deterministic``: only deterministic kernels (an operation without one raises,
+    naming itself), a fixed cuBLAS workspace and no cuDNN autotuning. SDPA follows the same
+    switch: in strict mode its flash and memory-efficient backward run their deterministic
+    paths and the cuDNN backend is excluded (PyTorch's randomness notes, "CUDA Scaled Dot
+    Product Attention", pytorch/pytorch#182551). Off: PyTorch's defaults, which on a GPU let
+    two identical runs differ in the last bits from the first step (issue #22)."""
+    if not on:
+        return
+    if device.type == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
+        torch.backends.cudnn.benchmark = False
+        torch.backends.cudnn.deterministic = True
+    torch.use_deterministic_algorithms(True)
+
+
 def peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
@@ -119,7 +140,9 @@ class Trainer:
         optim = OptimizerConfig(name=t.optimizer, weight_decay=t.weight_decay, betas=(t.beta1, t.beta2),
                                 momentum=t.momentum)
         torch.manual_seed(t.seed)
-        self.engine: Engine = build_engine(cfg.model, cfg.parallel, optim, t.global_batch, t.seed, self.device)
+        set_deterministic(t.deterministic, self.device)
+        self.engine: Engine = build_engine(cfg.model, cfg.parallel, optim, t.global_batch, t.seed, self.device,
+                                           compile=resolve_compile(t.compile, self.device))
         self.is_main = self.engine.rank == 0
         self.data_dir = data_dir
         from luban.data.loader import TokenLoader
@@ -312,6 +335,8 @@ class Trainer:
                 t3 = time.perf_counter()
                 self.step += 1
                 step_times.append(t3 - t0)
+                if len(step_times) == 1 and self.engine.compiled:
+                    log.message(f"first step {t3 - t0:.1f} s, compiling included (train.compile = {t.compile!r})")
                 record = {"step": self.step, "tokens": self.step * tokens_per_step, "loss": loss, "lr": lr,
                           "grad_norm": grad_norm, "tokens_per_s": tokens_per_step / (t3 - t0),
                           "tflops": tokens_per_step * self.model_flops / (t3 - t0) / 1e12,

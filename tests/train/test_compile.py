@@ -1,0 +1,83 @@
+"""``[train] compile`` and ``[train] deterministic``: the config keys, and compiled training
+agreeing with eager on the CPU for a GPT-2, a Llama and a MoE (one process: the layouts that
+compile here; multi-rank compile costs minutes per launch on 2 cores)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from luban.config import load_config
+from luban.errors import LubanError
+from luban.model.presets import get_preset
+from luban.parallel.engine import OptimizerConfig, build_engine, resolve_compile
+from luban.parallel.layout import ParallelLayout
+from luban.train.trainer import set_deterministic
+
+
+@pytest.mark.parametrize("value,stored", [("true", "true"), ("false", "false"), ('"auto"', "auto"), ("auto", "auto")])
+def test_compile_key_takes_auto_or_a_boolean(value, stored):
+    assert load_config(None, [f"train.compile={value}"]).train.compile == stored
+
+
+@pytest.mark.parametrize("override,words", [
+    ("train.compile=yes", "train.compile = 'yes': one of auto, true, false"),
+    ("train.compile=1", "train.compile = 1: must be of type str"),
+    ("train.deterministic=1", "train.deterministic = 1: must be of type bool"),
+])
+def test_bad_compile_and_deterministic_values(override, words):
+    with pytest.raises(LubanError, match=words.replace("(", r"\(")):
+        load_config(None, [override])
+
+
+def test_auto_compiles_on_cuda_only():
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert resolve_compile("auto", cuda) and not resolve_compile("auto", cpu)
+    assert resolve_compile("true", cpu) and not resolve_compile("false", cuda)
+
+
+# fp32 CPU kernels of Inductor reorder reductions: agreement, not bitwise equality
+TOLERANCE = dict(rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-llama", "tiny-moe"])
+def test_compiled_training_agrees_with_eager(preset):
+    cfg = get_preset(preset).replace(layers=2, seq_len=32)
+    layout = ParallelLayout(recompute="selective" if preset == "tiny-llama" else "none")
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randint(0, cfg.vocab, (4, 32), generator=g), torch.randint(0, cfg.vocab, (4, 32), generator=g))
+               for _ in range(2)]
+    runs = {}
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        engine = build_engine(cfg, layout, OptimizerConfig(name="adamw"), 4, seed=0, device=torch.device("cpu"),
+                              compile=compiled)
+        trace = [(engine.forward_backward(x, y), engine.step(1e-3, 1.0)) for x, y in batches]
+        runs[compiled] = trace, {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
+        assert engine.compiled == compiled
+    (eager_trace, eager_state), (comp_trace, comp_state) = runs[False], runs[True]
+    torch.testing.assert_close(torch.tensor(comp_trace, dtype=torch.float64),
+                               torch.tensor(eager_trace, dtype=torch.float64), **TOLERANCE)
+    assert comp_state.keys() == eager_state.keys()  # compiling in place keeps the names
+    for name, value in eager_state.items():
+        torch.testing.assert_close(comp_state[name], value, **TOLERANCE, msg=name)
+
+
+def test_deterministic_mode_runs_every_family_on_the_cpu():
+    """Strict mode raises on any kernel without a deterministic implementation: none on the
+    path of a GPT-2, Llama or MoE step (the CPU half of the check; bench/gpu_check.py runs the
+    GPU half: two runs and a resumed run bitwise equal)."""
+    try:
+        set_deterministic(True, torch.device("cpu"))
+        assert torch.are_deterministic_algorithms_enabled()
+        for preset in ("tiny", "tiny-llama", "tiny-moe"):
+            cfg = get_preset(preset).replace(layers=2, seq_len=16)
+            losses = []
+            for _ in range(2):
+                engine = build_engine(cfg, ParallelLayout(precision="bf16"), OptimizerConfig(name="adamw"), 2,
+                                      seed=0, device=torch.device("cpu"))
+                x = torch.arange(32).reshape(2, 16) % cfg.vocab
+                losses.append((engine.forward_backward(x, x), engine.step(1e-3, 1.0)))
+            assert losses[0] == losses[1], preset
+    finally:
+        torch.use_deterministic_algorithms(False)
