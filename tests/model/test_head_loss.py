@@ -67,3 +67,18 @@ def test_compiled_equals_plain():
     got = _grads(compiled_head_loss, x, w, y)
     for a, b in zip(got, ref):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("vocab", [128, 129, 257, 50257 % 1000])
+def test_padding_the_vocabulary_changes_nothing(vocab):
+    """The GEMMs run on rows padded to a multiple of 128 with -inf logits: the loss and both
+    gradients are the real vocabulary's, and the weight gradient keeps the weight's shape."""
+    from luban.model.head_loss import VOCAB_MULTIPLE, padded_weight
+
+    x, w, y = _case(v=vocab)
+    assert padded_weight(w, torch.float32).shape[0] % VOCAB_MULTIPLE == 0
+    ref = _grads(plain_head_loss, x, w, y)
+    got = _grads(chunked_head_loss, x, w, y, chunk=50)
+    assert got[2].shape == w.shape
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

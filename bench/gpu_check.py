@@ -1,0 +1,502 @@
+"""One command checks a GPU (issue #22 item 7): luban against its peers, the planner against
+luban, every single-GPU option, the checkpoint stall and deterministic resume, in one process.
+
+    python bench/gpu_check.py                     # a CUDA machine: bench/results/gpu.md (<= 8 min, one H100)
+    python bench/gpu_check.py --cpu --out FILE    # the smoke mode CI runs: tiny shapes, every section
+
+Sections of the report (each a table; a row that fails says why instead of stopping the run):
+
+(a) **Peers.** GPT-2 124M, Llama 1B and a MoE of GPT-2-124M width (Llama-style, 8 experts,
+    top 2) at batch × seq, bf16: ``luban train``'s own path (``Trainer`` on a real run folder,
+    figures read back from its metrics.jsonl), Hugging Face ``AutoModelForCausalLM`` built
+    from the same config (``luban.model.hf.hf_config``; compiled on a GPU), and a minimal
+    reference loop written below (same shapes, same FLOPs: one compiled module with the loss
+    inside, fused AdamW, bf16 autocast — the nanoGPT recipe). Step time (median after the
+    warm-up steps, which include compiling), tokens/s, MFU (``luban.model.flops``, the
+    device's dense bf16 peak) and peak memory.
+(b) **Planner vs measured.** ``luban plan``'s prediction for each luban row (runtime
+    ``luban``, the system profile of this device) next to the measurement.
+(c) **Options.** Every single-GPU option of issue #22 item 1 through ``luban train`` on the
+    first model: precision, recompute, offload, ZeRO at dp 1, compile on and off, each a row.
+(d) **Checkpoint stall.** Asynchronous vs synchronous saves through ``luban train``: the stall
+    reported in metrics.jsonl and the steps while the write runs.
+(e) **Deterministic resume.** ``[train] deterministic = true``: two fresh runs, and one
+    suspended and resumed half-way, compared tensor by tensor (bitwise).
+
+The CPU mode runs every section on tiny shapes (compile off, HF eager): its numbers mean
+nothing, it keeps the script from rotting (tests/bench/test_gpu_check.py runs it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from luban.config import config_from_dict
+from luban.model import flops
+from luban.model.config import ModelConfig
+from luban.model.presets import get_preset
+
+# dense bf16 peak FLOP/s of the devices this is run on (NVIDIA H100/H200 SXM datasheets:
+# 989.4 TFLOP/s without sparsity); luban.train.peak measures the CPU's
+PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
+
+
+def moe_of_gpt2_width(vocab: int = 50257, seq: int = 1024) -> ModelConfig:
+    """GPT-2 124M's width and depth as a Llama-style MoE: 8 experts, top 2 (issue #22 7a)."""
+    return get_preset("llama-1b").replace(name="moe-124m-8x2", hidden=768, layers=12, heads=12, kv_heads=12,
+                                          head_dim=64, ffn_hidden=2048, vocab=vocab, seq_len=seq, experts=8,
+                                          experts_per_token=2, expert_ffn_hidden=2048, tie_embeddings=True,
+                                          rope_theta=10000.0)
+
+
+class Setup:
+    """Shapes and models for one mode."""
+
+    def __init__(self, cpu: bool):
+        self.cpu = cpu
+        self.device = torch.device("cpu" if cpu else "cuda")
+        if cpu:
+            self.batch, self.seq, self.steps, self.warmup = 2, 32, 4, 1
+            tiny = {n: get_preset(n).replace(seq_len=32, layers=2) for n in ("tiny", "tiny-llama")}
+            self.models = {"gpt2 (tiny)": tiny["tiny"], "llama (tiny)": tiny["tiny-llama"],
+                           "moe 8x2 (tiny)": tiny["tiny-llama"].replace(name="tiny-moe-8x2", experts=8,
+                                                                         experts_per_token=2, expert_ffn_hidden=64)}
+        else:
+            self.batch, self.seq, self.steps, self.warmup = 16, 1024, 30, 10
+            self.models = {"GPT-2 124M": get_preset("gpt2-124m"),
+                           "Llama 1B": get_preset("llama-1b").replace(seq_len=1024),
+                           "MoE 124M 8x2": moe_of_gpt2_width()}
+        name = torch.cuda.get_device_name() if not cpu else platform.processor() or platform.machine()
+        self.device_name = name
+        self.peak = next((v for k, v in PEAK_BF16.items() if k in name), None) if not cpu else None
+        if self.peak is None:
+            from luban.train.peak import peak_flops
+
+            self.peak = peak_flops(self.device.type, "bf16")
+
+
+# ---- luban train's own path ------------------------------------------------------------------
+def luban_train(setup: Setup, model: ModelConfig, run_dir: Path, steps: int | None = None,
+                train: dict | None = None, parallel: dict | None = None, resume: str | None = None) -> dict:
+    """A real ``luban train`` run (the ``Trainer`` the CLI's ranks run) on random-free data:
+    the embedded corpus at this sequence length; figures from its metrics.jsonl."""
+    from luban.train.trainer import Trainer
+
+    raw = {"model": {k: v for k, v in model.to_dict().items() if k != "name"},
+           "data": {"seq_len": setup.seq, "eval_batches": 1},
+           "train": {"steps": steps or setup.steps, "global_batch": setup.batch, "eval_every": 0,
+                     "checkpoint_every": 0, "warmup_steps": 1, **(train or {})},
+           "parallel": {"micro_batch": setup.batch, "precision": "bf16", **(parallel or {})},
+           "run": {"dir": str(run_dir), "device": setup.device.type, "tensorboard": False, "progress": "none"}}
+    if setup.cpu:
+        raw["train"].setdefault("compile", "false")
+    cfg = config_from_dict(raw)
+    if setup.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    if Trainer(cfg).train(resume).suspended:
+        raise RuntimeError("the run was suspended by a signal (SIGUSR1/SIGTERM/SIGINT); rerun the check")
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps_ = [r for r in records if "time_step_s" in r]
+    times = [r["time_step_s"] for r in steps_[setup.warmup:]] or [r["time_step_s"] for r in steps_]
+    step_s = statistics.median(times)
+    tokens = setup.batch * setup.seq
+    return {"step_s": step_s, "first_step_s": steps_[0]["time_step_s"], "tokens_s": tokens / step_s,
+            "mfu": tokens * flops.flops_per_token(cfg.model, setup.seq) / step_s / setup.peak,
+            "peak_gib": max(r.get("peak_memory_bytes", 0) for r in steps_) / 2**30,
+            "activation_bytes": steps_[-1].get("activation_bytes"),
+            "checkpoints": [r["checkpoint"] for r in records if "checkpoint" in r], "steps": steps_, "cfg": cfg}
+
+
+# ---- Hugging Face ----------------------------------------------------------------------------
+def hf_model(model: ModelConfig) -> nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from luban.model import hf
+
+    family = hf._moe_family(model) if model.experts else hf._family(model)
+    raw = hf.hf_config(model, family)
+    kind = raw.pop("model_type")
+    raw.pop("architectures", None)
+    config = AutoConfig.for_model(kind, **raw)
+    config._attn_implementation = "sdpa"
+    return AutoModelForCausalLM.from_config(config)
+
+
+def hf_forward_loss(module: nn.Module):
+    def loss(x, y):
+        logits = module(input_ids=x).logits
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.view(-1))
+    return loss
+
+
+# ---- the reference: a minimal single-file loop ------------------------------------------------
+class RefBlock(nn.Module):
+    """One pre-norm block of GPT-2 (LayerNorm, GELU) or Llama (RMSNorm, SwiGLU, rope, GQA), or a
+    MoE feed-forward (softmax top-k, experts looped): the FLOPs of luban.model.flops."""
+
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        norm = nn.RMSNorm if c.norm == "rmsnorm" else nn.LayerNorm
+        self.c, self.n1, self.n2 = c, norm(c.hidden), norm(c.hidden)
+        self.qkv = nn.Linear(c.hidden, c.q_dim + 2 * c.kv_dim, bias=c.bias)
+        self.o = nn.Linear(c.q_dim, c.hidden, bias=c.bias)
+        width = c.expert_ffn_hidden if c.experts else c.ffn_hidden
+        n = c.experts or 1
+        self.up = nn.Parameter(torch.randn(n, (2 if c.activation == "swiglu" else 1) * width, c.hidden) * 0.02)
+        self.down = nn.Parameter(torch.randn(n, c.hidden, width) * 0.02)
+        self.router = nn.Linear(c.hidden, c.experts, bias=False) if c.experts else None
+
+    def ffn(self, x, e):
+        h = x @ self.up[e].t()
+        if self.c.activation == "swiglu":
+            a, b = h.chunk(2, dim=-1)
+            h = F.silu(a) * b
+        else:
+            h = F.gelu(h, approximate="tanh")
+        return h @ self.down[e].t()
+
+    def forward(self, x, cos, sin):
+        c, (b, s, _) = self.c, x.shape
+        q, k, v = self.qkv(self.n1(x)).split([c.q_dim, c.kv_dim, c.kv_dim], dim=-1)
+        q, k, v = (t.view(b, s, -1, c.head_dim).transpose(1, 2) for t in (q, k, v))
+        if cos is not None:
+            rot = lambda t: t * cos + torch.cat([-t[..., c.head_dim // 2:], t[..., :c.head_dim // 2]], -1) * sin
+            q, k = rot(q), rot(k)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=c.kv_heads != c.heads)
+        x = x + self.o(y.transpose(1, 2).reshape(b, s, -1))
+        h = self.n2(x)
+        if self.router is None:
+            return x + self.ffn(h, 0)
+        flat = h.view(-1, c.hidden)
+        weights, ids = self.router(flat).softmax(-1).topk(c.experts_per_token, dim=-1)
+        out = torch.zeros_like(flat)
+        for e in range(c.experts):
+            rows, slot = (ids == e).nonzero(as_tuple=True)
+            out.index_add_(0, rows, (self.ffn(flat[rows], e) * weights[rows, slot, None]).to(out.dtype))
+        return x + out.view_as(x)
+
+
+class RefModel(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.c = c
+        self.emb = nn.Embedding(c.vocab, c.hidden)
+        self.pos = nn.Embedding(c.seq_len, c.hidden) if c.position == "learned" else None
+        self.blocks = nn.ModuleList(RefBlock(c) for _ in range(c.layers))
+        self.norm = nn.RMSNorm(c.hidden) if c.norm == "rmsnorm" else nn.LayerNorm(c.hidden)
+        self.head = nn.Linear(c.hidden, c.vocab, bias=False)
+        if c.tie_embeddings:
+            self.head.weight = self.emb.weight
+        if c.position == "rope":
+            inv = 1.0 / c.rope_theta ** (torch.arange(0, c.head_dim, 2).float() / c.head_dim)
+            ang = torch.outer(torch.arange(c.seq_len).float(), inv).repeat(1, 2)
+            self.register_buffer("cos", ang.cos(), persistent=False)
+            self.register_buffer("sin", ang.sin(), persistent=False)
+
+    def forward(self, x, y):
+        s = x.shape[1]
+        h = self.emb(x) + (self.pos.weight[:s] if self.pos is not None else 0)
+        cos, sin = (self.cos[:s], self.sin[:s]) if self.pos is None else (None, None)
+        for block in self.blocks:
+            h = block(h, cos, sin)
+        logits = self.head(self.norm(h))
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.view(-1))
+
+
+def timed_loop(setup: Setup, model: nn.Module, loss_fn) -> dict:
+    """Median step of a bare loop: bf16 autocast, fused AdamW, synchronised timing."""
+    model.to(setup.device).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=setup.device.type == "cuda")
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, model_vocab(model), (setup.batch, setup.seq), generator=g).to(setup.device)
+    y = torch.randint(0, model_vocab(model), (setup.batch, setup.seq), generator=g).to(setup.device)
+    if setup.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for i in range(setup.warmup + setup.steps):
+        sync(setup)
+        t0 = time.perf_counter()
+        with torch.autocast(setup.device.type, dtype=torch.bfloat16):
+            loss = loss_fn(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sync(setup)
+        if i >= setup.warmup:
+            times.append(time.perf_counter() - t0)
+    step_s = statistics.median(times)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if setup.device.type == "cuda" else float("nan")
+    return {"step_s": step_s, "tokens_s": setup.batch * setup.seq / step_s, "peak_gib": peak}
+
+
+def model_vocab(model: nn.Module) -> int:
+    return getattr(getattr(model, "config", None), "vocab_size", None) or model.c.vocab
+
+
+def sync(setup: Setup) -> None:
+    if setup.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def maybe_compile(setup: Setup, fn):
+    return fn if setup.cpu else torch.compile(fn)
+
+
+# ---- the sections ------------------------------------------------------------------------------
+def peers(setup: Setup, root: Path) -> tuple[list, list]:
+    rows, plan_rows = [], []
+    for name, model in setup.models.items():
+        cfg = model.replace(seq_len=max(model.seq_len, setup.seq))
+        fpt = flops.flops_per_token(cfg, setup.seq)
+        result = {}
+        for runner in ("luban train", "Hugging Face", "reference loop"):
+            try:
+                if runner == "luban train":
+                    r = luban_train(setup, cfg, root / f"peer-{len(rows)}")
+                    plan_rows.append((name, r, planned(setup, r["cfg"])))
+                elif runner == "Hugging Face":
+                    m = hf_model(cfg).to(setup.device)
+                    r = timed_loop(setup, m, maybe_compile(setup, hf_forward_loss(m)))
+                else:
+                    m = RefModel(cfg).to(setup.device)
+                    r = timed_loop(setup, m, maybe_compile(setup, m))
+                r["mfu"] = r["tokens_s"] * fpt / setup.peak
+                result[runner] = r
+                rows.append([name, runner, ms(r["step_s"]), f"{r['tokens_s']:,.0f}", pct(r["mfu"]), gib(r["peak_gib"])])
+            except Exception as err:  # noqa: BLE001 - a failing row is reported, the rest still run
+                rows.append([name, runner, "failed", one_line(err), "", ""])
+            finally:
+                free(setup)
+        if "luban train" in result and "reference loop" in result:
+            ratio = result["reference loop"]["step_s"] / result["luban train"]["step_s"]
+            rows.append([name, "luban / reference (tokens/s)", f"{ratio:.2f}x", "", "", ""])
+        if "luban train" in result and "Hugging Face" in result:
+            ratio = result["Hugging Face"]["step_s"] / result["luban train"]["step_s"]
+            rows.append([name, "luban / Hugging Face (tokens/s)", f"{ratio:.2f}x", "", "", ""])
+    return rows, plan_rows
+
+
+# the planner's profile of each device this is run on (luban/plan/systems/); the CPU mode
+# plans for the H100 too: its numbers only exercise the code
+SYSTEMS = {"H100": "dgx-h100", "H200": "hgx-h200", "A100": "dgx-a100-80g"}
+
+
+def planned(setup: Setup, cfg) -> dict:
+    """The planner's step time and peak memory for this run (runtime luban, one GPU)."""
+    from luban.plan.estimate import estimate
+
+    system = next((v for k, v in SYSTEMS.items() if k in setup.device_name), "dgx-h100")
+    try:
+        est = estimate(cfg.model, system, cfg.parallel, global_batch=cfg.train.global_batch, seq=setup.seq,
+                       gpus=1, runtime="luban", optimizer=cfg.train.optimizer)
+        return {"step_s": est.step_time_s, "peak_bytes": est.memory_bytes.get("total"), "system": system}
+    except Exception as err:  # noqa: BLE001
+        return {"error": one_line(err)}
+
+
+def plan_table(plan_rows) -> list:
+    rows = []
+    for name, measured, plan in plan_rows:
+        if not plan or "error" in plan:
+            rows.append([name, ms(measured["step_s"]), "not planned: " + (plan or {}).get("error", ""), "", "", ""])
+            continue
+        step, mem = plan.get("step_s"), plan.get("peak_bytes")
+        rows.append([name, ms(measured["step_s"]), ms(step) if step else "", f"{(step / measured['step_s'] - 1) * 100:+.0f}%"
+                     if step else "", gib(measured["peak_gib"]), gib(mem / 2**30) if mem else ""])
+    return rows
+
+
+OPTIONS = [("bf16 (default)", {}, {}), ("fp32", {}, {"precision": "fp32"}), ("fp16", {}, {"precision": "fp16"}),
+           ("recompute selective", {}, {"recompute": "selective"}), ("recompute full", {}, {"recompute": "full"}),
+           ("offload activations", {}, {"offload": "activations"}),
+           ("offload optimizer (zero 1)", {}, {"offload": "optimizer", "zero": 1}),
+           ("zero 1", {}, {"zero": 1}), ("zero 3", {}, {"zero": 3}),
+           ("compile off", {"compile": "false"}, {}), ("compile on", {"compile": "true"}, {})]
+
+
+def options(setup: Setup, root: Path) -> list:
+    name, model = next(iter(setup.models.items()))
+    rows = []
+    for i, (label, train, parallel) in enumerate(OPTIONS):
+        if setup.cpu and label == "compile on":
+            continue  # minutes of compiling on a CPU; tests/train/test_compile.py covers it there
+        try:
+            r = luban_train(setup, model, root / f"opt-{i}", train=train, parallel=parallel)
+            rows.append([label, ms(r["step_s"]), f"{r['tokens_s']:,.0f}", pct(r["mfu"]), gib(r["peak_gib"]),
+                         f"{r['first_step_s']:.1f} s"])
+        except Exception as err:  # noqa: BLE001
+            rows.append([label, "failed", one_line(err), "", "", ""])
+        finally:
+            free(setup)
+    return [[f"{name}: {r[0]}", *r[1:]] for r in rows]
+
+
+def checkpoint_stall(setup: Setup, root: Path) -> list:
+    name, model = next(iter(setup.models.items()))
+    rows, every = [], max(2, setup.steps // 3)
+    for mode in ("sync", "async"):
+        try:
+            r = luban_train(setup, model, root / f"ckpt-{mode}", steps=setup.warmup + 3 * every,
+                            train={"checkpoint_every": every, "async_checkpoint": mode == "async"})
+            saves = [c for c in r["checkpoints"] if c["step"] < setup.warmup + 3 * every]
+            stall = statistics.median(c["stall_s"] for c in saves) if saves else float("nan")
+            after = [s["time_step_s"] for s in r["steps"] if (s["step"] - 1) % every == 0 and s["step"] > every]
+            rows.append([name, mode, f"{stall * 1e3:.0f} ms", ms(r["step_s"]),
+                         ms(statistics.median(after)) if after else ""])
+        except Exception as err:  # noqa: BLE001
+            rows.append([name, mode, "failed", one_line(err), ""])
+        finally:
+            free(setup)
+    return rows
+
+
+def deterministic_resume(setup: Setup, root: Path) -> list:
+    from luban.train import checkpoint
+
+    name, model = next(iter(setup.models.items()))
+    steps = setup.warmup + 4
+    det = {"deterministic": True, "checkpoint_every": steps // 2}
+    try:
+        finals = {}
+        for label in ("first", "second"):
+            luban_train(setup, model, root / f"det-{label}", steps=steps, train=det)
+            finals[label] = state_of(checkpoint.resolve("auto", root / f"det-{label}" / "checkpoints"))
+        luban_train(setup, model, root / "det-resumed", steps=steps // 2, train=det)
+        luban_train(setup, model, root / "det-resumed", steps=steps, train=det, resume="auto")
+        finals["resumed"] = state_of(checkpoint.resolve("auto", root / "det-resumed" / "checkpoints"))
+    except Exception as err:  # noqa: BLE001
+        return [[name, "failed", one_line(err), ""]]
+    finally:
+        torch.use_deterministic_algorithms(False)
+    rows = []
+    for label in ("second", "resumed"):
+        diff = [k for k in finals["first"] if not torch.equal(finals["first"][k], finals[label][k])]
+        rows.append([name, f"first vs {label}", "bitwise equal" if not diff else f"{len(diff)} tensors differ",
+                     str(len(finals["first"]))])
+    return rows
+
+
+def state_of(ckpt: Path) -> dict:
+    """Every tensor of a checkpoint (DCP folder), by name."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    state: dict = {}
+    _load_state_dict(state, storage_reader=FileSystemReader(str(ckpt)), planner=_EmptyStateDictLoadPlanner(),
+                     no_dist=True)
+    flat = {}
+
+    def walk(prefix, value):
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}.{k}" if prefix else str(k), v)
+        elif isinstance(value, torch.Tensor):
+            flat[prefix] = value
+    walk("", state)
+    return flat
+
+
+# ---- formatting --------------------------------------------------------------------------------
+def ms(s: float) -> str:
+    return f"{s * 1e3:.4g} ms"
+
+
+def pct(x: float) -> str:
+    return f"{x * 100:.1f}%"
+
+
+def gib(x: float) -> str:
+    return "n/a" if x != x else f"{x:.2f} GiB"
+
+
+def one_line(err: BaseException) -> str:
+    return f"{type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}".replace("|", "/")
+
+
+def free(setup: Setup) -> None:
+    import gc
+
+    gc.collect()
+    if setup.device.type == "cuda":
+        torch.cuda.empty_cache()
+    torch._dynamo.reset()
+
+
+def table(header: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(str(c) for c in r) + " |" for r in rows])
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cpu", action="store_true", help="smoke mode: tiny shapes on the CPU")
+    parser.add_argument("--out", default="bench/results/gpu.md")
+    parser.add_argument("--sections", default="abcde", help="which of (a)-(e) to run")
+    args = parser.parse_args(argv)
+    if not args.cpu and not torch.cuda.is_available():
+        print("gpu_check: no CUDA device; run with --cpu for the smoke mode", file=sys.stderr)
+        return 2
+    setup = Setup(args.cpu)
+    start = time.perf_counter()
+    out = [f"# GPU check ({'CPU smoke mode' if args.cpu else setup.device_name})", "",
+           f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
+           f"- device: {setup.device_name}" + (f", driver {torch.cuda.get_device_properties(0).name} / CUDA "
+                                               f"{torch.version.cuda}" if not args.cpu else ""),
+           f"- torch {torch.__version__}, Python {platform.python_version()}",
+           f"- command: `python {' '.join(shlex.quote(a) for a in [sys.argv[0], *(argv or sys.argv[1:])])}`",
+           f"- shapes: batch {setup.batch} x seq {setup.seq}, bf16, median of {setup.steps} steps after "
+           f"{setup.warmup} warm-up steps; MFU against {setup.peak / 1e12:.0f} TFLOP/s", ""]
+    with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
+        root = Path(tmp)
+        sections = [
+            ("a", "(a) luban against its peers", ["model", "runner", "step", "tokens/s", "MFU", "peak memory"]),
+            ("b", "(b) planner vs measured (luban runtime)", ["model", "measured step", "planned step", "error",
+                                                              "measured peak", "planned peak"]),
+            ("c", "(c) single-GPU options through luban train", ["option", "step", "tokens/s", "MFU", "peak memory",
+                                                                 "first step"]),
+            ("d", "(d) checkpoint stall", ["model", "save", "stall (median)", "step", "step after a save"]),
+            ("e", "(e) deterministic resume", ["model", "comparison", "result", "tensors"])]
+        plan_rows: list = []
+        for key, title, header in sections:
+            if key not in args.sections:
+                continue
+            try:
+                if key == "a":
+                    rows, plan_rows = peers(setup, root)
+                elif key == "b":
+                    rows = plan_table(plan_rows)
+                elif key == "c":
+                    rows = options(setup, root)
+                elif key == "d":
+                    rows = checkpoint_stall(setup, root)
+                else:
+                    rows = deterministic_resume(setup, root)
+            except Exception:  # noqa: BLE001 - the report says what broke
+                rows = [["section failed: " + traceback.format_exc().splitlines()[-1].replace("|", "/")]
+                        + [""] * (len(header) - 1)]
+            out += [f"## {title}", "", table(header, rows), ""]
+            print(f"gpu_check: {title} done ({time.perf_counter() - start:.0f} s)", flush=True)
+    out.append(f"Total wall time: {time.perf_counter() - start:.0f} s.")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text("\n".join(out) + "\n")
+    print(f"gpu_check: wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
