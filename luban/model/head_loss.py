@@ -119,9 +119,21 @@ def chunked_head_loss(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tenso
 _compiled = None
 
 
+def padded_head_loss(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """``plain_head_loss`` with the GEMM on the padded vocabulary and the padding masked."""
+    vocab = weight.shape[0]
+    pad = -(-vocab // VOCAB_MULTIPLE) * VOCAB_MULTIPLE - vocab
+    if pad == 0:
+        return plain_head_loss(h, weight, labels)
+    logits = F.linear(h, F.pad(weight, (0, 0, 0, pad)))
+    padding = torch.arange(vocab + pad, device=logits.device) >= vocab
+    return lm_loss(logits.masked_fill(padding, float("-inf")), labels)
+
+
 def compiled_head_loss(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """``plain_head_loss`` compiled as one graph (built on first use)."""
+    """``padded_head_loss`` compiled as one graph (built on first use): the mask, the fp32
+    cast and the cross-entropy fuse into the GEMM's consumer."""
     global _compiled
     if _compiled is None:
-        _compiled = torch.compile(plain_head_loss)
+        _compiled = torch.compile(padded_head_loss)
     return _compiled(h, weight, labels)

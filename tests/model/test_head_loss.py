@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from luban.model.head_loss import chunked_head_loss, compiled_head_loss, plain_head_loss
+from luban.model.head_loss import chunked_head_loss, compiled_head_loss, padded_head_loss, plain_head_loss
 
 
 def _case(dtype=torch.float32, n=(3, 37), h=48, v=517, seed=0):
@@ -78,7 +78,8 @@ def test_padding_the_vocabulary_changes_nothing(vocab):
     x, w, y = _case(v=vocab)
     assert padded_weight(w, torch.float32).shape[0] % VOCAB_MULTIPLE == 0
     ref = _grads(plain_head_loss, x, w, y)
-    got = _grads(chunked_head_loss, x, w, y, chunk=50)
-    assert got[2].shape == w.shape
-    for a, b in zip(got, ref):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for fn, kw in ((chunked_head_loss, {"chunk": 50}), (padded_head_loss, {})):
+        got = _grads(fn, x, w, y, **kw)
+        assert got[2].shape == w.shape
+        for a, b in zip(got, ref):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
