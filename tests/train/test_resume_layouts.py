@@ -8,7 +8,10 @@ position, and the two runs' loss and grad-norm traces must be equal at every ste
 
 DDP (``zero = 0``) runs here in every form it takes (dense, several buckets, MoE with the experts
 in DDP and under expert parallel, under pipeline and context parallel): a single-process test
-cannot see what went wrong there (``luban/parallel/data_parallel.py``, ``pipeline.py``).
+cannot see what went wrong there — on 3457f4b all four DDP cases differed from the first resumed
+step on (``luban/parallel/data_parallel.py``, ``pipeline.py``). The first case's straight run is
+its ranks' first training in the process: that is how the RNG drawn once per process by the MFU
+peak measurement (``luban.plan.probe.matmul_flops``) showed up in the saved RNG states.
 """
 
 from __future__ import annotations
