@@ -36,8 +36,10 @@ order backward produces them, so reduction still overlaps backward), and every s
 process reduces in that layout. The price is a walk of the autograd graph after each
 synchronising forward and a small all-reduce of used-parameter flags per step (not measured
 here; small next to a transformer step); torch's one-time warning that no unused parameter
-was found is silenced. Found not to matter (each tried alone): gradient-as-bucket views, the
-bucket size, and the expert-gradient reduction (one flat all-reduce in parameter order). The
+was found is silenced. Without the rebuild nothing else here carries history across a resume
+(tests/train/test_resume_layouts.py: several buckets, accumulated micro-batches, experts in
+DDP and under expert parallel, whose gradients ``reduce_expert_grads`` sums in one flat
+all-reduce in parameter order; gradient-as-bucket views and static graph are not used). The
 pipeline's shape-inference forward was a second history of DDP's (``pipeline._Stage``).
 """
 
