@@ -35,8 +35,9 @@ out once, at construction, from the parameters (in reverse definition order, clo
 order backward produces them, so reduction still overlaps backward), and every step of every
 process reduces in that layout. The price is a walk of the autograd graph after each
 synchronising forward and a small all-reduce of used-parameter flags per step (not measured
-here; small next to a transformer step); torch's one-time warning that no unused parameter
-was found is silenced. Without the rebuild nothing else here carries history across a resume
+here; small next to a transformer step). Each rank prints torch's one-time C++ warning that no
+unused parameter was found (as pipelined DDP always did; it comes from the autograd thread's
+C++ logging, which Python's ``warnings`` filters do not reach). Without the rebuild nothing else here carries history across a resume
 (tests/train/test_resume_layouts.py: several buckets, accumulated micro-batches, experts in
 DDP and under expert parallel, whose gradients ``reduce_expert_grads`` sums in one flat
 all-reduce in parameter order; gradient-as-bucket views and static graph are not used). The
@@ -46,7 +47,6 @@ pipeline's shape-inference forward was a second history of DDP's (``pipeline._St
 from __future__ import annotations
 
 import contextlib
-import warnings
 
 import torch
 from torch import nn
@@ -79,8 +79,6 @@ def apply_data_parallel(module: nn.Module, layout: ParallelLayout, mesh: LayoutM
         # gradient order and fail).
         # No buffer sync per forward: the only buffers are MoE routers' balancing bias (updated
         # identically on every rank from all-reduced loads) and per-rank load counters.
-        warnings.filterwarnings("ignore", message="find_unused_parameters=True was specified in DDP constructor, "
-                                "but did not find any unused parameters")
         return DistributedDataParallel(module, process_group=mesh["dp_cp"].get_group(), forward_sync_buffers=False,
                                        bucket_cap_mb=layout.bucket_mb, find_unused_parameters=True,
                                        device_ids=[torch.cuda.current_device()] if device.type == "cuda" else None)
