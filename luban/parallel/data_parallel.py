@@ -37,11 +37,12 @@ process reduces in that layout. The price is a walk of the autograd graph after 
 synchronising forward and a small all-reduce of used-parameter flags per step (not measured
 here; small next to a transformer step). Each rank prints torch's one-time C++ warning that no
 unused parameter was found (as pipelined DDP always did; it comes from the autograd thread's
-C++ logging, which Python's ``warnings`` filters do not reach). Without the rebuild nothing else here carries history across a resume
-(tests/train/test_resume_layouts.py: several buckets, accumulated micro-batches, experts in
-DDP and under expert parallel, whose gradients ``reduce_expert_grads`` sums in one flat
-all-reduce in parameter order; gradient-as-bucket views and static graph are not used). The
-pipeline's shape-inference forward was a second history of DDP's (``pipeline._Stage``).
+C++ logging, which Python's ``warnings`` filters do not reach). Without the rebuild nothing
+else here carries history across a resume (tests/train/test_resume_layouts.py: several
+buckets, accumulated micro-batches, experts in DDP and under expert parallel, whose gradients
+``reduce_expert_grads`` sums in one flat all-reduce in parameter order; gradient-as-bucket
+views and static graph are not used). The pipeline's shape-inference forward was a second
+history of DDP's (``pipeline._Stage``).
 """
 
 from __future__ import annotations
