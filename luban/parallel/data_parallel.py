@@ -21,6 +21,28 @@ FSDP2 and not on ``ZeroRedundancyOptimizer`` (whose state is a rank-0 consolidat
 Under ZeRO-1/2 FSDP2 still frees the gathered parameters after backward, so parameter
 memory between steps is sharded as well; what distinguishes the stages is gradient memory
 while accumulating and the number of all-gathers per step.
+
+Bitwise resume under DDP. An all-reduce sums each element over the ranks in an order set by
+the element's position in the buffer (a ring starts each chunk's reduction at another rank),
+so the gradients DDP averages depend on how its buckets are laid out, not only on their
+values. DDP's reducer, left to itself (``find_unused_parameters=False``), reduces the first
+iteration of every process in one bucket in parameter order and then rebuilds its buckets in
+the order the gradients became ready: a run resumed from a checkpoint reduced its first step
+in another layout than the uninterrupted run used for that step, and the weights parted in
+the last bits (3e-8 two steps after the resume, 1.8e-5 after 24). DDP is therefore built with
+``find_unused_parameters=True``, under which the reducer never rebuilds: the buckets are laid
+out once, at construction, from the parameters (in reverse definition order, close to the
+order backward produces them, so reduction still overlaps backward), and every step of every
+process reduces in that layout. The price is a walk of the autograd graph after each
+synchronising forward and a small all-reduce of used-parameter flags per step (not measured
+here; small next to a transformer step). Each rank prints torch's one-time C++ warning that no
+unused parameter was found (as pipelined DDP always did; it comes from the autograd thread's
+C++ logging, which Python's ``warnings`` filters do not reach). Without the rebuild nothing
+else here carries history across a resume (tests/train/test_resume_layouts.py: several
+buckets, accumulated micro-batches, experts in DDP and under expert parallel, whose gradients
+``reduce_expert_grads`` sums in one flat all-reduce in parameter order; gradient-as-bucket
+views and static graph are not used). The pipeline's shape-inference forward was a second
+history of DDP's (``pipeline._Stage``).
 """
 
 from __future__ import annotations
@@ -52,13 +74,14 @@ def apply_data_parallel(module: nn.Module, layout: ParallelLayout, mesh: LayoutM
         if experts:
             DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
                 module, [n for n, p in module.named_parameters() if any(p is e for e in experts)])
-        # Under pp the schedule runs several backward passes per step (DDP's reducer would
-        # record every micro-batch's gradient order when rebuilding buckets and fail): keep
-        # the initial buckets (no rebuild happens when unused parameters are searched for).
+        # find_unused_parameters: the buckets of the first iteration are those of every later
+        # one (no rebuild; see the module doc: bitwise resume; and under pp, where the schedule
+        # runs several backward passes per step, a rebuild would record every micro-batch's
+        # gradient order and fail).
         # No buffer sync per forward: the only buffers are MoE routers' balancing bias (updated
         # identically on every rank from all-reduced loads) and per-rank load counters.
         return DistributedDataParallel(module, process_group=mesh["dp_cp"].get_group(), forward_sync_buffers=False,
-                                       bucket_cap_mb=layout.bucket_mb, find_unused_parameters=layout.pp > 1,
+                                       bucket_cap_mb=layout.bucket_mb, find_unused_parameters=True,
                                        device_ids=[torch.cuda.current_device()] if device.type == "cuda" else None)
     dp_mesh = mesh["dp_replicate", "dp_shard_cp"] if layout.dp_replicate > 1 else mesh["dp_shard_cp"]
     compute = DTYPES[layout.precision]

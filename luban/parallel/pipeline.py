@@ -21,6 +21,7 @@ first (``_unshard_stage``).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Protocol
 
 import torch
@@ -29,6 +30,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
+from torch.nn.parallel import DistributedDataParallel
 
 from luban.model import moe
 from luban.model.config import ModelConfig
@@ -102,8 +104,15 @@ class _Stage(PipelineStage):
 
     def _forward_metadata_inference(self, *args, **kwargs):
         """torch runs the stage forward once on the first micro-batch (or on empty tensors) to
-        infer shapes: that forward must not count as MoE expert load."""
-        with moe.not_counted(self.submod):
+        infer shapes: that forward must not count as MoE expert load, and under DDP it runs in
+        ``no_sync``. Outside it, DDP's forward arms the reducer for a backward that never
+        comes (``prepare_for_backward``), the first real micro-batch's backward then all-reduces
+        its partial gradients (the stage runs that backward under ``no_sync``, but ``no_sync`` only
+        keeps a forward from arming the reducer, it does not disarm it), and the first step of
+        every process — a resumed one's too — summed in another order than later steps: resume
+        was not bitwise."""
+        quiet = self.submod.no_sync() if isinstance(self.submod, DistributedDataParallel) else contextlib.nullcontext()
+        with moe.not_counted(self.submod), quiet:
             return super()._forward_metadata_inference(*args, **kwargs)
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, *args, **kwargs):

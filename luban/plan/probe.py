@@ -39,11 +39,15 @@ def _best_seconds(fn, budget: float, min_reps: int = 3, stat=min, warmup: int = 
 
 
 def matmul_flops(n: int, dtype=None, budget: float = 0.2) -> float:
-    """FLOP/s of an n×n×n matmul (2n³ FLOPs), best of repeated runs."""
+    """FLOP/s of an n×n×n matmul (2n³ FLOPs), best of repeated runs. Its operands come from a
+    generator of its own: the trainer measures this (the MFU peak on a CPU) once per process,
+    after a resume has restored the global RNG, which must then advance as in the
+    uninterrupted run."""
     import torch
 
     dtype = dtype or torch.float32
-    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    gen = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(n, n, generator=gen).to(dtype) for _ in range(2))
     return 2 * n**3 / _best_seconds(lambda: torch.mm(a, b), budget)
 
 

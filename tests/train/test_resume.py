@@ -118,3 +118,16 @@ def test_keep_last_k(tiny, tmp_path):
 def test_resume_explicit_bad_directory_is_one_line_error(tiny, tmp_path):
     proc = luban("train", "--resume", tmp_path / "nope", *sum((["--set", s] for s in tiny()), []))
     assert proc.returncode == 2 and "--resume" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_measuring_the_cpu_peak_leaves_the_rng_alone():
+    """The trainer measures the CPU's matmul peak (MFU) once per process, after a resume restored
+    the RNG: drawing its operands from the global RNG made a resumed run's RNG state part from the
+    uninterrupted run's (seen in the multi-rank resume test, test_resume_layouts.py)."""
+    import torch
+
+    from luban.plan.probe import measure_matmul_peak
+
+    before = torch.get_rng_state()
+    assert measure_matmul_peak(seconds=0.02) > 0
+    assert torch.equal(before, torch.get_rng_state())
