@@ -41,6 +41,7 @@ class Problem:
     optimizer: str = "adamw"
     expert_imbalance: float = 1.0
     attention_kernel: str = "fa3"  # fused attention generation: fa2 (FlashAttention-2 class) or fa3 (Hopper's FA3 class)
+    compiled: bool | None = None  # torch.compile on (True) or off (False); None: the runtime's default
     derived: dict = field(init=False, repr=False)
 
     def __post_init__(self):

@@ -156,7 +156,7 @@ def step_time(problem: Problem, g: Grid, mem: dict) -> dict:
     tokens = g.micro_batch * problem.seq / c
     peak, gemm_peak = peak_flops(problem, g), peak_flops(problem, g, gemm=True)
     hbm = s.hbm_bandwidth * s.efficiency["hbm_efficiency"]
-    traffic = s.efficiency["elementwise_traffic"]
+    traffic = s.efficiency["elementwise_traffic"] * rt.traffic_scale(problem)
     act = activation_bytes(problem, g)
     n = rank_layers(problem, g)[2]  # the busiest rank paces the pipeline
     cpu = cpu_terms(problem)
@@ -201,7 +201,8 @@ def step_time(problem: Problem, g: Grid, mem: dict) -> dict:
               * all_to_all(problem, tokens * all_to_all_bytes(problem, g, act["e"]), g.ep, t))
 
     share = recomputed_share(problem, g)
-    selective_redo = attn + traffic * (act["none"] - act["selective"]) * tokens / hbm
+    selective_redo = rt.selective_redo(problem, mm, attn, elementwise,
+                                       attn + traffic * (act["none"] - act["selective"]) * tokens / hbm)
     recompute = np.where(g.recompute == FULL, share * layer_fwd, np.where(g.recompute == SELECTIVE, selective_redo, 0.0))
     comm_redo = np.where(g.recompute == FULL, share * (tp_fwd + cp_fwd + ep_one), 0.0)
 
@@ -230,7 +231,8 @@ def step_time(problem: Problem, g: Grid, mem: dict) -> dict:
         """(weight all-gathers, gradient reductions) of ``nbytes_params`` parameters over ``ranks``."""
         intra = t * c * ranks <= s.nvlink_domain
         grads = nbytes_params * gb
-        gather = np.where(g.zero == 0, 0.0, gathers * collective(problem, nbytes_params * wb / groups, ranks, intra, GATHER))
+        gather = np.where(g.zero == 0, 0.0, gathers * collective(problem, nbytes_params * rt.gather_bytes(wb, g.precision) / groups,
+                                                                   ranks, intra, GATHER))
         reduce = np.where(g.zero == 0, collective(problem, grads, ranks, intra, ALL_REDUCE),
                           reductions * collective(problem, grads / groups, ranks, intra, GATHER))
         return gather, reduce
