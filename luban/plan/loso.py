@@ -37,9 +37,9 @@ from luban.plan import runtimes
 from luban.plan.system import System, load_system
 
 # the grids (x shipped value, except eager: absolute); FULL for `luban plan validate`, SMALL for tests
-FULL_GRID = {"mm": (0.92, 0.96, 1.0, 1.04, 1.08), "attn": (0.8, 1.0, 1.25), "fp8": (0.9, 1.0, 1.1),
-             "eager": (1.0, 1.5, 2.0, 3.0, 4.0)}
-SMALL_GRID = {"mm": (0.96, 1.0, 1.04), "attn": (1.0,), "fp8": (1.0,), "eager": (1.0, 2.0, 3.0)}
+FULL_GRID = {"mm": (0.96, 1.0, 1.04), "attn": (0.8, 1.0, 1.25), "fp8": (0.9, 1.0, 1.1),
+             "eager": (2.0, 3.0, 3.5, 4.0, 5.0)}
+SMALL_GRID = {"mm": (0.96, 1.0), "attn": (1.0,), "fp8": (1.0,), "eager": (2.0, 3.5)}
 PROFILES = ("dgx-a100-80g", "dgx-a100-40g", "dgx-h100", "hgx-h200")
 
 
@@ -88,10 +88,11 @@ def _tables():
         ("megatron-bridge-h100-dense", "nvidia-nemo-megatron-core", ("mm", "attn", "fp8"), h100(v.megatron_bridge_dense)),
         ("nemo-h100-long-sequence-cp", "nvidia-nemo-megatron-core", ("mm", "attn", "fp8"), h100(v.nemo_long_sequence)),
         ("llama3-2024-t4-h100", "meta-llama3", ("mm", "attn"), h100(v.llama3_table4)),
-        ("mosaicml-llm-foundry", "mosaicml-composer", ("mm", "attn", "fp8", "eager"),
+        ("mosaicml-llm-foundry", "mosaicml-composer", ("mm", "attn", "eager"),
          csv("mosaicml_llm_foundry_throughput.csv", "mosaicml-llm-foundry")),
-        ("torchtitan-h100", "torchtitan", ("mm", "attn", "fp8", "eager"), csv("torchtitan_llama3_h100.csv", "torchtitan-h100")),
+        ("torchtitan-h100", "torchtitan", ("mm", "attn", "eager"), csv("torchtitan_llama3_h100.csv", "torchtitan-h100")),
         ("megatron-deepspeed-a100", None, ("mm",), csv("megatron_deepspeed_a100.csv", "megatron-deepspeed-a100")),
+        ("h100-single-gpu", "luban-h100-single-gpu", ("mm", "attn", "eager"), lambda systems: v.h100_single_gpu(systems)),
     ]
 
 

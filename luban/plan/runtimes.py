@@ -97,14 +97,24 @@ class Runtime:
     compiled_default = False  # torch.compile on when the problem does not say (``Problem.compiled``)
     gather_half = False  # ZeRO-3/FSDP all-gathers weights in the 16-bit compute dtype (param_dtype), not wb
 
-    def compiled(self, problem) -> bool:
-        return self.compiled_default if problem.compiled is None else bool(problem.compiled)
+    def skips_causal(self, problem) -> bool:
+        """Whether attention runs as a fused kernel that skips the masked half (``causal_skip``)."""
+        return self.causal_skip
 
-    def traffic_scale(self, problem) -> float:
-        """Elementwise HBM traffic relative to a fused runtime (the profile's ``elementwise_traffic``
-        is a fused runtime's: Megatron's, on which it was calibrated). CPU profiles: 1 (their
-        ``elementwise_traffic`` is probed on luban's own eager kernels)."""
-        if problem.system.cpu or not self.eager_kernels or self.compiled(problem):
+    def compiled(self, problem):
+        """``Problem.compiled``, or the runtime's default: False, True (the whole model with its
+        head and loss) or ``"blocks"`` (each transformer block compiled, the head and loss eager:
+        torchtitan's ``apply_compile``, and luban's Engine at 3457f4b)."""
+        return self.compiled_default if problem.compiled is None else problem.compiled
+
+    def traffic_scale(self, problem, head: bool = False) -> float:
+        """Elementwise HBM traffic of the layers (``head``: of the head and loss) relative to a fused
+        runtime (the profile's ``elementwise_traffic`` is a fused runtime's: Megatron's, on which
+        it was calibrated). CPU profiles: 1 (their ``elementwise_traffic`` is probed on luban's own
+        eager kernels)."""
+        compiled = self.compiled(problem)
+        fused = compiled is True or (compiled == "blocks" and not head)
+        if problem.system.cpu or not self.eager_kernels or fused:
             return 1.0
         return EAGER_TRAFFIC
 
@@ -241,7 +251,9 @@ class MegatronCore(Megatron):
 class FSDP2(Runtime):
     name = "fsdp2"
     fsdp = True
-    eager_kernels = True  # torchtitan's model is plain PyTorch; ``--training.compile`` fuses it (``Problem.compiled``)
+    eager_kernels = True  # torchtitan's model is plain PyTorch; ``--training.compile`` compiles each block
+    # (``apply_compile``: ``torch.compile(transformer_block, fullgraph=True)`` per layer; the output
+    # layer and the loss stay eager): planned with ``Problem.compiled = "blocks"``
     gather_half = True  # ``MixedPrecisionPolicy(param_dtype=bf16)``: FSDP2 all-gathers bf16 weights
     cp_shards = True
     causal_skip = True  # SDPA flash / cuDNN attention with is_causal
@@ -280,6 +292,12 @@ class FSDP2(Runtime):
 class Luban(FSDP2):
     name = "luban"
     selective_redo = Runtime.selective_redo  # luban's "selective": Korthikanti's (luban.model.transformer)
+
+    def skips_causal(self, problem) -> bool:
+        """``F.scaled_dot_product_attention(is_causal=True)`` dispatches to FlashAttention on a CUDA
+        GPU (masked blocks skipped) and to the math path on a CPU (``causal_skip`` False: the
+        planner's CPU terms were fitted so)."""
+        return not problem.system.cpu
     compiled_default = True  # ``[train] compile = "auto"``: on for CUDA (CPU profiles: traffic_scale is 1)
     gather_half = False  # luban's FSDP2 groups gather the fp32 weights (as measured)
     causal_skip = False  # as measured on CPU (math path) and as the planner's CPU terms were fitted
@@ -319,6 +337,14 @@ class Luban(FSDP2):
     dp_hidden = Runtime.dp_hidden  # as measured: DDP and ZeRO 1-2 reductions are not hidden
 
 
+class PlainPyTorch(FSDP2):
+    """One process, no sharding: a plain PyTorch training loop (Hugging Face ``transformers``
+    models, nanoGPT-style scripts) with fp32 weights under bf16 autocast and SDPA attention;
+    eager unless compiled (``Problem.compiled``: the whole model with its loss)."""
+    name = "pytorch"
+    selective_redo = Runtime.selective_redo
+
+
 class MegatronDeepSpeed(Megatron):
     """Megatron-DeepSpeed as BigScience (BLOOM) and Microsoft + NVIDIA (MT-NLG) ran it in 2021-22:
     Megatron-LM's layers and fused kernels (``megatron``'s accounting, no overlap), DeepSpeed's
@@ -340,10 +366,10 @@ class ComposerFSDP(FSDP2):
 # constant for every eager runtime, fitted across sources by bench/plan_calibrate_sources.py
 # (leave-one-source-out in ``luban plan validate``). An eager RMSNorm alone is ~6 fp32 passes
 # (upcast, square, mean, rsqrt, two multiplies) where a fused kernel reads and writes once.
-EAGER_TRAFFIC = 4.0
+EAGER_TRAFFIC = 3.5
 
 
-RUNTIMES = {r.name: r for r in (Megatron(), MegatronCore(), FSDP2(), Luban(), MegatronDeepSpeed(), ComposerFSDP())}
+RUNTIMES = {r.name: r for r in (Megatron(), MegatronCore(), FSDP2(), Luban(), MegatronDeepSpeed(), ComposerFSDP(), PlainPyTorch())}
 
 
 def get(name: str) -> Runtime:

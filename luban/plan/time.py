@@ -167,7 +167,7 @@ def step_time(problem: Problem, g: Grid, mem: dict) -> dict:
     # overhead is counted here (the backward's 2x carries the rest)
     mm_flops = tokens * d["layer_matmul_flops"] / t
     mm = slow * compute_seconds(problem, mm_flops, mm_flops / 4, gemm_peak)
-    if rt.causal_skip:  # a fused kernel skips the masked half, at its own share of the GEMM curve
+    if rt.skips_causal(problem):  # a fused kernel skips the masked half, at its own share of the GEMM curve
         attn_flops = tokens * d["causal_attention_flops"] / t
         attn = slow * compute_seconds(problem, attn_flops, attn_flops / 2, peak * attention_share(problem))
     else:
@@ -181,7 +181,8 @@ def step_time(problem: Problem, g: Grid, mem: dict) -> dict:
     experts = problem.expert_imbalance * slow * compute_seconds(problem, expert_flops, np.maximum(expert_gemm, 1.0), gemm_peak)
     layer_fwd = mm + experts + attn + elementwise + contend * np.where(t > 1, cpu["tp_layer"], cpu["layer"]) / 3
     head_flops = tokens * d["head_flops"] / t
-    head_fwd = (slow * (compute_seconds(problem, head_flops, head_flops, peak) + traffic * 4.0 * cfg.vocab / t * tokens / hbm)
+    head_traffic = s.efficiency["elementwise_traffic"] * rt.traffic_scale(problem, head=True)
+    head_fwd = (slow * (compute_seconds(problem, head_flops, head_flops, peak) + head_traffic * 4.0 * cfg.vocab / t * tokens / hbm)
                 + contend * np.where(t > 1, cpu["tp_rest"], cpu["rest"]) / 3)
 
     # tensor (+ sequence) parallel: 2 all-reduces (or all-gather + reduce-scatter pairs) each way

@@ -302,6 +302,8 @@ def validate_all(system="dgx-a100-80g") -> dict:
         hopper += tables[name]
     tables["h100-fitted"] = [r for r in hopper if is_fitted(r)]
     tables["h100-held-out"] = [r for r in hopper if not is_fitted(r)]
+    for name, fn in SOURCE_TABLES.items():  # independent sources (docs/planner.md "Validation by source")
+        tables[name] = fn()
     moe = megatron_bridge_moe()
     tables["megatron-bridge-h100-moe-bf16"] = [r for r in moe if not r["fp8"]]
     tables["megatron-bridge-h100-moe-fp8"] = [r for r in moe if r["fp8"]]
@@ -357,8 +359,11 @@ def _source_model(r: dict) -> ModelConfig:
 
 def source_rows(name: str, table: str, systems: dict | None = None) -> list[dict]:
     """Every row of a source CSV, planned at its published layout; the reference is tokens/s per
-    GPU or seconds per step (``metric``)."""
-    rows = []
+    GPU or seconds per step (``metric``). ``tokens_per_s_per_gpu_relative``: a source whose
+    machine's peak is not known (torchtitan's 500 W H100s) is scored on its rows' ratios to its
+    first such row (the anchor, not scored itself): what the runtime model decides (compiled or
+    eager, scaling out, tensor parallel, model size), not the unknown clock."""
+    rows, anchor = [], None
     for r in read_source_table(name):
         gpus, tp, pp, cp, vp = (int(r[k]) for k in ("gpus", "tp", "pp", "cp", "vp"))
         precision = r["precision"]
@@ -366,7 +371,7 @@ def source_rows(name: str, table: str, systems: dict | None = None) -> list[dict
                                 precision=precision, recompute=r["recompute"],
                                 schedule="interleaved-1f1b" if vp > 1 else "1f1b", virtual_stages=vp,
                                 micro_batch=int(r["micro_batch"]))
-        compiled = {"yes": True, "no": False}.get(r.get("compile", ""), None)
+        compiled = {"yes": True, "no": False, "blocks": "blocks"}.get(r.get("compile", ""), None)
         seq, batch = int(r["seq"]), int(r["global_batch"])
         problem = Problem(_source_model(r), source_system(r["system"], systems), gpus, seq, batch,
                           runtime=r["runtime"], attention_kernel="fa2", compiled=compiled)
@@ -377,8 +382,59 @@ def source_rows(name: str, table: str, systems: dict | None = None) -> list[dict
             predicted, unit = est.step_time_s, "s"
         else:
             predicted, unit = est.tokens_per_s / gpus, "tokens/s/GPU"
+        if r["metric"] == "tokens_per_s_per_gpu_relative" and anchor is None:
+            anchor = predicted / ref  # the file's first relative row: the others are scored against it
+            continue
+        if r["metric"] == "tokens_per_s_per_gpu_relative":
+            predicted = predicted / anchor  # (pred_i / pred_0) / (ref_i / ref_0) - 1, in ref_i's units
         label = f"{r['model']} {r['system']} {gpus} GPUs tp{tp} pp{pp} cp{cp} zero{r['zero']} mb{r['micro_batch']} {r['recompute']}"
         rows.append(dict(table=table, row=label + (f" compile={r['compile']}" if r.get("compile") else ""),
                          reference=ref, predicted=predicted, error=predicted / ref - 1, unit=unit, estimate=est,
                          seq=seq, source=r["source"], citation=r["citation"]))
     return rows
+
+
+SINGLE_GPU_TABLE = "h100_single_gpu_measured.csv"
+# runner of the single-GPU file -> (runtime, Problem.compiled): luban's Engine at 3457f4b compiled
+# the model parts with the loss outside (issue 22's profile: an fp32 logits copy and an eager
+# log-softmax), i.e. "blocks"; Hugging Face and the reference loop are plain single-process loops
+# (their losses sit inside the compiled forward: True)
+SINGLE_GPU_RUNNERS = {("luban Engine", "no"): ("luban", False), ("luban train (metrics.jsonl time_step_s)", "no"): ("luban", False),
+                      ("luban Engine", "yes"): ("luban", "blocks"), ("luban Engine (rope mended)", "no"): ("luban", False),
+                      ("luban Engine (rope mended)", "yes"): ("luban", "blocks"),
+                      ("HF GPT2LMHeadModel (sdpa)", "no"): ("pytorch", False), ("HF GPT2LMHeadModel (sdpa)", "yes"): ("pytorch", True),
+                      ("HF LlamaForCausalLM (sdpa)", "yes"): ("pytorch", True),
+                      ("HF LlamaForCausalLM (sdpa) second machine", "yes"): ("pytorch", True),
+                      ("reference", "yes"): ("pytorch", True)}
+
+
+def h100_single_gpu(systems: dict | None = None) -> list[dict]:
+    """The project's own single-H100 measurements (../shared/reference/h100_single_gpu_measured.csv,
+    2026-11-25): step time of GPT-2 124M and Llama 1B (luban's presets) at the measured batch,
+    seq 1024, bf16, one GPU; the planner's rows of that file are skipped."""
+    from luban.model.config import ModelConfig as MC
+
+    system = source_system("dgx-h100", systems)
+    rows = []
+    for r in read_source_table(SINGLE_GPU_TABLE):
+        key = (r["runner"], r["compiled"])
+        if key not in SINGLE_GPU_RUNNERS:
+            continue
+        runtime, compiled = SINGLE_GPU_RUNNERS[key]
+        batch, seq = int(r["batch"]), int(r["seq"])
+        problem = Problem(MC.from_dict({"preset": r["model"]}), system, 1, seq, batch, runtime=runtime, attention_kernel="fa2",
+                          compiled=compiled)
+        g = Grid.from_layout(ParallelLayout(precision="bf16", micro_batch=batch))
+        est = Estimate.from_results(problem, g, evaluate(problem, g))
+        ref = float(r["step_ms"]) / 1e3
+        rows.append(dict(table="h100-single-gpu", row=f"{r['model']} b{batch} {r['runner']} compiled={r['compiled']}",
+                         reference=ref, predicted=est.step_time_s, error=est.step_time_s / ref - 1, unit="s", estimate=est,
+                         seq=seq, source="luban-h100-single-gpu"))
+    return rows
+
+
+# the independent sources' tables (each row carries its ``source``: luban.plan.loso)
+SOURCE_TABLES = {"mosaicml-llm-foundry": lambda: source_rows("mosaicml_llm_foundry_throughput.csv", "mosaicml-llm-foundry"),
+                 "torchtitan-h100": lambda: source_rows("torchtitan_llama3_h100.csv", "torchtitan-h100"),
+                 "megatron-deepspeed-a100": lambda: source_rows("megatron_deepspeed_a100.csv", "megatron-deepspeed-a100"),
+                 "h100-single-gpu": h100_single_gpu}
