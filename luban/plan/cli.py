@@ -88,6 +88,10 @@ def register(sub) -> None:
 
     probe = cmds.add_parser("probe", help="measure this machine and write a system profile")
     probe.add_argument("--out", type=schema.path("new-file"), help="profile file to write (.toml or .json); default: print it")
+    probe.add_argument("--device", default="cpu", help="cpu (default: luban's CPU ranks) or cuda[:N]: an accelerator's "
+                       "GEMM curve, attention, elementwise traffic, HBM and host link (luban.plan.probe_device)")
+    probe.add_argument("--base", default="dgx-h100", help="with --device cuda: the built-in profile of the same GPU "
+                       "whose datasheet figures are kept")
     probe.set_defaults(func=cmd_probe)
 
 
@@ -285,7 +289,12 @@ def cmd_study(args) -> int:
 def cmd_probe(args) -> int:
     from luban.plan.probe import probe_system, write_profile
 
-    profile = probe_system()
+    if args.device == "cpu":
+        profile = probe_system()
+    else:
+        from luban.plan.probe_device import probe_device
+
+        profile = probe_device(args.device, args.base)
     if args.out:
         write_profile(profile, args.out)
         print(f"wrote {args.out}")

@@ -70,3 +70,18 @@ def test_luban_attention_skips_the_causal_half_on_a_gpu_only():
     luban = runtimes.get("luban")
     gpu = Problem(get_preset("tiny"), load_system("dgx-h100"), 1, 64, 1, runtime="luban")
     assert luban.skips_causal(gpu) and not runtimes.get("megatron").skips_causal(gpu)
+
+
+def test_device_probe_runs_on_cpu_and_yields_a_profile():
+    """``luban plan probe --device cuda``'s code path, run on the CPU at small sizes."""
+    from luban.plan.probe_device import attention_flops, probe_device
+    from luban.plan.system import System
+
+    raw = probe_device("cpu", "dgx-h100", scale=1e-3, budget=0.01)
+    system = System.from_dict(raw)
+    eff = system.efficiency
+    assert len(eff["matmul"]) == len(eff["matmul_size"]) and all(0 < e <= 1 for e in eff["matmul"])
+    assert 0 < eff["attention_matmul"] <= 1 and eff["attention_fa3_speedup"] == 1.0
+    assert eff["elementwise_traffic"] > 0 and system.hbm_bandwidth > 0 and system.host_link_bandwidth > 0
+    assert system.peak("bf16") == load_system("dgx-h100").peak("bf16")  # datasheet figures kept
+    assert attention_flops(1, 1, 2, 1) == 3.5 * 4 * 4 / 2
