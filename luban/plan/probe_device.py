@@ -16,7 +16,9 @@ takes as efficiencies with measurements on this device:
   the measured bandwidth with efficiency 1;
 * ``elementwise_traffic``: HBM bytes a GELU forward + backward moves per byte of its input
   (x, out; grad, x, grad-in), measured as time x copy bandwidth over the input bytes;
-* ``host_link_bandwidth``/``offload_bandwidth``: a pinned host -> device copy.
+* ``host_link_bandwidth``/``offload_bandwidth``: a pinned host -> device copy;
+* ``kernel_launch_s``: host seconds per eager kernel (a chain of tiny in-place adds), which
+  paces an eager runtime whose kernels are shorter than their dispatch (``time.host_bound``).
 
 Every function takes ``device``: on ``cpu`` the same code path runs at small sizes (the tests),
 so it cannot rot while no GPU is at hand.
@@ -111,6 +113,19 @@ def host_link_bandwidth(device: str, nbytes: int, budget: float = 0.3) -> float:
     return nbytes / _timed(lambda: dst.copy_(src, non_blocking=pinned), device, budget)
 
 
+def kernel_launch_seconds(device: str, kernels: int = 2000, budget: float = 0.3) -> float:
+    """Host seconds per eager kernel: ``kernels`` dependent in-place adds on a one-element tensor
+    (each too small to keep the GPU busy), timed from the first dispatch to the last completion."""
+    import torch
+
+    x = torch.zeros(1, device=device)
+
+    def chain():
+        for _ in range(kernels):
+            x.add_(1.0)
+    return _timed(chain, device, budget) / kernels
+
+
 def probe_device(device: str = "cuda", base: str = "dgx-h100", scale: float = 1.0, budget: float = 0.2) -> dict:
     """A profile of ``base`` with the efficiencies measured on ``device``. ``scale`` < 1 shrinks
     every buffer and GEMM (the tests run it on ``cpu`` at 1e-3); sizes are those of the planner."""
@@ -135,6 +150,7 @@ def probe_device(device: str = "cuda", base: str = "dgx-h100", scale: float = 1.
     eff["attention_fa3_speedup"] = 1.0
     eff["elementwise_traffic"] = gelu_traffic(device, big, hbm, budget)
     eff["hbm_efficiency"] = 1.0
+    eff["kernel_launch_s"] = kernel_launch_seconds(device, 2000 if scale >= 1 else 200, budget)
     raw.update(name=f"{base}-probed", description=f"{raw['description']}; efficiencies probed on {device}",
                hbm_bandwidth=hbm, efficiency=eff)
     link = host_link_bandwidth(device, big, budget)

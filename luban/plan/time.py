@@ -265,11 +265,32 @@ def step_time(problem: Problem, g: Grid, mem: dict) -> dict:
     offload = np.where(offloaded, shard * (gb + wb) / link, 0.0) + np.maximum(0.0, fetch - s.efficiency["zero3_overlap"] * busy)
     offload = offload + tier_exposed(problem, g, mem, m, n, layer_fwd, shard, (wb, gb, ob))
 
-    parts = {"forward": m * fwd, "backward": m * bwd, "recompute": m * rc, "tp_comm": m * tp_mb, "cp_comm": m * cp_mb, "ep_comm": m * ep_mb,
+    host = host_bound(problem, n, F + B)
+    parts = {"forward": m * fwd, "backward": m * bwd, "host": m * host, "recompute": m * rc, "tp_comm": m * tp_mb, "cp_comm": m * cp_mb, "ep_comm": m * ep_mb,
              "pp_p2p": pp_comm, "pipeline_bubble": bubble, "dp_comm": dp_total - hidden, "optimizer": optimizer,
              "offload": offload}
     step = sum(parts.values())
     return {"parts": parts, "step": step, "dp_hidden": hidden, "F": F, "B": B, "W": W}
+
+
+def host_bound(problem: Problem, n, busy):
+    """Seconds per micro-batch an eager runtime's host adds beyond the GPU's ``busy`` (its forward
+    + backward): the host dispatches every kernel in order, so a micro-batch takes at least
+    kernels x ``kernel_launch_s`` (a probed GPU profile's; 0 elsewhere: nothing added). Kernels:
+    the ATen operations of one forward + backward of luban's implementation of the model
+    (``luban.plan.overhead``; n layers + the rest), the count an eager runtime dispatches; compiled
+    layers (Inductor's fused kernels) are not counted, an eager head and loss are."""
+    launch = problem.system.efficiency.get("kernel_launch_s", 0.0)
+    rt = problem.runtime_model
+    if not launch or problem.system.cpu or not rt.eager_kernels:
+        return 0.0
+    from luban.plan.overhead import model_overhead_counts
+
+    counts = model_overhead_counts(problem.model)
+    compiled = rt.compiled(problem)
+    layer_ops = 0.0 if compiled in (True, "blocks") else counts["layer_ops"]
+    rest_ops = 0.0 if compiled is True else counts["rest_ops"]
+    return np.maximum(0.0, (n * layer_ops + rest_ops) * launch - busy)
 
 
 def tier_exposed(problem: Problem, g: Grid, mem: dict, m, n, layer_fwd, shard, param_bytes):

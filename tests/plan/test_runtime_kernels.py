@@ -83,5 +83,29 @@ def test_device_probe_runs_on_cpu_and_yields_a_profile():
     assert len(eff["matmul"]) == len(eff["matmul_size"]) and all(0 < e <= 1 for e in eff["matmul"])
     assert 0 < eff["attention_matmul"] <= 1 and eff["attention_fa3_speedup"] == 1.0
     assert eff["elementwise_traffic"] > 0 and system.hbm_bandwidth > 0 and system.host_link_bandwidth > 0
+    assert eff["kernel_launch_s"] > 0
     assert system.peak("bf16") == load_system("dgx-h100").peak("bf16")  # datasheet figures kept
     assert attention_flops(1, 1, 2, 1) == 3.5 * 4 * 4 / 2
+
+
+def test_a_probed_kernel_launch_cost_paces_eager_runtimes_only():
+    """``efficiency.kernel_launch_s`` (probed; 0 on the built-in profiles): an eager runtime's
+    micro-batch takes at least its kernels x the launch cost; compiled layers and fused runtimes
+    are not paced; the breakdown's ``host`` part holds what the GPU time does not cover."""
+    slow_host = load_system("dgx-h100", ["efficiency.kernel_launch_s=1e-3"])
+
+    def est(runtime, compiled):
+        problem = Problem(get_preset("gpt2-124m"), slow_host, 1, 1024, 16, runtime=runtime, compiled=compiled)
+        g = Grid.from_layout(ParallelLayout(precision="bf16", micro_batch=16))
+        return Estimate.from_results(problem, g, evaluate(problem, g))
+
+    from luban.plan.overhead import model_overhead_counts
+
+    counts = model_overhead_counts(get_preset("gpt2-124m"))
+    eager = est("luban", False)
+    kernels = 12 * counts["layer_ops"] + counts["rest_ops"]
+    busy = eager.step_time_s - eager.time_breakdown_s["host"] - eager.time_breakdown_s["optimizer"]
+    assert eager.time_breakdown_s["host"] == pytest.approx(kernels * 1e-3 - busy, rel=1e-6)
+    assert est("luban", True).time_breakdown_s["host"] == 0.0
+    assert est("megatron-core", None).time_breakdown_s["host"] == 0.0
+    assert _step("luban", False).time_breakdown_s["host"] == 0.0  # the built-in profile: not probed
