@@ -17,7 +17,8 @@ while the hardware stays the same:
   the system profile (which keeps only ``zero3_overlap``, the share of compute a prefetching
   runtime achieves on that hardware).
 
-Four models (``RUNTIMES``):
+Seven models (``RUNTIMES``): the four below, and ``megatron-deepspeed``, ``composer-fsdp`` and
+``pytorch`` (their classes), which describe validation sources' frameworks:
 
 ``megatron``
     Megatron-LM as in the 2021-22 papers (Narayanan et al. 2021, Korthikanti et al. 2022):
@@ -46,6 +47,11 @@ Four models (``RUNTIMES``):
     exactly the tensors PyTorch saves for ``luban.model.transformer.Block``, FSDP2 groups per
     block, three scalar all-reduces per step, CPU framework overheads; only ZeRO-3 gathers hide
     behind compute (no measured overlap elsewhere).
+
+Kernel efficiency is a property of the runtime too (docs/planner.md "Kernel efficiency per
+runtime"): eager or fused elementwise kernels (``eager_kernels``, ``compiled``,
+``traffic_scale``), 16-bit FSDP gathers (``gather_half``), what "selective" recomputes
+(``selective_redo``) and whether attention skips the causal half (``skips_causal``).
 
 Equations and sources are written out in docs/planner.md.
 """
