@@ -91,6 +91,8 @@ def _tables():
         ("mosaicml-llm-foundry", "mosaicml-composer", ("mm", "attn", "eager"),
          csv("mosaicml_llm_foundry_throughput.csv", "mosaicml-llm-foundry")),
         ("torchtitan-h100", "torchtitan", ("mm", "attn", "eager"), csv("torchtitan_llama3_h100.csv", "torchtitan-h100")),
+        ("trainy-torchtitan-h200", "trainy-torchtitan", ("mm", "attn", "fp8", "eager"),
+         csv("trainy_torchtitan_h200.csv", "trainy-torchtitan-h200")),
         ("megatron-deepspeed-a100", None, ("mm",), csv("megatron_deepspeed_a100.csv", "megatron-deepspeed-a100")),
         ("h100-single-gpu", "luban-h100-single-gpu", ("mm", "attn", "eager"), lambda systems: v.h100_single_gpu(systems)),
     ]

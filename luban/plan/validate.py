@@ -436,5 +436,6 @@ def h100_single_gpu(systems: dict | None = None) -> list[dict]:
 # the independent sources' tables (each row carries its ``source``: luban.plan.loso)
 SOURCE_TABLES = {"mosaicml-llm-foundry": lambda: source_rows("mosaicml_llm_foundry_throughput.csv", "mosaicml-llm-foundry"),
                  "torchtitan-h100": lambda: source_rows("torchtitan_llama3_h100.csv", "torchtitan-h100"),
+                 "trainy-torchtitan-h200": lambda: source_rows("trainy_torchtitan_h200.csv", "trainy-torchtitan-h200"),
                  "megatron-deepspeed-a100": lambda: source_rows("megatron_deepspeed_a100.csv", "megatron-deepspeed-a100"),
                  "h100-single-gpu": h100_single_gpu}

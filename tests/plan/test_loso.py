@@ -7,7 +7,8 @@ import pytest
 
 from luban.plan import loso, runtimes, validate
 
-NEW_SOURCES = {"mosaicml-composer", "torchtitan", "bigscience-megatron-deepspeed", "msft-nvidia-megatron-deepspeed"}
+NEW_SOURCES = {"mosaicml-composer", "torchtitan", "trainy-torchtitan", "bigscience-megatron-deepspeed",
+               "msft-nvidia-megatron-deepspeed"}
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +21,7 @@ def test_each_source_is_scored_at_knobs_fitted_without_it(small):
     other sources' mean of means, and the held-out figure is that source's mean there."""
     (candidates, errors), result = small
     sources = sorted(errors)
-    assert set(result["sources"]) == set(sources) and NEW_SOURCES <= set(sources) and len(sources) >= 8
+    assert set(result["sources"]) == set(sources) and NEW_SOURCES <= set(sources) and len(sources) >= 9
     means = {s: np.array([np.mean(e) for e in errors[s]]) for s in sources}
     for s in sources:
         others = np.mean([means[o] for o in sources if o != s], axis=0)
@@ -54,7 +55,8 @@ def test_leave_one_source_out_headline(small):
 
 
 def test_new_source_tables_cite_every_row():
-    for name in ("mosaicml_llm_foundry_throughput.csv", "torchtitan_llama3_h100.csv", "megatron_deepspeed_a100.csv"):
+    for name in ("mosaicml_llm_foundry_throughput.csv", "torchtitan_llama3_h100.csv", "megatron_deepspeed_a100.csv",
+                 "trainy_torchtitan_h200.csv"):
         text = (validate.reference_dir() / name).read_text()
         header = [line for line in text.splitlines() if line.startswith("#")]
         assert any("read 2026-11-25" in line for line in header), name  # the date the source was read
