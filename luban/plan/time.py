@@ -179,6 +179,7 @@ def step_time(problem: Problem, g: Grid, mem: dict) -> dict:
     expert_flops = tokens * d["expert_flops"] / etp
     expert_gemm = 2 * tokens * g.ep * d["expert_share"] * cfg.hidden * cfg.expert_ffn_hidden / etp
     experts = problem.expert_imbalance * slow * compute_seconds(problem, expert_flops, np.maximum(expert_gemm, 1.0), gemm_peak)
+    experts = experts + slow * moe_permutation_bytes(problem, act["e"]) * tokens / hbm
     layer_fwd = mm + experts + attn + elementwise + contend * np.where(t > 1, cpu["tp_layer"], cpu["layer"]) / 3
     head_flops = tokens * d["head_flops"] / t
     head_traffic = s.efficiency["elementwise_traffic"] * rt.traffic_scale(problem, head=True)
@@ -271,6 +272,21 @@ def step_time(problem: Problem, g: Grid, mem: dict) -> dict:
              "offload": offload}
     step = sum(parts.values())
     return {"parts": parts, "step": step, "dp_hidden": hidden, "F": F, "B": B, "W": W}
+
+
+PERMUTE_PASSES = 4  # permute (gather into expert order) + unpermute (weighted scatter back): each reads and writes the k copies
+
+
+def moe_permutation_bytes(problem: Problem, e):
+    """HBM bytes per token (average layer, forward) of routing a MoE layer's tokens to its experts
+    and back: the dropless token dispatcher (Megatron-Core ``moe_utils.permute``/``unpermute``)
+    copies each token's k routed copies into expert order and scatters the weighted outputs back,
+    each a read and a write of k·h elements (``PERMUTE_PASSES``); the router's h x E GEMM and
+    top-k are FLOP-light and not counted. Backward: 2x, with the layer's other terms."""
+    cfg = problem.model
+    if not cfg.moe:
+        return 0.0
+    return problem.derived["moe_share"] * PERMUTE_PASSES * cfg.experts_per_token * cfg.hidden * e
 
 
 def host_bound(problem: Problem, n, busy):

@@ -109,3 +109,20 @@ def test_a_probed_kernel_launch_cost_paces_eager_runtimes_only():
     assert est("luban", True).time_breakdown_s["host"] == 0.0
     assert est("megatron-core", None).time_breakdown_s["host"] == 0.0
     assert _step("luban", False).time_breakdown_s["host"] == 0.0  # the built-in profile: not probed
+
+
+def test_moe_token_permutation_is_charged_per_routed_copy(monkeypatch):
+    """Dropless dispatch copies each token's k routed copies into expert order and back
+    (``time.moe_permutation_bytes``): k·h·e bytes x 4 passes per MoE layer; nothing for a dense model."""
+    from luban.plan import time as plan_time
+
+    moe = Problem(get_preset("tiny-moe"), load_system("dgx-h100"), 1, 128, 8, runtime="megatron-core")
+    cfg = moe.model
+    assert plan_time.moe_permutation_bytes(moe, 2.0) == pytest.approx(
+        moe.derived["moe_share"] * 4 * cfg.experts_per_token * cfg.hidden * 2.0)
+    dense = Problem(get_preset("tiny-llama"), load_system("dgx-h100"), 1, 128, 8, runtime="megatron-core")
+    assert plan_time.moe_permutation_bytes(dense, 2.0) == 0.0
+    g = Grid.from_layout(ParallelLayout(precision="bf16", micro_batch=8))
+    with_perm = evaluate(moe, g)["time"]["parts"]["forward"]
+    monkeypatch.setattr(plan_time, "PERMUTE_PASSES", 0)
+    assert float(evaluate(moe, g)["time"]["parts"]["forward"]) < float(with_perm)
