@@ -23,7 +23,7 @@ there. The headline is the mean of those left-out scores over the dense sources.
 other source informs are flat in that objective: the tie goes to the shipped value (x1 and the
 shipped ``EAGER_TRAFFIC``), which was itself chosen by this fit over all sources
 (``bench/plan_calibrate_sources.py``), so a source that alone informs a knob is not fully held
-out of it; docs/planner.md names where that happens (fp8).
+out of it; docs/planner.md names where that happens.
 """
 
 from __future__ import annotations
