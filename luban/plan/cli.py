@@ -49,6 +49,9 @@ def register(sub) -> None:
     common.add_argument("--attention-kernel", type=schema.choice(*ATTENTION_KERNELS), default="fa3",
                         help="fused attention generation: fa3 (Hopper's FA3 class: TE/cuDNN, FlashAttention-3; "
                              "as fa2 on GPUs without one) or fa2 (FlashAttention-2 class)")
+    common.add_argument("--compile", choices=("auto", "on", "off", "blocks"), default="auto",
+                        help="torch.compile in the planned runtime (luban.plan.runtimes): auto (the runtime's default; "
+                             "luban: on), on (model, head and loss), blocks (each block; head and loss eager), off")
     common.add_argument("--json", action="store_true", help="one JSON object on stdout")
 
     est = cmds.add_parser("estimate", parents=[common], help="memory, time, MFU and cost of one layout")
@@ -74,6 +77,8 @@ def register(sub) -> None:
     val = cmds.add_parser("validate", help="reproduce the published tables")
     val.add_argument("--system", default="dgx-a100-80g")
     val.add_argument("--json", action="store_true")
+    val.add_argument("--grid", choices=("full", "small", "none"), default="full",
+                     help="leave-one-source-out refit grid (luban.plan.loso): full (default), small, or none to skip it")
     val.set_defaults(func=cmd_validate)
 
     study = cmds.add_parser("study", help="rerun a published planning study and compare (charts + table)")
@@ -83,6 +88,10 @@ def register(sub) -> None:
 
     probe = cmds.add_parser("probe", help="measure this machine and write a system profile")
     probe.add_argument("--out", type=schema.path("new-file"), help="profile file to write (.toml or .json); default: print it")
+    probe.add_argument("--device", default="cpu", help="cpu (default: luban's CPU ranks) or cuda[:N]: an accelerator's "
+                       "GEMM curve, attention, elementwise traffic, HBM and host link (luban.plan.probe_device)")
+    probe.add_argument("--base", default="dgx-h100", help="with --device cuda: the built-in profile of the same GPU "
+                       "whose datasheet figures are kept")
     probe.set_defaults(func=cmd_probe)
 
 
@@ -113,8 +122,9 @@ def _problem(args):
         raise bad_value("--seq", args.seq, f"from 1 to {model.seq_len}, the model's learned positions")
     system = load_system(args.system, args.system_set)
     runtime = args.runtime if args.runtime is not None else ("luban" if system.cpu else "megatron")
+    compiled = {"auto": None, "on": True, "off": False, "blocks": "blocks"}[getattr(args, "compile", "auto")]
     return Problem(model, system, args.gpus, seq, args.global_batch, runtime, args.optimizer, args.expert_imbalance,
-                   args.attention_kernel)
+                   args.attention_kernel, compiled)
 
 
 def _layout(args, gpus: int, rules=None):
@@ -227,12 +237,25 @@ def cmd_search(args) -> int:
 def cmd_validate(args) -> int:
     from luban.plan.validate import validate_all
 
+    from luban.plan import loso
+
     tables = validate_all(args.system)
+    by_source = None if args.grid == "none" else loso.fit(loso.FULL_GRID if args.grid == "full" else loso.SMALL_GRID)
     if args.json:
-        print(json.dumps({name: {"summary": t["summary"],
-                                 "rows": [{k: v for k, v in r.items() if k != "estimate"} for r in t["rows"]]}
-                          for name, t in tables.items()}, default=float))
+        out = {name: {"summary": t["summary"], "rows": [{k: v for k, v in r.items() if k != "estimate"} for r in t["rows"]]}
+               for name, t in tables.items()}
+        if by_source:
+            out["leave-one-source-out"] = by_source
+        print(json.dumps(out, default=float))
         return 0
+    if by_source:
+        print(f"leave-one-source-out (dense, {len(by_source['sources'])} sources, {by_source['candidates']} knob "
+              f"combinations): mean |error| {by_source['headline']:.2%} held out "
+              f"(at the shipped knobs: {by_source['fitted_mean']:.2%})")
+        for name, s in by_source["sources"].items():
+            knobs = " ".join(f"{k} {v:g}" for k, v in s["knobs"].items())
+            print(f"  {name:32s} {s['rows']:3d} rows  held out {s['held_out']:7.2%} (max {s['max_held_out']:6.2%})"
+                  f"  shipped {s['fitted']:7.2%}  refit without it: {knobs}")
     for name, t in tables.items():
         s = t["summary"]
         print(f"{name}: {s['rows']} rows, mean |error| {s['mean_abs_error']:.2%}, max {s['max_abs_error']:.2%}")
@@ -266,7 +289,12 @@ def cmd_study(args) -> int:
 def cmd_probe(args) -> int:
     from luban.plan.probe import probe_system, write_profile
 
-    profile = probe_system()
+    if args.device == "cpu":
+        profile = probe_system()
+    else:
+        from luban.plan.probe_device import probe_device
+
+        profile = probe_device(args.device, args.base)
     if args.out:
         write_profile(profile, args.out)
         print(f"wrote {args.out}")

@@ -41,6 +41,7 @@ class Problem:
     optimizer: str = "adamw"
     expert_imbalance: float = 1.0
     attention_kernel: str = "fa3"  # fused attention generation: fa2 (FlashAttention-2 class) or fa3 (Hopper's FA3 class)
+    compiled: bool | str | None = None  # torch.compile: True (model, head, loss), "blocks" (blocks only), False; None: the runtime's default
     derived: dict = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -51,6 +52,8 @@ class Problem:
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise bad_value(f"--{key.replace('_', '-')}", value, "must be a positive integer")
+        if self.compiled not in (None, True, False, "blocks"):
+            raise bad_value("--compile", self.compiled, "on, off, blocks or auto (the runtime's default)")
         if self.attention_kernel not in ATTENTION_KERNELS:
             raise bad_value("--attention-kernel", self.attention_kernel, f"one of {', '.join(ATTENTION_KERNELS)}")
         if not isinstance(self.expert_imbalance, (int, float)) or not 1.0 <= self.expert_imbalance < float("inf"):

@@ -17,7 +17,8 @@ while the hardware stays the same:
   the system profile (which keeps only ``zero3_overlap``, the share of compute a prefetching
   runtime achieves on that hardware).
 
-Four models (``RUNTIMES``):
+Seven models (``RUNTIMES``): the four below, and ``megatron-deepspeed``, ``composer-fsdp`` and
+``pytorch`` (their classes), which describe validation sources' frameworks:
 
 ``megatron``
     Megatron-LM as in the 2021-22 papers (Narayanan et al. 2021, Korthikanti et al. 2022):
@@ -46,6 +47,11 @@ Four models (``RUNTIMES``):
     exactly the tensors PyTorch saves for ``luban.model.transformer.Block``, FSDP2 groups per
     block, three scalar all-reduces per step, CPU framework overheads; only ZeRO-3 gathers hide
     behind compute (no measured overlap elsewhere).
+
+Kernel efficiency is a property of the runtime too (docs/planner.md "Kernel efficiency per
+runtime"): eager or fused elementwise kernels (``eager_kernels``, ``compiled``,
+``traffic_scale``), 16-bit FSDP gathers (``gather_half``), what "selective" recomputes
+(``selective_redo``) and whether attention skips the causal half (``skips_causal``).
 
 Equations and sources are written out in docs/planner.md.
 """
@@ -88,6 +94,40 @@ class Runtime:
     fp8_amax_history = 0
     fp8_cast_passes = 0
     experts_replicated_with_ep = False  # with ep > 1 expert states stay out of ZeRO (replicated over edp)
+    # --- kernel efficiency: what differs between runtimes on the same GPU (docs/planner.md "Runtimes") ---
+    # eager_kernels: the layers' elementwise work (norms, activations, rotary, residuals, the loss)
+    # runs as separate eager PyTorch kernels, each a round trip through HBM, unless the runtime
+    # compiles them (``compiled``: torch.compile/Inductor fuses them, as Megatron's and TE's fused
+    # kernels do); such a runtime's elementwise HBM traffic is ``EAGER_TRAFFIC`` times a fused one's
+    eager_kernels = False
+    compiled_default = False  # torch.compile on when the problem does not say (``Problem.compiled``)
+    gather_half = False  # ZeRO-3/FSDP all-gathers weights in the 16-bit compute dtype (param_dtype), not wb
+
+    def skips_causal(self, problem) -> bool:
+        """Whether attention runs as a fused kernel that skips the masked half (``causal_skip``)."""
+        return self.causal_skip
+
+    def compiled(self, problem):
+        """``Problem.compiled``, or the runtime's default: False, True (the whole model with its
+        head and loss) or ``"blocks"`` (each transformer block compiled, the head and loss eager:
+        torchtitan's ``apply_compile``, and luban's Engine at 3457f4b)."""
+        return self.compiled_default if problem.compiled is None else problem.compiled
+
+    def traffic_scale(self, problem, head: bool = False) -> float:
+        """Elementwise HBM traffic of the layers (``head``: of the head and loss) relative to a fused
+        runtime (the profile's ``elementwise_traffic`` is a fused runtime's: Megatron's, on which
+        it was calibrated). CPU profiles: 1 (their ``elementwise_traffic`` is probed on luban's own
+        eager kernels)."""
+        compiled = self.compiled(problem)
+        fused = compiled is True or (compiled == "blocks" and not head)
+        if problem.system.cpu or not self.eager_kernels or fused:
+            return 1.0
+        return EAGER_TRAFFIC
+
+    def gather_bytes(self, wb, precision):
+        """Bytes per parameter a weight all-gather moves: 2 where weights are gathered in the 16-bit
+        compute dtype (FSDP's ``param_dtype``), else the stored weight bytes."""
+        return np.where(self.gather_half & (precision != FP32), 2.0, wb) if self.gather_half else wb
 
     # --- byte accounting -------------------------------------------------------------------
     def param_bytes(self, states: int, precision) -> tuple:
@@ -131,6 +171,12 @@ class Runtime:
         step, stage 3 two all-gathers and one reduce-scatter per micro-batch, each over the
         whole model."""
         return np.where(g.zero >= 3, 2 * m, 1), np.where(g.zero >= 3, m, 1), 1
+
+    def selective_redo(self, problem, mm, attn, elementwise, korthikanti):
+        """Seconds one layer's forward recomputes under ``recompute = "selective"`` (mm, attn,
+        elementwise: that forward's GEMMs, attention core and elementwise kernels). Korthikanti
+        et al. 2022 Sec. 4.2: only the attention core (``korthikanti``)."""
+        return korthikanti
 
     # --- overlap per mechanism -------------------------------------------------------------
     def tp_exposed(self, g, comm, gemm):
@@ -211,6 +257,10 @@ class MegatronCore(Megatron):
 class FSDP2(Runtime):
     name = "fsdp2"
     fsdp = True
+    eager_kernels = True  # torchtitan's model is plain PyTorch; ``--training.compile`` compiles each block
+    # (``apply_compile``: ``torch.compile(transformer_block, fullgraph=True)`` per layer; the output
+    # layer and the loss stay eager): planned with ``Problem.compiled = "blocks"``
+    gather_half = True  # ``MixedPrecisionPolicy(param_dtype=bf16)``: FSDP2 all-gathers bf16 weights
     cp_shards = True
     causal_skip = True  # SDPA flash / cuDNN attention with is_causal
     precisions = PRECISIONS
@@ -218,6 +268,17 @@ class FSDP2(Runtime):
     # backward keeps the bf16 inputs and re-quantises them; no persistent fp8 weights (the fp8
     # all-gather's copies are transient); one amax pass and one cast pass per tensor
     fp8_cast_passes = 2
+
+    def selective_redo(self, problem, mm, attn, elementwise, korthikanti):
+        """torchtitan's op-level selective checkpointing (``selective_ac_option = "op"``,
+        ``parallelize_llama.py`` @9dec370 ``_save_list``/``_custom_policy``): the outputs of the
+        flash attention and of every *other* ``aten.mm`` are saved; the 2nd, 4th and 6th of a
+        Llama block's seven (wk, wo, w3 in call order wq, wk, wv, wo, w1, w3, w2) and every
+        elementwise op are recomputed in backward."""
+        cfg = problem.model
+        h, q, kv, f = cfg.hidden, cfg.q_dim, cfg.kv_dim, cfg.ffn_hidden
+        share = (h * kv + q * h + h * f) / (h * q + 2 * h * kv + q * h + 3 * h * f)
+        return share * mm + elementwise
 
     def param_bytes(self, states, precision):
         """fp32 sharded weights and gradients (``reduce_dtype=fp32``) and optimizer state; the
@@ -236,6 +297,15 @@ class FSDP2(Runtime):
 
 class Luban(FSDP2):
     name = "luban"
+    selective_redo = Runtime.selective_redo  # luban's "selective": Korthikanti's (luban.model.transformer)
+
+    def skips_causal(self, problem) -> bool:
+        """``F.scaled_dot_product_attention(is_causal=True)`` dispatches to FlashAttention on a CUDA
+        GPU (masked blocks skipped) and to the math path on a CPU (``causal_skip`` False: the
+        planner's CPU terms were fitted so)."""
+        return not problem.system.cpu
+    compiled_default = True  # ``[train] compile = "auto"``: on for CUDA (CPU profiles: traffic_scale is 1)
+    gather_half = False  # luban's FSDP2 groups gather the fp32 weights (as measured)
     causal_skip = False  # as measured on CPU (math path) and as the planner's CPU terms were fitted
     precisions = LUBAN_RULES.precisions  # no fp8 GEMMs yet (check_layout rejects it)
     offloads = LUBAN_RULES.offloads  # what luban's runtime runs
@@ -280,7 +350,39 @@ class Luban(FSDP2):
     dp_hidden = Runtime.dp_hidden  # as measured: DDP and ZeRO 1-2 reductions are not hidden
 
 
-RUNTIMES = {r.name: r for r in (Megatron(), MegatronCore(), FSDP2(), Luban())}
+class PlainPyTorch(FSDP2):
+    """One process, no sharding: a plain PyTorch training loop (Hugging Face ``transformers``
+    models, nanoGPT-style scripts) with fp32 weights under bf16 autocast and SDPA attention;
+    eager unless compiled (``Problem.compiled``: the whole model with its loss)."""
+    name = "pytorch"
+    selective_redo = Runtime.selective_redo
+
+
+class MegatronDeepSpeed(Megatron):
+    """Megatron-DeepSpeed as BigScience (BLOOM) and Microsoft + NVIDIA (MT-NLG) ran it in 2021-22:
+    Megatron-LM's layers and fused kernels (``megatron``'s accounting, no overlap), DeepSpeed's
+    pipeline engine and ZeRO-1 optimizer."""
+    name = "megatron-deepspeed"
+
+
+class ComposerFSDP(FSDP2):
+    """MosaicML Composer + PyTorch FSDP (FSDP1, llm-foundry's MPT benchmarks of 2023-24): amp_bf16
+    (fp32 master weights, ``param_dtype`` bf16 gathers, fp32 reduce), FlashAttention, no
+    torch.compile: eager elementwise kernels."""
+    name = "composer-fsdp"
+    eager_kernels = True
+    gather_half = True
+    selective_redo = Runtime.selective_redo
+
+
+# Elementwise HBM traffic of eager PyTorch kernels over fused ones (``Runtime.traffic_scale``): one
+# constant for every eager runtime, fitted across sources by bench/plan_calibrate_sources.py
+# (leave-one-source-out in ``luban plan validate``). An eager RMSNorm alone is ~6 fp32 passes
+# (upcast, square, mean, rsqrt, two multiplies) where a fused kernel reads and writes once.
+EAGER_TRAFFIC = 3.5
+
+
+RUNTIMES = {r.name: r for r in (Megatron(), MegatronCore(), FSDP2(), Luban(), MegatronDeepSpeed(), ComposerFSDP(), PlainPyTorch())}
 
 
 def get(name: str) -> Runtime:

@@ -156,7 +156,7 @@ def step_time(problem: Problem, g: Grid, mem: dict) -> dict:
     tokens = g.micro_batch * problem.seq / c
     peak, gemm_peak = peak_flops(problem, g), peak_flops(problem, g, gemm=True)
     hbm = s.hbm_bandwidth * s.efficiency["hbm_efficiency"]
-    traffic = s.efficiency["elementwise_traffic"]
+    traffic = s.efficiency["elementwise_traffic"] * rt.traffic_scale(problem)
     act = activation_bytes(problem, g)
     n = rank_layers(problem, g)[2]  # the busiest rank paces the pipeline
     cpu = cpu_terms(problem)
@@ -167,7 +167,7 @@ def step_time(problem: Problem, g: Grid, mem: dict) -> dict:
     # overhead is counted here (the backward's 2x carries the rest)
     mm_flops = tokens * d["layer_matmul_flops"] / t
     mm = slow * compute_seconds(problem, mm_flops, mm_flops / 4, gemm_peak)
-    if rt.causal_skip:  # a fused kernel skips the masked half, at its own share of the GEMM curve
+    if rt.skips_causal(problem):  # a fused kernel skips the masked half, at its own share of the GEMM curve
         attn_flops = tokens * d["causal_attention_flops"] / t
         attn = slow * compute_seconds(problem, attn_flops, attn_flops / 2, peak * attention_share(problem))
     else:
@@ -179,9 +179,11 @@ def step_time(problem: Problem, g: Grid, mem: dict) -> dict:
     expert_flops = tokens * d["expert_flops"] / etp
     expert_gemm = 2 * tokens * g.ep * d["expert_share"] * cfg.hidden * cfg.expert_ffn_hidden / etp
     experts = problem.expert_imbalance * slow * compute_seconds(problem, expert_flops, np.maximum(expert_gemm, 1.0), gemm_peak)
+    experts = experts + slow * moe_permutation_bytes(problem, act["e"]) * tokens / hbm
     layer_fwd = mm + experts + attn + elementwise + contend * np.where(t > 1, cpu["tp_layer"], cpu["layer"]) / 3
     head_flops = tokens * d["head_flops"] / t
-    head_fwd = (slow * (compute_seconds(problem, head_flops, head_flops, peak) + traffic * 4.0 * cfg.vocab / t * tokens / hbm)
+    head_traffic = s.efficiency["elementwise_traffic"] * rt.traffic_scale(problem, head=True)
+    head_fwd = (slow * (compute_seconds(problem, head_flops, head_flops, peak) + head_traffic * 4.0 * cfg.vocab / t * tokens / hbm)
                 + contend * np.where(t > 1, cpu["tp_rest"], cpu["rest"]) / 3)
 
     # tensor (+ sequence) parallel: 2 all-reduces (or all-gather + reduce-scatter pairs) each way
@@ -201,7 +203,8 @@ def step_time(problem: Problem, g: Grid, mem: dict) -> dict:
               * all_to_all(problem, tokens * all_to_all_bytes(problem, g, act["e"]), g.ep, t))
 
     share = recomputed_share(problem, g)
-    selective_redo = attn + traffic * (act["none"] - act["selective"]) * tokens / hbm
+    selective_redo = rt.selective_redo(problem, mm, attn, elementwise,
+                                       attn + traffic * (act["none"] - act["selective"]) * tokens / hbm)
     recompute = np.where(g.recompute == FULL, share * layer_fwd, np.where(g.recompute == SELECTIVE, selective_redo, 0.0))
     comm_redo = np.where(g.recompute == FULL, share * (tp_fwd + cp_fwd + ep_one), 0.0)
 
@@ -230,7 +233,8 @@ def step_time(problem: Problem, g: Grid, mem: dict) -> dict:
         """(weight all-gathers, gradient reductions) of ``nbytes_params`` parameters over ``ranks``."""
         intra = t * c * ranks <= s.nvlink_domain
         grads = nbytes_params * gb
-        gather = np.where(g.zero == 0, 0.0, gathers * collective(problem, nbytes_params * wb / groups, ranks, intra, GATHER))
+        gather = np.where(g.zero == 0, 0.0, gathers * collective(problem, nbytes_params * rt.gather_bytes(wb, g.precision) / groups,
+                                                                   ranks, intra, GATHER))
         reduce = np.where(g.zero == 0, collective(problem, grads, ranks, intra, ALL_REDUCE),
                           reductions * collective(problem, grads / groups, ranks, intra, GATHER))
         return gather, reduce
@@ -262,11 +266,47 @@ def step_time(problem: Problem, g: Grid, mem: dict) -> dict:
     offload = np.where(offloaded, shard * (gb + wb) / link, 0.0) + np.maximum(0.0, fetch - s.efficiency["zero3_overlap"] * busy)
     offload = offload + tier_exposed(problem, g, mem, m, n, layer_fwd, shard, (wb, gb, ob))
 
-    parts = {"forward": m * fwd, "backward": m * bwd, "recompute": m * rc, "tp_comm": m * tp_mb, "cp_comm": m * cp_mb, "ep_comm": m * ep_mb,
+    host = host_bound(problem, n, F + B)
+    parts = {"forward": m * fwd, "backward": m * bwd, "host": m * host, "recompute": m * rc, "tp_comm": m * tp_mb, "cp_comm": m * cp_mb, "ep_comm": m * ep_mb,
              "pp_p2p": pp_comm, "pipeline_bubble": bubble, "dp_comm": dp_total - hidden, "optimizer": optimizer,
              "offload": offload}
     step = sum(parts.values())
     return {"parts": parts, "step": step, "dp_hidden": hidden, "F": F, "B": B, "W": W}
+
+
+PERMUTE_PASSES = 4  # permute (gather into expert order) + unpermute (weighted scatter back): each reads and writes the k copies
+
+
+def moe_permutation_bytes(problem: Problem, e):
+    """HBM bytes per token (average layer, forward) of routing a MoE layer's tokens to its experts
+    and back: the dropless token dispatcher (Megatron-Core ``moe_utils.permute``/``unpermute``)
+    copies each token's k routed copies into expert order and scatters the weighted outputs back,
+    each a read and a write of k·h elements (``PERMUTE_PASSES``); the router's h x E GEMM and
+    top-k are FLOP-light and not counted. Backward: 2x, with the layer's other terms."""
+    cfg = problem.model
+    if not cfg.moe:
+        return 0.0
+    return problem.derived["moe_share"] * PERMUTE_PASSES * cfg.experts_per_token * cfg.hidden * e
+
+
+def host_bound(problem: Problem, n, busy):
+    """Seconds per micro-batch an eager runtime's host adds beyond the GPU's ``busy`` (its forward
+    + backward): the host dispatches every kernel in order, so a micro-batch takes at least
+    kernels x ``kernel_launch_s`` (a probed GPU profile's; 0 elsewhere: nothing added). Kernels:
+    the ATen operations of one forward + backward of luban's implementation of the model
+    (``luban.plan.overhead``; n layers + the rest), the count an eager runtime dispatches; compiled
+    layers (Inductor's fused kernels) are not counted, an eager head and loss are."""
+    launch = problem.system.efficiency.get("kernel_launch_s", 0.0)
+    rt = problem.runtime_model
+    if not launch or problem.system.cpu or not rt.eager_kernels:
+        return 0.0
+    from luban.plan.overhead import model_overhead_counts
+
+    counts = model_overhead_counts(problem.model)
+    compiled = rt.compiled(problem)
+    layer_ops = 0.0 if compiled in (True, "blocks") else counts["layer_ops"]
+    rest_ops = 0.0 if compiled is True else counts["rest_ops"]
+    return np.maximum(0.0, (n * layer_ops + rest_ops) * launch - busy)
 
 
 def tier_exposed(problem: Problem, g: Grid, mem: dict, m, n, layer_fwd, shard, param_bytes):

@@ -38,7 +38,7 @@ from luban.plan.estimate import Estimate, evaluate
 from luban.plan.grid import FP16, Grid
 from luban.plan.memory import model_state_bytes, param_bytes
 from luban.plan.problem import Problem
-from luban.plan.system import load_system
+from luban.plan.system import System, load_system
 
 PACKAGED = Path(__file__).with_name("reference")
 
@@ -181,8 +181,9 @@ def _llama(r: dict, seq: int, vocab_key: str = "vocab", head_dim_key: str = "hea
 
 
 def _tokens_row(table: str, name: str, model: ModelConfig, system, layout: ParallelLayout, gpus: int, seq: int,
-                batch: int, runtime: str, ref_tokens: float, attention_kernel: str = "fa3", **extra) -> dict:
-    problem = Problem(model, system, gpus, seq, batch, runtime=runtime, attention_kernel=attention_kernel)
+                batch: int, runtime: str, ref_tokens: float, attention_kernel: str = "fa3", compiled=None, **extra) -> dict:
+    problem = Problem(model, system, gpus, seq, batch, runtime=runtime, attention_kernel=attention_kernel,
+                      compiled=compiled)
     g = Grid.from_layout(layout)
     est = Estimate.from_results(problem, g, evaluate(problem, g))
     predicted = est.tokens_per_s / gpus
@@ -217,6 +218,7 @@ def megatron_bridge_dense(system="dgx-h100") -> list[dict]:
 # the fused attention generation each table's software ran (``Problem.attention_kernel``)
 NEMO_CP_ATTENTION = "fa2"  # NeMo 24.03 (March 2024): before FlashAttention-3 (July 2024) and cuDNN's Hopper kernels in TE
 LLAMA3_ATTENTION = "fa2"  # Llama 3 was trained before FlashAttention-3 was published (July 2024)
+LLAMA3_FUSED = True  # Meta's production stack, not torchtitan's eager model: fused elementwise kernels (planned as compiled)
 BRIDGE_ATTENTION = "fa3"  # Megatron-Bridge 25.09-26.06 containers: TE's cuDNN fused attention on Hopper
 
 
@@ -256,7 +258,8 @@ def llama3_table4(system="dgx-h100") -> list[dict]:
             layout = ParallelLayout(dp=dp, tp=tp, pp=pp, cp=cp, sp=True, zero=2, precision="bf16", micro_batch=1,
                                     schedule="interleaved-1f1b" if v > 1 else "1f1b", virtual_stages=v)
             row = _tokens_row("llama3-2024-t4-h100", f"405B {gpus} GPUs seq {seq} tp{tp} cp{cp} pp{pp} dp{dp} v{v}",
-                              model, system, layout, gpus, seq, batch, "fsdp2", 1.0, attention_kernel=LLAMA3_ATTENTION)
+                              model, system, layout, gpus, seq, batch, "fsdp2", 1.0, attention_kernel=LLAMA3_ATTENTION,
+                              compiled=LLAMA3_FUSED)
             if best is None or row["estimate"].mfu > best["estimate"].mfu:
                 best = row
         ref = float(r["bf16_mfu_pct"]) / 100
@@ -299,7 +302,140 @@ def validate_all(system="dgx-a100-80g") -> dict:
         hopper += tables[name]
     tables["h100-fitted"] = [r for r in hopper if is_fitted(r)]
     tables["h100-held-out"] = [r for r in hopper if not is_fitted(r)]
+    for name, fn in SOURCE_TABLES.items():  # independent sources (docs/planner.md "Validation by source")
+        tables[name] = fn()
     moe = megatron_bridge_moe()
     tables["megatron-bridge-h100-moe-bf16"] = [r for r in moe if not r["fp8"]]
     tables["megatron-bridge-h100-moe-fp8"] = [r for r in moe if r["fp8"]]
     return {name: {"summary": summary(rows), "rows": rows} for name, rows in tables.items()}
+
+
+# --- independent sources: one CSV format (luban/plan/reference/README.md) ------------------------
+
+# Machines of the new sources that no built-in profile describes: a built-in profile with the
+# published differences, each cited here (the efficiency curves stay the base's calibration).
+DERIVED_SYSTEMS = {
+    # torchtitan benchmarks/llama3_h100_202412_torchtitan.md "Hardware": 96 GB HBM2e at 2.4 TB/s, 500 W
+    # power limit, 400 Gb/s RDMA per GPU. Peak FLOP/s: the page says it lies between H100 SXM and NVL
+    # and is unknown; the SXM datasheet peak is kept (as the page's own MFU figure does).
+    "grand-teton-h100": ("dgx-h100", {"hbm_bytes": 96 * 2**30, "hbm_bandwidth": 2.4e12,
+                                      "description": "Grand Teton: 8x H100 96GB HBM2e 500 W per host, 400 Gb/s RDMA per GPU"}),
+    # bigscience train/tr11-176B-ml/README.md "Hardware": 8 A100 80GB per node, NVLink, 4x 100 Gb/s
+    # Omni-Path per node (= 50 GB/s per node, 6.25 GB/s per GPU)
+    "jean-zay-a100-80g": ("dgx-a100-80g", {"internode_bandwidth": 6.25e9,
+                                           "description": "Jean Zay: 8x A100 80GB per node, 4x 100 Gb/s Omni-Path per node"}),
+}
+
+
+def source_system(name: str, systems: dict | None = None):
+    """The profile of a source's ``system`` cell; ``systems`` maps built-in names to (candidate)
+    profiles, so a refit's candidate reaches the derived machines too."""
+    systems = systems or {}
+    if name in DERIVED_SYSTEMS:
+        base, changes = DERIVED_SYSTEMS[name]
+        raw = {**load_system(systems.get(base, base)).to_dict(), **changes, "name": name}
+        return System.from_dict(raw, source=name)
+    return load_system(systems.get(name, name))
+
+
+def read_source_table(name: str) -> list[dict]:
+    """A source CSV: ``#`` lines are its citation, then a header and one row per measurement."""
+    with open(reference_dir() / name, newline="") as f:
+        return list(csv.DictReader(line for line in f if not line.startswith("#")))
+
+
+def _source_model(r: dict) -> ModelConfig:
+    """The row's shape: ``llama`` (SwiGLU, RMSNorm, RoPE, untied), ``mpt`` (GELU, LayerNorm, no
+    biases, tied; ALiBi charged as a learned position table: ``seq·h`` parameters, no FLOPs) or
+    ``bloom`` (Megatron GPT: GELU, LayerNorm, biases, tied; ALiBi likewise)."""
+    arch = r["arch"]
+    common = dict(name=r["model"], hidden=int(r["hidden"]), layers=int(r["layers"]), heads=int(r["heads"]),
+                  kv_heads=int(r["kv_heads"]), ffn_hidden=int(r["ffn_hidden"]), vocab=int(r["vocab"]),
+                  seq_len=int(r["seq"]), dropout=float(r.get("dropout") or 0.0))
+    if arch == "llama":
+        return ModelConfig(arch="llama", **common)
+    return ModelConfig(arch="gpt2", bias=arch == "bloom", **common)
+
+
+def source_rows(name: str, table: str, systems: dict | None = None) -> list[dict]:
+    """Every row of a source CSV, planned at its published layout; the reference is tokens/s per
+    GPU or seconds per step (``metric``). ``tokens_per_s_per_gpu_relative``: a source whose
+    machine's peak is not known (torchtitan's 500 W H100s) is scored on its rows' ratios to its
+    first such row (the anchor, not scored itself): what the runtime model decides (compiled or
+    eager, scaling out, tensor parallel, model size), not the unknown clock."""
+    rows, anchor = [], None
+    for r in read_source_table(name):
+        gpus, tp, pp, cp, vp = (int(r[k]) for k in ("gpus", "tp", "pp", "cp", "vp"))
+        precision = r["precision"]
+        layout = ParallelLayout(dp=gpus // (tp * pp * cp), tp=tp, pp=pp, cp=cp, sp=False, zero=int(r["zero"]),
+                                precision=precision, recompute=r["recompute"],
+                                schedule="interleaved-1f1b" if vp > 1 else "1f1b", virtual_stages=vp,
+                                micro_batch=int(r["micro_batch"]))
+        compiled = {"yes": True, "no": False, "blocks": "blocks"}.get(r.get("compile", ""), None)
+        seq, batch = int(r["seq"]), int(r["global_batch"])
+        problem = Problem(_source_model(r), source_system(r["system"], systems), gpus, seq, batch,
+                          runtime=r["runtime"], attention_kernel="fa2", compiled=compiled)
+        g = Grid.from_layout(layout)
+        est = Estimate.from_results(problem, g, evaluate(problem, g))
+        ref = float(r["value"])
+        if r["metric"] == "step_time_s":
+            predicted, unit = est.step_time_s, "s"
+        else:
+            predicted, unit = est.tokens_per_s / gpus, "tokens/s/GPU"
+        if r["metric"] == "tokens_per_s_per_gpu_relative" and anchor is None:
+            anchor = predicted / ref  # the file's first relative row: the others are scored against it
+            continue
+        if r["metric"] == "tokens_per_s_per_gpu_relative":
+            predicted = predicted / anchor  # (pred_i / pred_0) / (ref_i / ref_0) - 1, in ref_i's units
+        label = f"{r['model']} {r['system']} {gpus} GPUs tp{tp} pp{pp} cp{cp} zero{r['zero']} mb{r['micro_batch']} {r['recompute']}"
+        rows.append(dict(table=table, row=label + (f" compile={r['compile']}" if r.get("compile") else ""),
+                         reference=ref, predicted=predicted, error=predicted / ref - 1, unit=unit, estimate=est,
+                         seq=seq, source=r["source"], citation=r["citation"]))
+    return rows
+
+
+SINGLE_GPU_TABLE = "h100_single_gpu_measured.csv"
+# runner of the single-GPU file -> (runtime, Problem.compiled): luban's Engine at 3457f4b compiled
+# the model parts with the loss outside (issue 22's profile: an fp32 logits copy and an eager
+# log-softmax), i.e. "blocks"; Hugging Face and the reference loop are plain single-process loops
+# (their losses sit inside the compiled forward: True)
+SINGLE_GPU_RUNNERS = {("luban Engine", "no"): ("luban", False), ("luban train (metrics.jsonl time_step_s)", "no"): ("luban", False),
+                      ("luban Engine", "yes"): ("luban", "blocks"), ("luban Engine (rope mended)", "no"): ("luban", False),
+                      ("luban Engine (rope mended)", "yes"): ("luban", "blocks"),
+                      ("HF GPT2LMHeadModel (sdpa)", "no"): ("pytorch", False), ("HF GPT2LMHeadModel (sdpa)", "yes"): ("pytorch", True),
+                      ("HF LlamaForCausalLM (sdpa)", "yes"): ("pytorch", True),
+                      ("HF LlamaForCausalLM (sdpa) second machine", "yes"): ("pytorch", True),
+                      ("reference", "yes"): ("pytorch", True)}
+
+
+def h100_single_gpu(systems: dict | None = None) -> list[dict]:
+    """The project's own single-H100 measurements (../shared/reference/h100_single_gpu_measured.csv,
+    2026-11-25): step time of GPT-2 124M and Llama 1B (luban's presets) at the measured batch,
+    seq 1024, bf16, one GPU; the planner's rows of that file are skipped."""
+    from luban.model.config import ModelConfig as MC
+
+    system = source_system("dgx-h100", systems)
+    rows = []
+    for r in read_source_table(SINGLE_GPU_TABLE):
+        key = (r["runner"], r["compiled"])
+        if key not in SINGLE_GPU_RUNNERS:
+            continue
+        runtime, compiled = SINGLE_GPU_RUNNERS[key]
+        batch, seq = int(r["batch"]), int(r["seq"])
+        problem = Problem(MC.from_dict({"preset": r["model"]}), system, 1, seq, batch, runtime=runtime, attention_kernel="fa2",
+                          compiled=compiled)
+        g = Grid.from_layout(ParallelLayout(precision="bf16", micro_batch=batch))
+        est = Estimate.from_results(problem, g, evaluate(problem, g))
+        ref = float(r["step_ms"]) / 1e3
+        rows.append(dict(table="h100-single-gpu", row=f"{r['model']} b{batch} {r['runner']} compiled={r['compiled']}",
+                         reference=ref, predicted=est.step_time_s, error=est.step_time_s / ref - 1, unit="s", estimate=est,
+                         seq=seq, source="luban-h100-single-gpu"))
+    return rows
+
+
+# the independent sources' tables (each row carries its ``source``: luban.plan.loso)
+SOURCE_TABLES = {"mosaicml-llm-foundry": lambda: source_rows("mosaicml_llm_foundry_throughput.csv", "mosaicml-llm-foundry"),
+                 "torchtitan-h100": lambda: source_rows("torchtitan_llama3_h100.csv", "torchtitan-h100"),
+                 "trainy-torchtitan-h200": lambda: source_rows("trainy_torchtitan_h200.csv", "trainy-torchtitan-h200"),
+                 "megatron-deepspeed-a100": lambda: source_rows("megatron_deepspeed_a100.csv", "megatron-deepspeed-a100"),
+                 "h100-single-gpu": h100_single_gpu}

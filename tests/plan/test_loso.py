@@ -1,0 +1,102 @@
+"""Validation by source (luban.plan.loso) and the independent sources' tables (luban.plan.validate)."""
+
+import csv
+
+import numpy as np
+import pytest
+
+from luban.plan import loso, runtimes, validate
+
+NEW_SOURCES = {"mosaicml-composer", "torchtitan", "trainy-torchtitan", "bigscience-megatron-deepspeed",
+               "msft-nvidia-megatron-deepspeed"}
+
+
+@pytest.fixture(scope="module")
+def small():
+    return loso.score_grid(loso.SMALL_GRID), loso.fit(loso.SMALL_GRID)
+
+
+def test_each_source_is_scored_at_knobs_fitted_without_it(small):
+    """Recomputed from the raw per-candidate errors: for every source the knobs are the argmin of the
+    other sources' mean of means, and the held-out figure is that source's mean there."""
+    (candidates, errors), result = small
+    sources = sorted(errors)
+    assert set(result["sources"]) == set(sources) and NEW_SOURCES <= set(sources) and len(sources) >= 9
+    means = {s: np.array([np.mean(e) for e in errors[s]]) for s in sources}
+    for s in sources:
+        others = np.mean([means[o] for o in sources if o != s], axis=0)
+        chosen = candidates.index(result["sources"][s]["knobs"])
+        assert others[chosen] == pytest.approx(others.min(), abs=2e-6), s  # ties within rounding only
+        assert result["sources"][s]["held_out"] == pytest.approx(means[s][chosen])
+    assert result["headline"] == pytest.approx(np.mean([v["held_out"] for v in result["sources"].values()]))
+
+
+def test_a_source_never_chooses_its_own_knobs(monkeypatch):
+    """Synthetic errors: source A alone is best at candidate 1, B and C at candidate 0. A must be scored
+    at 0 (what B and C choose), not at its own optimum; this fails if ``fit`` looked at A itself."""
+    cands = [{"mm": 1.0, "attn": 1.0, "fp8": 1.0, "eager": runtimes.EAGER_TRAFFIC},
+             {"mm": 1.04, "attn": 1.0, "fp8": 1.0, "eager": runtimes.EAGER_TRAFFIC}]
+    errs = {"A": [[0.30], [0.01]], "B": [[0.02], [0.10]], "C": [[0.03], [0.20]]}
+    monkeypatch.setattr(loso, "score_grid", lambda grid=None: (cands, errs))
+    out = loso.fit()
+    assert out["sources"]["A"]["knobs"] == cands[0] and out["sources"]["A"]["held_out"] == pytest.approx(0.30)
+    assert out["sources"]["B"]["knobs"] == cands[1] and out["sources"]["B"]["held_out"] == pytest.approx(0.10)
+    assert out["headline"] == pytest.approx((0.30 + 0.10 + 0.20) / 3)
+
+
+def test_leave_one_source_out_headline(small):
+    """Issue #25's goal is a held-out mean <= 8% over the dense sources; what this grid reaches is
+    pinned here (docs/planner.md gives the per-source table) so that a regression fails."""
+    _, result = small
+    assert result["headline"] <= 0.11, result
+    held = {s: v["held_out"] for s, v in result["sources"].items()}
+    assert held["nvidia-megatron-lm"] <= 0.05 and held["nvidia-nemo-megatron-core"] <= 0.06
+    assert held["torchtitan"] <= 0.10 and held["mosaicml-composer"] <= 0.15
+
+
+def test_new_source_tables_cite_every_row():
+    for name in ("mosaicml_llm_foundry_throughput.csv", "torchtitan_llama3_h100.csv", "megatron_deepspeed_a100.csv",
+                 "trainy_torchtitan_h200.csv"):
+        text = (validate.reference_dir() / name).read_text()
+        header = [line for line in text.splitlines() if line.startswith("#")]
+        assert any("read 2026-11-25" in line for line in header), name  # the date the source was read
+        rows = validate.read_source_table(name)
+        assert rows and all(r["citation"] and r["source"] and r["team"] and r["runtime"] in runtimes.RUNTIMES for r in rows)
+    rows = validate.source_rows("mosaicml_llm_foundry_throughput.csv", "t")
+    assert len(rows) == 13 and {r["source"] for r in rows} == {"mosaicml-composer"}
+    systems = {r["estimate"].system for r in rows}
+    assert systems == {"dgx-a100-80g", "dgx-h100"}
+
+
+def test_torchtitan_rows_are_scored_relative_to_the_anchor(tmp_path, monkeypatch):
+    """The 500 W machine's peak is unknown: each row's error is (pred_i / pred_0) / (ref_i / ref_0) - 1
+    against the first row (the anchor, not scored), checked against the same file read absolute."""
+    rel = validate.source_rows("torchtitan_llama3_h100.csv", "t")
+    text = (validate.reference_dir() / "torchtitan_llama3_h100.csv").read_text()
+    (tmp_path / "torchtitan_llama3_h100.csv").write_text(text.replace(",tokens_per_s_per_gpu_relative,", ",tokens_per_s_per_gpu,"))
+    monkeypatch.setenv("LUBAN_REFERENCE_DIR", str(tmp_path))
+    absolute = validate.source_rows("torchtitan_llama3_h100.csv", "t")
+    assert len(rel) == len(absolute) - 1 == 4 + 1
+    anchor = absolute[0]["predicted"] / absolute[0]["reference"]
+    for r, a in zip(rel, absolute[1:]):
+        assert r["error"] == pytest.approx((a["predicted"] / a["reference"]) / anchor - 1)
+
+
+def test_bloom_and_mt_nlg_rows():
+    rows = {r["row"].split()[0]: r for r in validate.source_rows("megatron_deepspeed_a100.csv", "t")}
+    bloom = rows["bloom-176b"]
+    assert bloom["estimate"].system == "jean-zay-a100-80g" and abs(bloom["error"]) < 0.05
+    assert validate.source_system("jean-zay-a100-80g").internode_bandwidth == 6.25e9
+
+
+def test_single_gpu_rows_follow_the_runners():
+    rows = validate.h100_single_gpu()
+    assert len(rows) == 11 and all(r["unit"] == "s" for r in rows)
+    by = {r["row"]: r for r in rows}
+    eager = by["gpt2-124m b16 luban Engine compiled=no"]["predicted"]
+    blocks = by["gpt2-124m b16 luban Engine compiled=yes"]["predicted"]
+    reference = by["gpt2-124m b16 reference compiled=yes"]["predicted"]
+    assert eager > blocks > reference  # eager layers and loss > compiled blocks, eager loss > all compiled
+    with open(validate.reference_dir() / validate.SINGLE_GPU_TABLE) as f:
+        runners = {(r["runner"], r["compiled"]) for r in csv.DictReader(line for line in f if not line.startswith("#"))}
+    assert set(validate.SINGLE_GPU_RUNNERS) <= runners  # every mapped runner is in the file

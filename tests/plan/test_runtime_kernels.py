@@ -1,0 +1,128 @@
+"""Kernel efficiency as a property of the runtime (luban.plan.runtimes): eager vs compiled
+elementwise traffic, FSDP's 16-bit gathers, torchtitan's op-level selective checkpointing,
+luban's causal attention on a GPU."""
+
+import numpy as np
+import pytest
+
+from luban.model.presets import get_preset
+from luban.parallel.layout import ParallelLayout
+from luban.plan import runtimes
+from luban.plan.estimate import Estimate, evaluate
+from luban.plan.grid import Grid
+from luban.plan.problem import Problem
+from luban.plan.system import load_system
+
+
+def _step(runtime="fsdp2", compiled=None, system="dgx-h100", model="llama-1b", gpus=1, zero=0, recompute="none",
+          **kw):
+    problem = Problem(get_preset(model), load_system(system), gpus, 1024, 8 * gpus, runtime=runtime,
+                      compiled=compiled, **kw)
+    g = Grid.from_layout(ParallelLayout(dp=gpus, zero=zero, precision="bf16", micro_batch=8, recompute=recompute))
+    return Estimate.from_results(problem, g, evaluate(problem, g))
+
+
+def test_eager_runtimes_move_more_elementwise_bytes_than_compiled_ones():
+    eager, blocks, whole = (_step(compiled=c).step_time_s for c in (False, "blocks", True))
+    assert eager > blocks > whole
+    # fused runtimes (Megatron's kernels) ignore the switch; so does any runtime on a CPU profile
+    assert _step("megatron-core", False).step_time_s == _step("megatron-core", True).step_time_s
+    problem = Problem(get_preset("tiny"), load_system("dgx-h100"), 1, 64, 1, runtime="fsdp2", compiled=False)
+    assert runtimes.get("fsdp2").traffic_scale(problem) == runtimes.EAGER_TRAFFIC
+    cpu = load_system("dgx-h100").to_dict()
+    from luban.plan.system import CPU_KEYS, System
+    cpu["cpu"] = {k: 1.0 for k in CPU_KEYS}
+    problem.system = System.from_dict(cpu)
+    assert runtimes.get("fsdp2").traffic_scale(problem) == 1.0
+
+
+def test_luban_is_compiled_by_default_on_a_gpu_and_eager_when_off():
+    assert runtimes.get("luban").compiled(Problem(get_preset("tiny"), load_system("dgx-h100"), 1, 64, 1, runtime="luban"))
+    assert _step("luban").step_time_s == _step("luban", True).step_time_s < _step("luban", False).step_time_s
+    with pytest.raises(Exception, match="--compile"):
+        Problem(get_preset("tiny"), load_system("dgx-h100"), 1, 64, 1, runtime="luban", compiled="sometimes")
+
+
+def test_fsdp_gathers_16_bit_weights_but_luban_gathers_fp32():
+    fsdp2, luban = runtimes.get("fsdp2"), runtimes.get("luban")
+    from luban.plan.grid import BF16, FP32
+    assert float(fsdp2.gather_bytes(4.0, np.array(BF16))) == 2.0 and float(fsdp2.gather_bytes(4.0, np.array(FP32))) == 4.0
+    assert float(luban.gather_bytes(4.0, np.array(BF16))) == 4.0
+    # across nodes, zero 3: the gathers of the 16-bit runtime are cheaper
+    a = _step("fsdp2", True, gpus=64, zero=3, model="llama-8b")
+    b = _step("luban", True, gpus=64, zero=3, model="llama-8b")
+    assert a.time_breakdown_s["dp_comm"] + a.dp_hidden_s < b.time_breakdown_s["dp_comm"] + b.dp_hidden_s
+
+
+def test_torchtitan_selective_recomputes_every_other_matmul():
+    """Op-level SAC (fsdp2) recomputes the 2nd, 4th and 6th of a Llama block's seven GEMMs; Korthikanti's
+    selective (megatron-core, luban) only the attention core: fsdp2's selective costs more."""
+    cfg = get_preset("llama-1b")
+    h, q, kv, f = cfg.hidden, cfg.q_dim, cfg.kv_dim, cfg.ffn_hidden
+    share = (h * kv + q * h + h * f) / (h * q + 2 * h * kv + q * h + 3 * h * f)
+    assert 0.3 < share < 0.45
+    titan = _step("fsdp2", True, recompute="selective").time_breakdown_s["recompute"]
+    mcore = _step("megatron-core", None, recompute="selective").time_breakdown_s["recompute"]
+    assert titan > 3 * mcore > 0
+
+
+def test_luban_attention_skips_the_causal_half_on_a_gpu_only():
+    luban = runtimes.get("luban")
+    gpu = Problem(get_preset("tiny"), load_system("dgx-h100"), 1, 64, 1, runtime="luban")
+    assert luban.skips_causal(gpu) and not runtimes.get("megatron").skips_causal(gpu)
+
+
+def test_device_probe_runs_on_cpu_and_yields_a_profile():
+    """``luban plan probe --device cuda``'s code path, run on the CPU at small sizes."""
+    from luban.plan.probe_device import attention_flops, probe_device
+    from luban.plan.system import System
+
+    raw = probe_device("cpu", "dgx-h100", scale=1e-3, budget=0.01)
+    system = System.from_dict(raw)
+    eff = system.efficiency
+    assert len(eff["matmul"]) == len(eff["matmul_size"]) and all(0 < e <= 1 for e in eff["matmul"])
+    assert 0 < eff["attention_matmul"] <= 1 and eff["attention_fa3_speedup"] == 1.0
+    assert eff["elementwise_traffic"] > 0 and system.hbm_bandwidth > 0 and system.host_link_bandwidth > 0
+    assert eff["kernel_launch_s"] > 0
+    assert system.peak("bf16") == load_system("dgx-h100").peak("bf16")  # datasheet figures kept
+    assert attention_flops(1, 1, 2, 1) == 3.5 * 4 * 4 / 2
+
+
+def test_a_probed_kernel_launch_cost_paces_eager_runtimes_only():
+    """``efficiency.kernel_launch_s`` (probed; 0 on the built-in profiles): an eager runtime's
+    micro-batch takes at least its kernels x the launch cost; compiled layers and fused runtimes
+    are not paced; the breakdown's ``host`` part holds what the GPU time does not cover."""
+    slow_host = load_system("dgx-h100", ["efficiency.kernel_launch_s=1e-3"])
+
+    def est(runtime, compiled):
+        problem = Problem(get_preset("gpt2-124m"), slow_host, 1, 1024, 16, runtime=runtime, compiled=compiled)
+        g = Grid.from_layout(ParallelLayout(precision="bf16", micro_batch=16))
+        return Estimate.from_results(problem, g, evaluate(problem, g))
+
+    from luban.plan.overhead import model_overhead_counts
+
+    counts = model_overhead_counts(get_preset("gpt2-124m"))
+    eager = est("luban", False)
+    kernels = 12 * counts["layer_ops"] + counts["rest_ops"]
+    busy = eager.step_time_s - eager.time_breakdown_s["host"] - eager.time_breakdown_s["optimizer"]
+    assert eager.time_breakdown_s["host"] == pytest.approx(kernels * 1e-3 - busy, rel=1e-6)
+    assert est("luban", True).time_breakdown_s["host"] == 0.0
+    assert est("megatron-core", None).time_breakdown_s["host"] == 0.0
+    assert _step("luban", False).time_breakdown_s["host"] == 0.0  # the built-in profile: not probed
+
+
+def test_moe_token_permutation_is_charged_per_routed_copy(monkeypatch):
+    """Dropless dispatch copies each token's k routed copies into expert order and back
+    (``time.moe_permutation_bytes``): k·h·e bytes x 4 passes per MoE layer; nothing for a dense model."""
+    from luban.plan import time as plan_time
+
+    moe = Problem(get_preset("tiny-moe"), load_system("dgx-h100"), 1, 128, 8, runtime="megatron-core")
+    cfg = moe.model
+    assert plan_time.moe_permutation_bytes(moe, 2.0) == pytest.approx(
+        moe.derived["moe_share"] * 4 * cfg.experts_per_token * cfg.hidden * 2.0)
+    dense = Problem(get_preset("tiny-llama"), load_system("dgx-h100"), 1, 128, 8, runtime="megatron-core")
+    assert plan_time.moe_permutation_bytes(dense, 2.0) == 0.0
+    g = Grid.from_layout(ParallelLayout(precision="bf16", micro_batch=8))
+    with_perm = evaluate(moe, g)["time"]["parts"]["forward"]
+    monkeypatch.setattr(plan_time, "PERMUTE_PASSES", 0)
+    assert float(evaluate(moe, g)["time"]["parts"]["forward"]) < float(with_perm)
