@@ -2,7 +2,8 @@
 
 Each sub-package contributes its sub-commands through a ``register(subparsers)`` function in
 its own ``cli`` module; handlers import heavy dependencies (torch) lazily so that
-``luban --help`` stays fast. A ``LubanError`` becomes one line on stderr and exit code 2.
+``luban --help`` stays fast. A ``LubanError`` becomes one line on stderr and exit code 2; Ctrl-C
+one line and 130, a closed stdout a quiet 141 (``luban.interrupt``).
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import importlib
 import re
 import sys
 
-from luban.errors import LubanError
+from luban import interrupt
+from luban.errors import EXIT_INTERRUPTED, LubanError
 
 SUBCOMMAND_MODULES = [
     "luban.train.cli",
@@ -71,6 +73,26 @@ def early_signals(argv: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     entry = argv is None  # a real process entry (in-process callers keep their own signal handling)
+    if not entry:
+        return _run(argv, entry)
+    training = sys.argv[1:2] in (["train"], ["demo"])
+    if not training:  # train/demo: Ctrl-C suspends (luban.train.preempt); the rest: luban.interrupt
+        interrupt.install()
+    try:
+        code = _run(argv, entry)
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's last flush
+        interrupt.finished(code)
+    except KeyboardInterrupt:
+        interrupt.announce()
+        interrupt.leave(EXIT_INTERRUPTED)  # no interpreter teardown: seconds once torch is loaded
+    except BrokenPipeError:  # `luban jobs | head -1`: the reader is gone, and so is the output
+        interrupt.quiet_stdout()
+        code = interrupt.EXIT_PIPE
+    interrupt.finished(code)
+    return code
+
+
+def _run(argv: list[str] | None, entry: bool) -> int:
     if entry:
         early_signals(sys.argv[1:])
     parser = build_parser()

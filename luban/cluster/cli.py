@@ -361,8 +361,11 @@ def cmd_serve(args) -> int:
     token_path = ensure_admin(sessions, state)
     if token_path:
         print(f"luban cluster: admin token written to {token_path}", flush=True)
-    uvicorn.run(create_app(sessions, scheduler, max_body=args.max_body, max_queued=args.max_queued),
-                host=args.host, port=args.port, log_level=args.log_level)
+    from luban import interrupt
+
+    with interrupt.own_handling():  # Ctrl-C: uvicorn's graceful shutdown, then one line and 130
+        uvicorn.run(create_app(sessions, scheduler, max_body=args.max_body, max_queued=args.max_queued),
+                    host=args.host, port=args.port, log_level=args.log_level)
     return 0
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from luban import interrupt
 from luban.data.atomic import TEMP_GLOB, _fsync_dir
 from luban.data.corpus import (DEFAULT_MAX_BYTES, cap_files, collect_files,
                                default_corpus_files, read_text, stdlib_dir)
@@ -136,6 +137,14 @@ def _staging(out_dir: Path) -> Path:
     return out_dir.parent / f".{out_dir.name}.building-{os.getpid()}"
 
 
+def _remove(stage: Path) -> None:
+    """Delete a stage; a file a native call was still writing into it can make one pass fail."""
+    for _ in range(3):
+        shutil.rmtree(stage, ignore_errors=True)
+        if not os.path.lexists(stage):
+            return
+
+
 def _swap_in(staging: Path, out_dir: Path) -> None:
     """Make ``staging`` the dataset at ``out_dir`` in one step: rename when there is none, else
     exchange the two paths atomically (Linux renameat2 RENAME_EXCHANGE) and delete the old one.
@@ -214,12 +223,15 @@ def build_dataset(inputs=None, out_dir=".", *, tokenizer: str = "byte",
         out_dir.mkdir()
     except OSError as err:
         raise bad_value("--out", str(final_dir), f"{OPTIONS['out'].allowed} ({err.strerror})") from None
-    try:
-        manifest = _build_into(out_dir, files, source, tokenizer, vocab_size, shard_size_mb, val_fraction, seed,
-                               chunk_tokens)
-        _swap_in(out_dir, final_dir)
+    stage = out_dir
+    try:  # Ctrl-C: this except removes the stage; a forced exit (luban.interrupt) does the same
+        with interrupt.on_abort(lambda: _remove(stage)):
+            manifest = _build_into(out_dir, files, source, tokenizer, vocab_size, shard_size_mb, val_fraction,
+                                   seed, chunk_tokens)
+            with interrupt.critical():
+                _swap_in(out_dir, final_dir)
     except BaseException:
-        shutil.rmtree(out_dir, ignore_errors=True)
+        _remove(out_dir)
         raise
     return manifest
 

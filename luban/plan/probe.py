@@ -14,9 +14,12 @@ from __future__ import annotations
 import json
 import os
 import platform
+import signal
 import socket
 import time
 from pathlib import Path
+
+from luban import interrupt
 
 MATMUL_SIZES = (64, 128, 256, 512, 1024)
 MESSAGE_SIZES = (2**10, 2**14, 2**17, 2**20, 2**22)
@@ -243,7 +246,28 @@ def _spawn(worker, world: int) -> dict:
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
-        mp.spawn(worker, args=(world, port, out), nprocs=world, join=True)
+        # the workers start with SIGINT blocked: a terminal's Ctrl-C reaches the whole process group,
+        # and this process alone answers it (luban.interrupt), ending the workers with it
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            context = mp.spawn(worker, args=(world, port, out), nprocs=world, join=False)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+        def kill():
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+            for process in context.processes:
+                process.join(5)
+
+        try:
+            with interrupt.on_abort(kill):
+                while not context.join():
+                    pass
+        except BaseException:
+            kill()
+            raise
         return json.loads(Path(out).read_text())
 
 
@@ -412,14 +436,16 @@ def _mem_total() -> float:
 
 def write_profile(profile: dict, path: "str | Path") -> Path:
     """Write a profile as JSON (``.json``) or TOML (anything else)."""
+    from luban.data.atomic import write_bytes
+
     path = Path(path)
     if path.suffix == ".json":
-        path.write_text(json.dumps(profile, indent=2) + "\n")
+        write_bytes(path, (json.dumps(profile, indent=2) + "\n").encode())  # whole or not at all
         return path
     flat = [f"{k} = {_toml_value(v)}" for k, v in profile.items() if not isinstance(v, dict)]
     tables = [f"\n[{k}]\n" + "\n".join(f"{kk} = {_toml_value(vv)}" for kk, vv in v.items())
               for k, v in profile.items() if isinstance(v, dict)]
-    path.write_text("\n".join(flat) + "\n" + "\n".join(tables) + "\n")
+    write_bytes(path, ("\n".join(flat) + "\n" + "\n".join(tables) + "\n").encode())
     return path
 
 
