@@ -8,12 +8,28 @@ one line and 130, a closed stdout a quiet 141 (``luban.interrupt``).
 
 from __future__ import annotations
 
-import argparse
-import importlib
-import re
+import os
+import signal
 import sys
 
-from luban import interrupt
+
+def _record_sigint(signum, frame) -> None:
+    """Until ``main`` takes over: a Ctrl-C during the imports is recorded, then answered there."""
+    global _EARLY_SIGINT
+    _EARLY_SIGINT = True
+
+
+_EARLY_SIGINT = False
+if (os.path.basename(sys.argv[0]) == "luban"  # the console script, or python -m luban
+        or getattr(getattr(sys.modules.get("__main__"), "__spec__", None), "name", None) == "luban.__main__"):
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # an inherited SIG_IGN stays
+        signal.signal(signal.SIGINT, _record_sigint)
+
+import argparse  # noqa: E402 - after the Ctrl-C recorder: the first moment luban can answer Ctrl-C
+import importlib  # noqa: E402
+import re  # noqa: E402
+
+from luban import interrupt  # noqa: E402
 from luban.errors import EXIT_INTERRUPTED, LubanError
 
 SUBCOMMAND_MODULES = [
@@ -69,6 +85,8 @@ def early_signals(argv: list[str]) -> None:
     from luban.train import preempt
 
     preempt.install()
+    if _EARLY_SIGINT:  # a Ctrl-C during the imports: recorded by preempt now, as one at start-up
+        signal.raise_signal(signal.SIGINT)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,9 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     if not entry:
         return _run(argv, entry)
     training = sys.argv[1:2] in (["train"], ["demo"])
-    if not training:  # train/demo: Ctrl-C suspends (luban.train.preempt); the rest: luban.interrupt
-        interrupt.install()
     try:
+        if not training:  # train/demo: Ctrl-C suspends (luban.train.preempt); the rest: luban.interrupt
+            interrupt.install(_EARLY_SIGINT)
         code = _run(argv, entry)
         sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's last flush
         interrupt.finished(code)

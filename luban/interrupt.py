@@ -50,9 +50,13 @@ class _State:
 _STATE = _State()
 
 
-def install() -> None:
-    """Take over SIGINT for this process (call once, from the main thread, at process entry)."""
+def install(early: bool = False) -> None:
+    """Take over SIGINT for this process (once, from the main thread, at process entry); ``early``:
+    a Ctrl-C came before (``luban.cli`` records those), answered now. An inherited SIG_IGN (a
+    background job of a non-interactive shell) is kept."""
     if _STATE.installed or threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGINT) in (signal.SIG_IGN, None):
         return
     read, write = os.pipe()
     os.set_blocking(write, False)
@@ -61,9 +65,12 @@ def install() -> None:
     except (ValueError, OSError):
         os.close(read), os.close(write)
         return
-    signal.signal(signal.SIGINT, _on_sigint)
     _STATE.installed = True
     threading.Thread(target=_watch, args=(read,), name="luban-interrupt", daemon=True).start()
+    signal.signal(signal.SIGINT, _on_sigint)
+    if early:
+        _STATE.interrupted_at = time.monotonic()
+        raise KeyboardInterrupt
 
 
 def _on_sigint(signum, frame):

@@ -86,10 +86,11 @@ def synthetic(cfg: TraceConfig) -> list[TraceJob]:
 
 
 def save(jobs: list[TraceJob], path: str | Path) -> None:
-    try:
-        with open(path, "w") as f:
-            for job in jobs:
-                f.write(json.dumps(dataclasses.asdict(job)) + "\n")
+    from luban.data.atomic import write_bytes
+
+    text = "".join(json.dumps(dataclasses.asdict(job)) + "\n" for job in jobs)
+    try:  # whole or not at all (an interrupted trace leaves no half file)
+        write_bytes(path, text.encode())
     except OSError as err:
         raise bad_value("--output", str(path), f"cannot be written ({err.strerror or err})") from None
 
