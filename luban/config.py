@@ -177,14 +177,26 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
     if path is not None:
         path = Path(path)
         if not path.is_file():
-            raise bad_value("CONFIG", str(path), "no such file")
+            raise bad_value("CONFIG", str(path), "a TOML file (this is a folder)" if path.is_dir() else "no such file")
         try:
             raw = tomllib.loads(path.read_text())
         except tomllib.TOMLDecodeError as err:
             raise LubanError(f"{path}: not valid TOML: {err}") from None
         except (UnicodeDecodeError, OSError) as err:
             raise bad_value("CONFIG", str(path), f"a readable UTF-8 TOML file ({type(err).__name__})") from None
+        for name, table in raw.items():  # before any --set lands in it
+            if name in SECTIONS and not isinstance(table, dict):
+                raise bad_value(f"{path}: {name}", table, f"a table of keys ([{name}] ...)")
+    from_file = {f"{name}.{key}" for name, table in raw.items() if isinstance(table, dict) for key in table}
+    overridden = set()
     for item in overrides:
         section, key, value = parse_override(item)
         raw.setdefault(section, {})[key] = value
-    return config_from_dict(raw)
+        overridden.add(f"{section}.{key}")
+    try:
+        return config_from_dict(raw)
+    except LubanError as err:  # a value from the file: name the file
+        first = str(err).split(" ", 1)[0].rstrip(":")
+        if first in from_file - overridden:
+            raise LubanError(f"{path}: {err}") from None
+        raise

@@ -139,6 +139,41 @@ PATH_KINDS = {"file": "an existing file", "dir": "an existing folder",
               "new-dir": "a folder that exists and is writable, or can be created"}
 
 
+# kernel and pseudo file systems: no new files there, whatever os.access says (root passes it everywhere)
+PSEUDO_FS = {"proc", "sysfs", "cgroup", "cgroup2", "devpts", "securityfs", "debugfs", "tracefs", "pstore", "bpf",
+             "configfs", "fusectl", "mqueue", "binfmt_misc", "autofs", "efivarfs", "hugetlbfs", "rpc_pipefs", "nsfs"}
+
+
+def _mount_of(folder: Path) -> tuple[str, set[str]]:
+    """The file-system type and mount options of the mount holding ``folder`` (/proc/self/mountinfo)."""
+    best, found = "", ("", set())
+    try:
+        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return found
+    target = os.path.realpath(folder)
+    for line in lines:
+        left, _, right = line.partition(" - ")
+        fields, tail = left.split(), right.split()
+        if len(fields) < 6 or not tail:
+            continue
+        point = fields[4].replace("\\040", " ")
+        inside = target == point or target.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):
+            best, found = point, (tail[0], set(fields[5].split(",")))
+    return found
+
+
+def writable_folder(folder: Path) -> bool:
+    """Whether a new file can be made in ``folder``, checked without making one: permissions (for
+    other users than root), and for everyone a mount that is neither read-only nor a kernel one
+    (/proc, /sys: root passes os.access there, and the write then fails)."""
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return False
+    fs_type, options = _mount_of(folder)
+    return fs_type not in PSEUDO_FS and "ro" not in options
+
+
 def path(kind: str):
     """A path checked for existence, type and writability:
 
@@ -157,13 +192,13 @@ def path(kind: str):
             ok = p.is_dir()
         elif kind == "new-file":
             parent = p.parent
-            ok = not p.is_dir() and parent.is_dir() and os.access(parent, os.W_OK | os.X_OK) and \
-                (not p.exists() or os.access(p, os.W_OK))
+            ok = not p.is_dir() and parent.is_dir() and writable_folder(parent) and \
+                (not p.exists() or (p.is_file() and os.access(p, os.W_OK)))
         else:
             p = p.absolute()
             while not p.exists() and p != p.parent:
                 p = p.parent
-            ok = p.is_dir() and os.access(p, os.W_OK | os.X_OK)
+            ok = p.is_dir() and writable_folder(p)
         if not ok:
             raise Invalid(value, allowed)
         return value

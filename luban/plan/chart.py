@@ -37,7 +37,22 @@ def write_chart(estimates: list, path: "str | Path", title: str = "") -> Path:
     if title:
         fig.suptitle(title)
     fig.tight_layout()
+    import io
+
+    from luban.data.atomic import write_bytes
+    from luban.errors import bad_value
+
     path = Path(path)
-    fig.savefig(path, dpi=110)
+    kinds = fig.canvas.get_supported_filetypes()
+    kind = path.suffix[1:].lower() or "png"
+    if kind not in kinds:
+        plt.close(fig)
+        raise bad_value("--chart", str(path), f"an image file ending in one of {', '.join('.' + k for k in kinds)}")
+    png = io.BytesIO()
+    fig.savefig(png, dpi=110, format=kind)
     plt.close(fig)
+    try:  # whole or not at all; a folder that refuses the file is one line
+        write_bytes(path, png.getvalue())
+    except OSError as err:
+        raise bad_value("--chart", str(path), f"a file path in an existing, writable folder ({err.strerror})") from None
     return path

@@ -105,11 +105,21 @@ def load_model(spec: str):
         return get_preset(spec)
     if not path.is_file():
         raise bad_value("--model", spec, f"a .toml/.json file or a preset: {', '.join(PRESETS)}")
+    kind = "JSON" if path.suffix == ".json" else "TOML"
     try:
-        raw = json.loads(path.read_text()) if path.suffix == ".json" else tomllib.loads(path.read_text())
+        raw = json.loads(path.read_text()) if kind == "JSON" else tomllib.loads(path.read_text())
     except (ValueError, tomllib.TOMLDecodeError) as err:
-        raise LubanError(f"--model = {spec!r}: cannot parse: {err}") from None
-    return ModelConfig.from_dict(raw.get("model", raw))
+        raise LubanError(f"--model = {spec!r}: cannot parse: {err}".replace("\n", " ")) from None
+    except OSError as err:
+        raise bad_value("--model", spec, f"a readable {kind} file ({err.strerror})") from None
+    table = raw.get("model", raw) if isinstance(raw, dict) else raw
+    if not isinstance(table, dict) or not table:
+        what = type(table).__name__ if not isinstance(table, dict) else "an empty table"
+        raise bad_value("--model", spec, f"a {kind} table of model keys (flat, or under \"model\"), not {what}")
+    try:
+        return ModelConfig.from_dict(table)
+    except LubanError as err:
+        raise LubanError(f"{spec}: {err}") from None
 
 
 def _problem(args):
