@@ -66,9 +66,15 @@ def cmd_submit(args) -> int:
         import yaml
 
         try:
-            data = yaml.safe_load(path.read_text()) or {}
+            data = yaml.safe_load(path.read_bytes().decode("utf-8"))
         except yaml.YAMLError as err:
             raise LubanError(f"{file} is not valid YAML: {err}".replace("\n", " ")) from None
+        except (OSError, UnicodeDecodeError, RecursionError) as err:
+            why = err.strerror if isinstance(err, OSError) else "not UTF-8 text" if isinstance(
+                err, UnicodeDecodeError) else "nested too deeply"
+            raise bad_value("job file", file, f"a readable YAML file ({why})") from None
+        if data is None:
+            raise bad_value("job file", file, "a YAML mapping (name, command, args, ...); the file is empty")
         if not isinstance(data, dict):
             raise bad_value("job file", file, "a YAML mapping (name, command, args, ...)")
     if command:
@@ -149,6 +155,8 @@ def _export(data: dict, export: str) -> None:
     from luban import jobenv
     from luban.cluster import spec as specs
 
+    if not isinstance(data.get("env") or {}, dict):
+        raise bad_value("env", data["env"], "a mapping of NAME: value")
     if export.upper() == "ALL":
         data["env"] = {**jobenv.inheritable(os.environ), **(data.get("env") or {})}
         return

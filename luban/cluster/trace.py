@@ -95,13 +95,42 @@ def save(jobs: list[TraceJob], path: str | Path) -> None:
         raise bad_value("--output", str(path), f"cannot be written ({err.strerror or err})") from None
 
 
+def _trace_job(raw) -> TraceJob:
+    """One line's job, every field type- and range-checked (a ValueError says which)."""
+    if not isinstance(raw, dict):
+        raise ValueError(f"a JSON object, not {type(raw).__name__}")
+    job = TraceJob(**raw)  # TypeError: a missing or unknown field
+    whole = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731
+    real = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)  # noqa: E731
+    checks = [("id", whole(job.id) and job.id >= 0, "an integer >= 0"),
+              ("submit", real(job.submit) and job.submit >= 0, "a finite number >= 0"),
+              ("user", isinstance(job.user, str) and job.user != "", "a non-empty string"),
+              ("nodes", whole(job.nodes) and schema.CLUSTER_NODES[0] <= job.nodes <= schema.CLUSTER_NODES[1],
+               f"an integer from {schema.CLUSTER_NODES[0]} to {schema.CLUSTER_NODES[1]}"),
+              ("duration", real(job.duration) and job.duration > 0, "a finite number > 0"),
+              ("priority", whole(job.priority) and job.priority in {int(p) for p in Priority},
+               f"one of {sorted(int(p) for p in Priority)}"),
+              ("checkpointable", isinstance(job.checkpointable, bool), "true or false"),
+              ("node_group", isinstance(job.node_group, str) and job.node_group != "", "a non-empty string")]
+    for name, ok, allowed in checks:
+        if not ok:
+            raise ValueError(f"{name} = {getattr(job, name)!r}: {allowed}")
+    return job
+
+
 def load(path: str | Path) -> list[TraceJob]:
+    try:
+        text = Path(path).read_bytes().decode("utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        why = err.strerror if isinstance(err, OSError) else "not UTF-8 text"
+        raise bad_value("--trace", str(path), f"a readable JSON-lines trace file ({why})") from None
     jobs = []
-    with open(path) as f:
-        for line_no, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    jobs.append(TraceJob(**json.loads(line)))
-                except (TypeError, ValueError) as err:
-                    raise bad_value(f"{path}:{line_no}", line.strip()[:80], f"a trace job ({err})") from None
+    for line_no, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            try:
+                jobs.append(_trace_job(json.loads(line)))
+            except (TypeError, ValueError, RecursionError) as err:
+                raise bad_value(f"{path}:{line_no}", line.strip()[:80], f"a trace job ({err})") from None
+    if not jobs:
+        raise bad_value("--trace", str(path), "a trace with at least one job (one JSON object per line)")
     return sorted(jobs, key=lambda j: (j.submit, j.id))

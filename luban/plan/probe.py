@@ -470,10 +470,12 @@ def cached_profile() -> dict:
     from luban.plan.system import CPU_KEYS
 
     path = cache_path()
-    if path.is_file():
+    try:  # luban's own cache: an unreadable or damaged one is measured again
         cached = json.loads(path.read_text())
-        if set(CPU_KEYS) <= set(cached.get("cpu", {})):
+        if isinstance(cached, dict) and isinstance(cached.get("cpu"), dict) and set(CPU_KEYS) <= set(cached["cpu"]):
             return cached
+    except (OSError, ValueError):
+        pass
     profile = probe_system()
     path.parent.mkdir(parents=True, exist_ok=True)
     write_profile(profile, path)

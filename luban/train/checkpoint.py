@@ -118,7 +118,11 @@ def verify(ckpt: Path) -> str | None:
         return "no manifest.json (save did not finish)"
     try:
         files = json.loads(manifest.read_text())["files"]
-    except (ValueError, KeyError):
+        if not isinstance(files, dict) or not all(
+                isinstance(name, str) and "/" not in name and isinstance(e, dict)
+                and isinstance(e.get("bytes"), int) and isinstance(e.get("crc32"), int) for name, e in files.items()):
+            raise ValueError(files)
+    except (OSError, ValueError, KeyError, TypeError):
         return "manifest.json is not valid"
     for name, entry in files.items():
         f = ckpt / name

@@ -33,11 +33,21 @@ def checkpoint_dir(path: str) -> Path:
 def load_model(path: str) -> tuple[Transformer, dict]:
     """Rebuild the model of a checkpoint written under any layout; returns (model, meta)."""
     ckpt = checkpoint_dir(path)
-    meta = json.loads((ckpt / "meta.json").read_text())
-    cfg = ModelConfig(**meta["config"]["model"])
+    try:
+        meta = json.loads((ckpt / "meta.json").read_text())
+        cfg = ModelConfig.from_dict(meta["config"]["model"])
+    except LubanError as err:
+        raise LubanError(f"{ckpt / 'meta.json'}: {err}") from None
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise LubanError(f"CHECKPOINT = {path!r}: meta.json has no readable model config "
+                         f"({type(err).__name__}: {err})".replace("\n", " ")) from None
     model = build_model(cfg)
     state = {"model": model.state_dict()}
-    dcp.load(state, checkpoint_id=str(ckpt))
+    try:
+        dcp.load(state, checkpoint_id=str(ckpt))
+    except Exception as err:  # noqa: BLE001 - a damaged or foreign checkpoint, whatever the library raises
+        raise LubanError(f"CHECKPOINT = {path!r}: its weights cannot be read ({type(err).__name__}: "
+                         f"{str(err).splitlines()[0] if str(err) else ''})") from None
     model.load_state_dict(state["model"])
     return model.eval(), meta
 
