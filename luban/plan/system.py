@@ -206,7 +206,11 @@ def load_system(spec: "str | Path | System", overrides=()) -> System:
     try:
         raw = json.loads(path.read_text()) if path.suffix == ".json" else tomllib.loads(path.read_text())
     except (ValueError, tomllib.TOMLDecodeError) as err:
-        raise LubanError(f"--system = {str(spec)!r}: cannot parse {path.name}: {err}") from None
+        raise LubanError(f"--system = {str(spec)!r}: cannot parse {path.name}: {err}".replace("\n", " ")) from None
+    except OSError as err:
+        raise bad_value("--system", str(spec), f"a readable profile file ({err.strerror})") from None
+    if not isinstance(raw, dict):
+        raise bad_value("--system", str(spec), f"a profile table (name, gpus_per_node, ...), not {type(raw).__name__}")
     if overrides:
         return System.from_dict(apply_overrides(raw, overrides), source="--system-set")
     return System.from_dict(raw, source=path.name)

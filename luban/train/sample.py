@@ -40,14 +40,14 @@ def load_model(path: str) -> tuple[Transformer, dict]:
         raise LubanError(f"{ckpt / 'meta.json'}: {err}") from None
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise LubanError(f"CHECKPOINT = {path!r}: meta.json has no readable model config "
-                         f"({type(err).__name__}: {err})".replace("\n", " ")) from None
+                         f"({err})".replace("\n", " ")) from None
     model = build_model(cfg)
     state = {"model": model.state_dict()}
     try:
         dcp.load(state, checkpoint_id=str(ckpt))
     except Exception as err:  # noqa: BLE001 - a damaged or foreign checkpoint, whatever the library raises
-        raise LubanError(f"CHECKPOINT = {path!r}: its weights cannot be read ({type(err).__name__}: "
-                         f"{str(err).splitlines()[0] if str(err) else ''})") from None
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise LubanError(f"CHECKPOINT = {path!r}: its weights cannot be read ({first})") from None
     model.load_state_dict(state["model"])
     return model.eval(), meta
 
