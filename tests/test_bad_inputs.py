@@ -214,3 +214,34 @@ def test_fuzzed_manifests_are_named_and_nothing_changes(dataset, tmp_path_factor
     else:  # accepted only if the change did not matter to what the manifest checks
         load_manifest(work)
     assert {p.name: p.read_bytes() for p in work.iterdir()} == before
+
+
+# -- issue 24: files checked before use ------------------------------------------------------------
+def test_issue24_file_cases(capsys, tmp_path):
+    """Each was a traceback on 3457f4b; now one line naming the file or flag, exit 2."""
+    (tmp_path / "list.json").write_text("[1, 2, 3]")
+    (tmp_path / "t5.toml").write_text("train = 5\n")
+    (tmp_path / "ckpt").mkdir()
+    cases = [
+        (["plan", "estimate", "--model", str(tmp_path / "list.json"), "--system", "dgx-a100-80g", "--gpus", "8",
+          "--global-batch", "8"], "--model = '" + str(tmp_path / "list.json") + "': a JSON table of model keys"),
+        (["plan", "estimate", "--model", "gpt2-124m", "--system", str(tmp_path / "list.json"), "--gpus", "8",
+          "--global-batch", "8"], "a profile table"),
+        (["train", str(tmp_path / "t5.toml")], "t5.toml: train = 5: a table of keys"),
+        (["train", str(tmp_path / "t5.toml"), "--set", "train.steps=3"], "t5.toml: train = 5: a table of keys"),
+        (["plan", "search", "--model", "gpt2-124m", "--system", "dgx-a100-80g", "--gpus", "8", "--global-batch", "8",
+          "--chart", "/proc/x.png"], "--chart = '/proc/x.png': a file path in an existing, writable folder"),
+        (["plan", "search", "--model", "gpt2-124m", "--system", "dgx-a100-80g", "--gpus", "8", "--global-batch", "8",
+          "--chart", str(tmp_path)], "--chart = "),
+        (["export", str(tmp_path / "ckpt"), "--format", "hf", "/proc/x"], "out = '/proc/x': a folder that exists"),
+        (["cluster", "simulate", "--trace", str(tmp_path / "list.json")], "a trace job (a JSON object, not list)"),
+    ]
+    for argv, words in cases:
+        try:
+            code = main(argv)
+        except SystemExit as done:
+            code = done.code
+        err = capsys.readouterr().err
+        assert code == 2 and err.startswith("luban: error: ") and err.count("\n") == 1 and words in err, (argv, err)
+        assert "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "list.json", "t5.toml"]
