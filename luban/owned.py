@@ -148,5 +148,6 @@ def claim(path: str | Path, kind: str, key: str) -> Path:
         path.mkdir(parents=True, exist_ok=True)
         mark(path, kind)
     except OSError as err:
-        raise bad_value(key, str(path), f"a folder that can be created and written ({err.strerror or err})") from None
+        raise bad_value(key, str(path), f"cannot be written there ({err.strerror or err}); choose a writable "
+                                        "folder") from None
     return path
