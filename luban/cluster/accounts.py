@@ -31,6 +31,21 @@ GROUP_PREFIX = "luban-g-"
 MAX_ACCOUNT = 32  # useradd's limit on a login name (shadow-utils, LOGIN_NAME_MAX on Linux)
 
 
+NOBODY_UID = 65534  # the overflow uid: shared by unrelated daemons
+
+
+def uid_min() -> int:
+    """The first uid of a regular account: ``UID_MIN`` of /etc/login.defs (useradd's own), default 1000."""
+    try:
+        for line in Path("/etc/login.defs").read_text().splitlines():
+            fields = line.split()
+            if len(fields) >= 2 and fields[0] == "UID_MIN" and fields[1].isdigit():
+                return int(fields[1])
+    except OSError:
+        pass
+    return 1000
+
+
 def privileged() -> bool:
     return os.geteuid() == 0
 
@@ -59,6 +74,10 @@ def ensure_user(name: str, os_user: str | None = None) -> str:
             raise bad_value("os_user", os_user, "no such OS account on the service's machine") from None
         if entry.pw_uid == 0:
             raise bad_value("os_user", os_user, "an account other than root (jobs must not run as root)")
+        if entry.pw_uid < uid_min() or entry.pw_uid == NOBODY_UID:
+            raise bad_value("os_user", os_user, f"a person's account (uid {entry.pw_uid} is a system account: "
+                                                f"uids from {uid_min()}, not nobody); jobs must not run as a "
+                                                "service's or daemon's account")
         return os_user
     account = account_for(name)
     try:

@@ -5,11 +5,13 @@ the service through ``Client`` (LUBAN_CLUSTER_URL / LUBAN_CLUSTER_TOKEN or --url
 from __future__ import annotations
 
 import argparse
+import errno
 import getpass
 import json
 import math
 import os
 import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -318,35 +320,95 @@ def secret_dirs(state: Path, db_url: str | None) -> tuple[str, ...]:
     return tuple(dict.fromkeys(dirs))
 
 
+def _listen(host: str, port: int):
+    """The service's listening socket, bound before anything is written: a port in use (or a host
+    that is not this machine's) is one line naming the flag, not uvicorn's error after start-up."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as err:
+        raise bad_value("--host", host, f"a host name or address of this machine ({err})") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: restart over TIME_WAIT
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as err:
+        sock.close()
+        if err.errno == errno.EADDRINUSE:
+            raise bad_value("--port", port, f"a free port (another process listens on {host}:{port}); stop it "
+                                            "or choose another --port") from None
+        if err.errno in (errno.EACCES, errno.EPERM):
+            raise bad_value("--port", port, f"a port this account may listen on ({err.strerror}; below 1024 "
+                                            "needs root)") from None
+        raise bad_value("--host", host, f"an address of this machine to listen on ({err.strerror})") from None
+    sock.set_inheritable(False)
+    return sock
+
+
 def cmd_serve(args) -> int:
+    """Every check first (the state folder's owner, the job mode, the port, the database), then
+    the state folder is created: a refusal leaves nothing behind that was not there before."""
     import uvicorn
 
-    from luban.cluster import db
+    from luban import owned
+    from luban.cluster import accounts, db, jobguard
     from luban.cluster.executors import make
     from luban.cluster.scheduler import Scheduler, Settings
     from luban.cluster.service import create_app, ensure_admin
 
     _check_zones(args.zones, args.nodes)
     state = Path(args.state).absolute()
-    try:
-        state.mkdir(parents=True, exist_ok=True)
-        os.chmod(state, 0o700)  # database, tokens, logs, run records: the service's alone
-    except OSError as err:
-        raise bad_value("--state", args.state, f"cannot create it or make it private ({err.strerror})") from None
-    from luban.cluster import accounts
-
-    from luban.cluster import jobguard
-
+    owned.check(state, "cluster-state", "--state")
     run_as = args.run_jobs_as or ("user" if accounts.privileged() else "namespace")
     hidden = secret_dirs(state, args.db)
     if run_as == "user" and not accounts.privileged():
         raise bad_value("--run-jobs-as", "user", "needs the service to run as root (it creates OS accounts and "
                                                  "starts jobs as them)")
+    if run_as == "namespace" and accounts.privileged():
+        raise bad_value("--run-jobs-as", "namespace", "is for a service that is not root: as root every job would "
+                                                      "run as root; use --run-jobs-as user (per-user OS accounts, "
+                                                      "the default for root) or start the service as an "
+                                                      "unprivileged account")
     if run_as == "namespace":
         why = jobguard.available()
         if why:
             raise bad_value("--run-jobs-as", "namespace", f"{why}; pass --run-jobs-as service to run jobs "
                                                           "unisolated, as this service's account")
+    sock = _listen(args.host, args.port)
+    existed, fresh = state.exists(), owned.owner(state) == "empty"
+    mode = state.stat().st_mode & 0o7777 if existed else None
+    try:
+        engine = db.open_checked(args.db) if args.db else None  # a server: before the state folder exists
+        owned.claim(state, "cluster-state", "--state")
+        try:
+            os.chmod(state, 0o700)  # database, tokens, logs, run records: the service's alone
+        except OSError as err:
+            raise bad_value("--state", args.state, f"cannot make it private ({err.strerror})") from None
+        if engine is None:
+            engine = db.open_checked(str(state / "luban.db"))
+        sessions = db.sessions(engine)
+        options = ({"nodes": args.nodes, "gpus": args.gpus, "zones": args.zones, "node_group": args.node_group}
+                   if args.executor == "local" else {"partition": args.partition, "state_dir": str(state)})
+        settings = Settings(state_dir=str(state), url=args.public_url or f"http://{args.host}:{args.port}",
+                            tick=args.tick, quantum=args.quantum, suspend_timeout=args.suspend_timeout,
+                            sample_every=args.sample_every, run_jobs_as=run_as, on_shutdown=args.on_shutdown,
+                            secret_dirs=hidden)
+        scheduler = Scheduler(sessions, make(args.executor, **options), settings)
+        token_path = ensure_admin(sessions, state)
+        app = create_app(sessions, scheduler, max_body=args.max_body, max_queued=args.max_queued)
+    except BaseException:
+        sock.close()
+        if not existed:  # made by this start-up, which did not start: leave nothing behind
+            shutil.rmtree(state, ignore_errors=True)
+        elif fresh:  # an empty folder: empty again, its mode as it was
+            for entry in state.iterdir():
+                shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
+            os.chmod(state, mode)
+        raise
+    if run_as == "namespace":
         jobguard.undumpable()  # jobs share our uid: they must not read /proc/<service>/environ|mem|root
         print(f"luban cluster: not root: jobs run as this service's OS account ({getpass.getuser()}) in namespaces "
               f"that hide {', '.join(hidden)} and make {', '.join(jobguard.protected())} "
@@ -356,24 +418,12 @@ def cmd_serve(args) -> int:
         print("luban cluster: WARNING: jobs run as this service's own OS account "
               f"({getpass.getuser()}) and can read its state directory (tokens, database): "
               "share it only with users you trust; run as root for per-user accounts", file=sys.stderr, flush=True)
-    engine = db.make_engine(args.db or str(state / "luban.db"))
-    db.upgrade(engine)
-    sessions = db.sessions(engine)
-    options = ({"nodes": args.nodes, "gpus": args.gpus, "zones": args.zones, "node_group": args.node_group}
-               if args.executor == "local" else {"partition": args.partition, "state_dir": str(state)})
-    settings = Settings(state_dir=str(state), url=args.public_url or f"http://{args.host}:{args.port}",
-                        tick=args.tick, quantum=args.quantum, suspend_timeout=args.suspend_timeout,
-                        sample_every=args.sample_every, run_jobs_as=run_as, on_shutdown=args.on_shutdown,
-                        secret_dirs=hidden)
-    scheduler = Scheduler(sessions, make(args.executor, **options), settings)
-    token_path = ensure_admin(sessions, state)
     if token_path:
         print(f"luban cluster: admin token written to {token_path}", flush=True)
     from luban import interrupt
 
     with interrupt.own_handling():  # Ctrl-C: uvicorn's graceful shutdown, then one line and 130
-        uvicorn.run(create_app(sessions, scheduler, max_body=args.max_body, max_queued=args.max_queued),
-                    host=args.host, port=args.port, log_level=args.log_level)
+        uvicorn.Server(uvicorn.Config(app, log_level=args.log_level)).run(sockets=[sock])
     return 0
 
 

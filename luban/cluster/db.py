@@ -63,5 +63,25 @@ def upgrade(engine: Engine) -> None:
         command.upgrade(cfg, "head")
 
 
+def open_checked(path_or_url: str) -> Engine:
+    """``make_engine`` + ``upgrade``, or one ``LubanError`` naming ``--db`` (password hidden) and why
+    it cannot be used (unreachable server, refused login, unwritable SQLite file) — no traceback."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import DBAPIError, OperationalError
+
+    from luban.errors import bad_value
+
+    engine = make_engine(path_or_url)
+    try:
+        upgrade(engine)
+    except (OperationalError, DBAPIError, OSError) as err:
+        engine.dispose()
+        shown = make_url(url_for(path_or_url)).render_as_string(hide_password=True)
+        why = str(getattr(err, "orig", None) or err).strip().splitlines()
+        raise bad_value("--db", shown, f"cannot be used ({why[0] if why else type(err).__name__}); "
+                                       "check that the server runs and the URL, user and password") from None
+    return engine
+
+
 def sessions(engine: Engine) -> sessionmaker:
     return sessionmaker(engine, expire_on_commit=False)

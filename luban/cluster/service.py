@@ -160,7 +160,16 @@ class Guard:
                 return {"type": "http.disconnect"}
             return message
 
-        await self.app(scope, counted, send)
+        async def unless_rejected(message):  # the 413 is the answer: the app's own reply is dropped
+            if not rejected:
+                await send(message)
+
+        try:
+            await self.app(scope, counted, unless_rejected)
+        except Exception:
+            if not rejected:
+                raise
+            # the app saw the body end early (ClientDisconnect) after our 413: expected, not logged
 
     @staticmethod
     async def _reject(send, status: int, detail: str) -> None:
@@ -606,6 +615,9 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
     def add_user(body: dict, p: Principal = Depends(admin)):
         body = object_body(body)
         name = body.get("name")
+        unknown = sorted(set(body) - {"name", "admin", "group", "os_user"})
+        if unknown:
+            raise bad_value(unknown[0], body[unknown[0]], "unknown field; allowed: name, admin, group, os_user")
         if not isinstance(body.get("admin", False), bool):
             raise bad_value("admin", body.get("admin"), "true or false (a JSON boolean)")
         if not isinstance(name, str) or not specs.NAME_RE.match(name):
@@ -617,9 +629,13 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
             group = body.get("group")
             if group is not None and (not isinstance(group, str) or s.get(UserGroup, group) is None):
                 raise bad_value("group", group, "no such group")
-            os_user = None
+            os_user = str_field(body, "os_user", optional=True, limit=64)
+            if os_user is not None and not per_user:  # refused, not ignored: jobs would not run as it
+                raise bad_value("os_user", os_user, "only where jobs run as per-user OS accounts (a root service, "
+                                                    "--run-jobs-as user); this service runs every job as its own "
+                                                    f"account (--run-jobs-as {scheduler.settings.run_jobs_as})")
             if per_user:  # the OS account first: a failure leaves no luban user behind
-                os_user = accounts.ensure_user(name, str_field(body, "os_user", optional=True, limit=64))
+                os_user = accounts.ensure_user(name, os_user)
                 accounts.join_group(os_user, group)
             s.add(User(name=name, token_hash=token_hash(token), is_admin=bool(body.get("admin")), group=group,
                        os_user=os_user))

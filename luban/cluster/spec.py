@@ -50,9 +50,17 @@ def _str(data: dict, key: str, required: bool = False, pattern: re.Pattern | Non
         return None
     if not isinstance(value, str) or not value.strip():
         raise bad_value(key, value, "a non-empty string")
+    _no_nul(key, value)
     if pattern is not None and not pattern.match(value):
         raise bad_value(key, value, f"must match {pattern.pattern}")
     return value
+
+
+def _no_nul(key: str, value: str) -> None:
+    """A job cannot launch with a NUL byte in its command, an argument, a path or the environment
+    (execve takes C strings): refused at submission, not at launch."""
+    if "\x00" in value:
+        raise bad_value(key, value, "text without NUL bytes (no command line, path or environment entry can hold one)")
 
 
 def parse(data) -> JobSpec:
@@ -63,16 +71,20 @@ def parse(data) -> JobSpec:
     if unknown:
         raise bad_value(unknown[0], data[unknown[0]], "unknown key; allowed keys are " + ", ".join(FIELDS))
     args = data.get("args", [])
-    if not isinstance(args, list) or not all(isinstance(a, (str, int, float)) for a in args):
+    if not isinstance(args, list) or not all(isinstance(a, (str, int, float)) and not isinstance(a, bool)
+                                             for a in args):
         raise bad_value("args", args, "a list of strings")
+    for i, a in enumerate(args):
+        _no_nul(f"args[{i}]", str(a))
     env = data.get("env", {}) or {}
     if not isinstance(env, dict):
         raise bad_value("env", env, "a mapping of NAME: value")
     for k, v in env.items():
         if not isinstance(k, str) or not ENV_RE.match(k):
             raise bad_value(f"env.{k}", v, "variable names must match " + ENV_RE.pattern)
-        if not isinstance(v, (str, int, float)):
-            raise bad_value(f"env.{k}", v, "a string or number")
+        if not isinstance(v, str):  # strict: 5 is not silently "5" (docs/platform.md)
+            raise bad_value(f"env.{k}", v, "a string (quote it in YAML: \"5\", \"true\")")
+        _no_nul(f"env.{k}", v)
     time_limit = data.get("time_limit")
     if time_limit is not None and (isinstance(time_limit, bool) or not isinstance(time_limit, int)
                                    or not 1 <= time_limit <= MAX_TIME_LIMIT):
@@ -94,7 +106,7 @@ def parse(data) -> JobSpec:
         name=_str(data, "name", required=True, pattern=NAME_RE),
         command=_str(data, "command", required=True),
         args=[str(a) for a in args],
-        env={k: str(v) for k, v in env.items()},
+        env=dict(env),
         env_only=env_only,
         time_limit=time_limit,
         workdir=workdir,

@@ -34,7 +34,7 @@ from luban.data.manifest import FORMAT, MANIFEST, SHARD_NAME, open_dataset, writ
 from luban.data.shards import (DEFAULT_CHUNK_TOKENS, FORMAT_VERSION, MAX_CHUNK_TOKENS, ShardWriter,
                                dtype_for_vocab)
 from luban.data.tokenizer import BPE_FILE, MAX_BPE_VOCAB, MIN_BPE_VOCAB, BpeTokenizer, ByteTokenizer
-from luban import schema
+from luban import owned, schema
 from luban.errors import LubanError, bad_value
 
 SPLITS = ("train", "val")
@@ -113,24 +113,26 @@ def _check_options(**options) -> None:
         raise bad_value("--vocab-size", options["vocab_size"], "only with --tokenizer bpe (byte has 257)")
 
 
+def dataset_file(path: Path) -> bool:
+    """One of the files a luban dataset folder holds: manifest, tokenizer, shards, temporaries, marker."""
+    name = path.name
+    return name in (MANIFEST, BPE_FILE, owned.MARKER) or (
+        path.is_file() and bool(SHARD_NAME.match(name) or fnmatch.fnmatch(name, TEMP_GLOB)))
+
+
 def check_output(out_dir: Path) -> None:
-    """Refuse a destination luban must not overwrite: empty, a file, or a non-empty folder holding
-    anything but a luban dataset's own files (manifest, tokenizer, shards, temporaries)."""
+    """Refuse a destination luban must not overwrite (``luban.owned``: absent, empty, or luban's own
+    dataset); a dataset is replaced whole, so even luban's own folder must hold nothing else."""
     if str(out_dir) in ("", "."):
         raise bad_value("--out", str(out_dir), "a folder for the dataset (not the current folder)")
-    if out_dir.exists() and not out_dir.is_dir():
-        raise bad_value("--out", str(out_dir), "a folder, not a file")
+    owned.check(out_dir, "dataset", "--out")
     if not out_dir.is_dir():
         return
-    own = {MANIFEST, BPE_FILE}
-    foreign = sorted(p.name for p in out_dir.iterdir() if p.name not in own and not (
-        p.is_file() and (SHARD_NAME.match(p.name) or fnmatch.fnmatch(p.name, TEMP_GLOB))))
+    foreign = sorted(p.name for p in out_dir.iterdir() if not dataset_file(p))
     if foreign:
-        raise bad_value("--out", str(out_dir), f"holds {foreign[0]!r}, which luban did not write; "
-                                                "choose a new or empty folder (nothing was changed)")
-    if any(out_dir.iterdir()) and not (out_dir / MANIFEST).is_file():
-        raise bad_value("--out", str(out_dir), "holds shards but no manifest.json (not a complete luban "
-                                                "dataset); choose a new or empty folder")
+        raise bad_value("--out", str(out_dir), f"holds {foreign[0]!r}, which luban did not write; a rebuild replaces "
+                                                "the dataset folder whole: move it out or choose a new or empty "
+                                                "folder (nothing was changed)")
 
 
 def _staging(out_dir: Path) -> Path:
@@ -221,6 +223,7 @@ def build_dataset(inputs=None, out_dir=".", *, tokenizer: str = "byte",
     try:  # root passes os.access everywhere: /proc/x is refused only here
         final_dir.parent.mkdir(parents=True, exist_ok=True)
         out_dir.mkdir()
+        owned.mark(out_dir, "dataset")
     except OSError as err:
         raise bad_value("--out", str(final_dir), f"{OPTIONS['out'].allowed} ({err.strerror})") from None
     stage = out_dir
@@ -298,6 +301,6 @@ def ensure_default_dataset(out_dir, tokenizer: str = "byte",
                     and source.get("max_bytes") == max_bytes):
                 return out_dir
         except LubanError:
-            shutil.rmtree(out_dir, ignore_errors=True)  # luban's own cache: an unusable copy is rebuilt
+            pass  # an unusable copy is rebuilt (swapped in whole) if it is luban's own (check_output)
         build_dataset(None, out_dir, tokenizer=tokenizer, max_bytes=max_bytes)
     return out_dir

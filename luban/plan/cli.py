@@ -282,8 +282,10 @@ def cmd_study(args) -> int:
     if args.name not in STUDIES:
         raise bad_value("study", args.name, f"one of {', '.join(STUDIES)}")
     out = Path(args.out)
-    try:  # before a run of minutes, not after
-        out.mkdir(parents=True, exist_ok=True)
+    from luban import owned
+
+    owned.claim(out, "plan-study", "--out")  # before a run of minutes, not after (luban.owned: refused untouched)
+    try:
         (out / ".luban-write-test").touch()
         (out / ".luban-write-test").unlink()
     except OSError as err:

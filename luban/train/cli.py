@@ -255,9 +255,13 @@ def cmd_export(args) -> int:
     from luban.model.hf import export_folder
     from luban.train.sample import load_model
 
+    from luban import owned
+
+    owned.check(args.out, "hf-export", "OUT")  # before the checkpoint is read: a refusal costs nothing
     model, meta = load_model(args.checkpoint)
     tokenizer, why = _run_tokenizer(meta, model.cfg.vocab)
-    written = export_folder(model.cfg, model.state_dict(), Path(args.out), tokenizer, meta.get("hf_extra"))
+    written = export_folder(model.cfg, model.state_dict(), owned.claim(args.out, "hf-export", "OUT"), tokenizer,
+                            meta.get("hf_extra"))
     if tokenizer is None:
         print(f"luban: warning: no tokenizer written: {why}", file=sys.stderr)
     print(f"wrote {args.out}: {', '.join(written)}")
@@ -286,15 +290,22 @@ def _run_tokenizer(meta: dict, vocab: int):
 
 
 def cmd_import(args) -> int:
+    from luban import owned
     from luban.model.hf import import_folder
     from luban.train import checkpoint
 
+    out = Path(args.out)
+    owned.check(out, "run", "OUT")
+    held = checkpoint.step_dirs(out / "checkpoints") if (out / "checkpoints").is_dir() else []
+    if held:  # an import starts a run: it never joins (or prunes) one that has checkpoints
+        raise bad_value("OUT", str(out), f"already holds a run ({held[0].name} in checkpoints/); import into a new "
+                                         "or empty folder (nothing was changed)")
     imported = import_folder(Path(args.folder))
     for note in imported.warnings:
         print(f"luban: warning: {args.folder}/config.json: {note}", file=sys.stderr)
-    root = Path(args.out) / "checkpoints"
     meta = {"step": 0, "config": {"model": imported.cfg.to_dict()}, "world_size": 1, "source": str(args.folder),
             "hf_extra": imported.extra}
-    path = checkpoint.save(root, 0, {"model": imported.state}, meta, keep=1)
+    owned.claim(out, "run", "OUT")
+    path = checkpoint.save(out / "checkpoints", 0, {"model": imported.state}, meta, keep=1)
     print(f"wrote {path}")
     return 0

@@ -1,6 +1,7 @@
 """The run folder's start-up check (torch-free: the launching process runs it before any rank).
 
-``check_run_dir`` creates ``RUN/checkpoints`` and writes a probe file there, and with
+``check_run_dir`` first applies luban's folder rule (``luban.owned``: the run folder must be absent,
+empty, or a luban run folder — a folder of other files is refused untouched), then creates ``RUN/checkpoints`` and writes a probe file there, and with
 ``need_bytes`` also checks the file system has room for one more checkpoint: a read-only,
 unwritable or full run folder is one line and exit 2 before any work, not a traceback at the
 first save (which, should storage fail later anyway, exits 74: ``train.checkpoint.save``).
@@ -12,10 +13,12 @@ import os
 import shutil
 from pathlib import Path
 
+from luban import owned
 from luban.errors import bad_value
 
 
 def check_run_dir(run_dir: str | Path, need_bytes: int = 0) -> None:
+    owned.claim(run_dir, "run", "run.dir")
     root = Path(run_dir) / "checkpoints"
     try:
         root.mkdir(parents=True, exist_ok=True)

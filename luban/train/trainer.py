@@ -295,9 +295,9 @@ class Trainer:
     def train(self, resume: str | None = None) -> TrainResult:
         cfg, t = self.cfg, self.cfg.train
         suspend = preempt.install()
-        log = MetricsLogger(self.run_dir, t.steps, cfg.run.tensorboard, cfg.run.progress, enabled=self.is_main)
-        if self.is_main:
+        if self.is_main:  # before anything is written there (luban.owned: a foreign folder is refused untouched)
             check_run_dir(self.run_dir, self.checkpoint_bytes())
+        log = MetricsLogger(self.run_dir, t.steps, cfg.run.tensorboard, cfg.run.progress, enabled=self.is_main)
         unsafe = self.async_unsafe()
         self.async_ok = unsafe is None
         if unsafe not in (None, "off"):

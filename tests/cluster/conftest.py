@@ -92,10 +92,10 @@ class Service:
         self.state, self.args, self.port = state, args, free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
-        self.log = state / "service.log"
+        self.log = state.with_name(state.name + ".service.log")  # beside STATE: luban writes only its own files there
 
     def start(self) -> "Service":
-        self.state.mkdir(parents=True, exist_ok=True)
+        self.state.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log, "a") as log:
             self.proc = subprocess.Popen(
                 [*LUBAN, "cluster", "serve", "--state", str(self.state), "--port", str(self.port),

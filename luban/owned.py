@@ -1,0 +1,153 @@
+"""The one rule for every folder luban writes (docs/ARCHITECTURE.md, "Output folders").
+
+luban writes into a folder only if it is absent, empty, or luban's own of the same kind:
+
+- its own means it holds the marker file ``.luban`` (JSON ``{"luban": KIND}``), written by
+  ``claim`` the first time luban writes there;
+- folders made by luban before the marker existed are recognised by their layout (``_LEGACY``:
+  only luban's own file names for that kind, and the file that proves it — a run's checkpoints or
+  its config, a dataset's manifest, a service's database or admin token, a study's results),
+  and get the marker on first use;
+- anything else — a folder holding one file luban did not write, or luban's folder of another
+  kind — is refused before a byte is written, with one line (``KEY = PATH: ...``, exit 2).
+
+Inside its own folder luban replaces or deletes only what it wrote itself (a dataset swapped in
+whole, a run's older checkpoints under its ``train.keep`` retention); a file a user adds to a
+run folder is never touched. This module is torch-free (the launcher checks before any rank).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+from luban.errors import bad_value
+
+MARKER = ".luban"
+
+KINDS = {"run": "a training run", "dataset": "a dataset", "hf-export": "a Hugging Face export",
+         "cluster-state": "a cluster service's state", "plan-study": "a planner study"}
+
+_STEP = re.compile(r"^(\.tmp-)?step_\d{7}$")
+
+
+def _names(path: Path) -> list[str]:
+    return sorted(p.name for p in path.iterdir())
+
+
+def _is_run(path: Path) -> bool:
+    """A run folder written before the marker: only luban's run files, and either a checkpoint
+    (``checkpoints/step_NNNNNNN/meta.json``) or a ``config.json`` that is a luban run config."""
+    own = {"checkpoints", "config.json", "metrics.jsonl", "plan.json", "plan_vs_measured.json", "tensorboard"}
+    if not set(_names(path)) <= own:
+        return False
+    ckpts = path / "checkpoints"
+    if ckpts.is_dir() and any((p / "meta.json").is_file() for p in ckpts.iterdir() if _STEP.match(p.name)):
+        return True
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return False
+    return isinstance(cfg, dict) and {"model", "data", "train", "parallel", "run"} <= set(cfg)
+
+
+def _is_dataset(path: Path) -> bool:
+    from luban.data.build import dataset_file  # lazy: numpy
+
+    names = _names(path)
+    return "manifest.json" in names and all(dataset_file(path / n) for n in names)
+
+
+def _is_cluster_state(path: Path) -> bool:
+    names = set(_names(path))
+    own = {"luban.db", "luban.db-journal", "luban.db-wal", "luban.db-shm", "admin.token", "logs", "runs"}
+    return names <= own and bool(names & {"luban.db", "admin.token"})
+
+
+def _is_plan_study(path: Path) -> bool:
+    names = _names(path)
+    return "results.json" in names and all(n in ("results.json", "seed003.md") or n.endswith(".png") for n in names)
+
+
+# Folders luban wrote before the marker; an HF export has no legacy form: it is indistinguishable
+# from a user's own Hugging Face folder, which is exactly what must not be overwritten.
+_LEGACY = {"run": _is_run, "dataset": _is_dataset, "cluster-state": _is_cluster_state, "plan-study": _is_plan_study}
+
+
+def marked_kind(path: Path) -> str | None:
+    """The kind named by ``path``'s marker, or None (no marker, or not one luban wrote)."""
+    try:
+        data = json.loads((Path(path) / MARKER).read_text())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    kind = data.get("luban") if isinstance(data, dict) else None
+    return kind if kind in KINDS else None
+
+
+def owner(path: str | Path) -> str | None:
+    """``"empty"`` for an absent or empty folder; the kind of luban folder it is (by marker, else by
+    a legacy layout); None for anything else (a file, a folder with someone else's files)."""
+    path = Path(path)
+    if not path.exists():
+        return "empty"
+    if not path.is_dir():
+        return None
+    try:
+        if not any(path.iterdir()):
+            return "empty"
+        kind = marked_kind(path)
+        if kind is not None:
+            return kind
+        if (path / MARKER).exists():
+            return None
+        return next((k for k, test in _LEGACY.items() if test(path)), None)
+    except OSError:
+        return None
+
+
+def check(path: str | Path, kind: str, key: str) -> None:
+    """Refuse, with one line, a destination luban may not write ``kind`` into; nothing is touched."""
+    assert kind in KINDS, kind
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise bad_value(key, str(path), f"a folder for {KINDS[kind]}, not a file (nothing was changed)")
+    found = owner(path)
+    if found in ("empty", kind):
+        return
+    if found is not None:
+        raise bad_value(key, str(path), f"is luban's folder for {KINDS[found]}, not {KINDS[kind]}; choose a new or "
+                                        "empty folder (nothing was changed)")
+    try:
+        foreign = next((n for n in _names(path) if n != MARKER), MARKER)
+    except OSError as err:
+        raise bad_value(key, str(path), f"cannot be read ({err.strerror}); choose a new or empty folder") from None
+    raise bad_value(key, str(path), f"holds {foreign!r}, which luban did not write; choose a new or empty folder, "
+                                    f"or one luban made for {KINDS[kind]} (nothing was changed)")
+
+
+def mark(path: str | Path, kind: str) -> None:
+    """Write the marker into ``path`` (a folder luban just made or checked with ``check``)."""
+    marker = Path(path) / MARKER
+    if marked_kind(Path(path)) == kind:
+        return
+    tmp = marker.with_name(f"{MARKER}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps({"luban": kind}) + "\n")
+    os.chmod(tmp, 0o644)
+    tmp.replace(marker)
+
+
+def claim(path: str | Path, kind: str, key: str) -> Path:
+    """``check``, then create the folder (and its parents) if absent and mark it as luban's.
+
+    Returns the path. An ``OSError`` creating it is the same one-line refusal (``KEY = PATH``)."""
+    path = Path(path)
+    check(path, kind, key)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        mark(path, kind)
+    except OSError as err:
+        raise bad_value(key, str(path), f"cannot be written there ({err.strerror or err}); choose a writable "
+                                        "folder") from None
+    return path

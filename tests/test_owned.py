@@ -1,0 +1,105 @@
+"""luban/owned.py, the one rule for every output folder: absent, empty, or luban's own of the same
+kind (the .luban marker, or an older luban's recognisable layout); anything else refused untouched
+with one line. Commands that need torch are tested end to end in tests/train/test_ownership.py and
+tests/cluster/test_service_errors.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from luban import owned
+from luban.cli import main
+from luban.errors import LubanError
+
+
+def test_absent_and_empty_folders_are_claimed_and_marked(tmp_path):
+    for path in (tmp_path / "a" / "b", tmp_path / "empty"):
+        if path.name == "empty":
+            path.mkdir()
+        assert owned.owner(path) == "empty"
+        owned.claim(path, "run", "run.dir")
+        assert owned.marked_kind(path) == "run" and json.loads((path / ".luban").read_text()) == {"luban": "run"}
+        owned.claim(path, "run", "run.dir")  # its own: again
+
+
+@pytest.mark.parametrize("kind", sorted(owned.KINDS))
+def test_foreign_folders_files_and_other_kinds_are_refused_untouched(tmp_path, kind):
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "notes.txt").write_text("mine")
+    with pytest.raises(LubanError, match=r"^KEY = '.*theirs': holds 'notes.txt', which luban did not write"):
+        owned.claim(theirs, kind, "KEY")
+    assert [p.name for p in theirs.iterdir()] == ["notes.txt"]
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(LubanError, match="not a file"):
+        owned.claim(tmp_path / "file", kind, "KEY")
+    other = "dataset" if kind != "dataset" else "run"
+    owned.claim(tmp_path / other, other, "KEY")
+    with pytest.raises(LubanError, match=f"is luban's folder for {owned.KINDS[other]}, not {owned.KINDS[kind]}"):
+        owned.claim(tmp_path / other, kind, "KEY")
+    forged = tmp_path / "forged"
+    forged.mkdir()
+    (forged / ".luban").write_text("not json")
+    with pytest.raises(LubanError, match="which luban did not write"):
+        owned.claim(forged, kind, "KEY")
+
+
+def test_folders_of_an_older_luban_are_recognised_by_layout(tmp_path):
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_0000100").mkdir(parents=True)
+    (run / "checkpoints" / "step_0000100" / "meta.json").write_text("{}")
+    (run / "metrics.jsonl").write_text("")
+    assert owned.owner(run) == "run"
+    crashed = tmp_path / "crashed"  # no checkpoint yet: luban's own config.json proves it
+    crashed.mkdir()
+    (crashed / "config.json").write_text(json.dumps({k: {} for k in ("model", "data", "train", "parallel", "run")}))
+    assert owned.owner(crashed) == "run"
+    users = tmp_path / "users"  # a config.json that is not a luban run's
+    users.mkdir()
+    (users / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')
+    (users / "model.safetensors").write_bytes(b"")
+    assert owned.owner(users) is None  # and an HF export has no legacy form: it looks like this
+    state = tmp_path / "state"
+    (state / "logs").mkdir(parents=True)
+    (state / "luban.db").write_bytes(b"")
+    (state / "admin.token").write_text("t\n")
+    assert owned.owner(state) == "cluster-state"
+    (state / "notes.txt").write_text("")
+    assert owned.owner(state) is None
+
+
+def test_data_build_uses_the_rule(tmp_path, capsys):
+    from luban.data.build import build_dataset
+
+    src = tmp_path / "doc.txt"
+    src.write_text("hello world\n" * 50)
+    out = tmp_path / "ds"
+    build_dataset([str(src)], out, val_fraction=0)
+    assert owned.marked_kind(out) == "dataset"
+    build_dataset([str(src)], out, val_fraction=0)  # its own: rebuilt
+    (out / ".luban").unlink()  # an older luban's dataset: still rebuilt
+    build_dataset([str(src)], out, val_fraction=0)
+    assert owned.marked_kind(out) == "dataset"
+    run = tmp_path / "run"
+    owned.claim(run, "run", "run.dir")
+    assert main(["data", "build", str(src), "--out", str(run)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("luban: error: --out = ") and "luban's folder for a training run, not a dataset" in err
+    assert [p.name for p in run.iterdir()] == [".luban"]
+
+
+def test_plan_study_refuses_a_foreign_out_folder(tmp_path, capsys):
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "results.json").write_text("{}")
+    (theirs / "paper.tex").write_text("mine")
+    assert main(["plan", "study", "seed003", "--out", str(theirs)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--out = " in err[0] and "'paper.tex', which luban did not write" in err[0]
+    assert sorted(p.name for p in theirs.iterdir()) == ["paper.tex", "results.json"]
+    from pathlib import Path
+
+    committed = Path(__file__).resolve().parents[1] / "bench" / "results" / "seed003"
+    assert owned.owner(committed) == "plan-study"  # written before the marker: luban's layout

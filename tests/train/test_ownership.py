@@ -1,0 +1,123 @@
+"""luban's folder rule (luban/owned.py) for runs, HF exports and imports, end to end through the CLI:
+a folder luban did not make is refused untouched with one line, exit 2; luban's own is reused;
+nothing luban writes deletes what it did not write (issue 24's data-loss cases)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from .conftest import luban
+
+
+def _sets(overrides):
+    return sum((["--set", s] for s in overrides), [])
+
+
+def snapshot(root: Path) -> dict:
+    """Every path under ``root`` with its mode and content hash: equal snapshots = untouched."""
+    out = {".": root.stat().st_mode}
+    for p in sorted(root.rglob("*")):
+        rel = str(p.relative_to(root))
+        out[rel] = (p.stat().st_mode, hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else None)
+    return out
+
+
+def one_line_refusal(proc, *words) -> None:
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("luban: error: "), proc.stderr
+    assert all(w in lines[0] for w in words), lines[0]
+
+
+@pytest.fixture(scope="module")
+def trained(small_dataset, tmp_path_factory):
+    """A finished tiny run (one checkpoint) and its HF export."""
+    from .conftest import tiny_overrides
+
+    base = tmp_path_factory.mktemp("own")
+    luban("train", *_sets(tiny_overrides(small_dataset, base / "run", **{"train.steps": 2, "train.eval_every": 0})),
+          check=0)
+    luban("export", base / "run", "--format", "hf", base / "hf", check=0)
+    return base
+
+
+def test_a_run_folder_is_marked_and_a_marker_less_run_is_still_luban_s(trained):
+    from luban import owned
+
+    run = trained / "run"
+    assert owned.marked_kind(run) == "run" and owned.marked_kind(trained / "hf") == "hf-export"
+    legacy = trained / "legacy-run"
+    shutil.copytree(run, legacy)
+    (legacy / owned.MARKER).unlink()  # as written by luban before the marker
+    assert owned.owner(legacy) == "run"
+    owned.check(legacy, "run", "run.dir")
+
+
+def test_import_into_a_run_with_checkpoints_is_refused_and_deletes_nothing(trained, tmp_path):
+    """Issue 24: importing into runs/victim (checkpoints 100/200/300) deleted 100, 200 and the
+    imported step 0 (retention keep = 1)."""
+    victim = tmp_path / "victim"
+    step = next((trained / "run" / "checkpoints").glob("step_*"))
+    for s in (100, 200, 300):
+        shutil.copytree(step, victim / "checkpoints" / f"step_{s:07d}")
+    (victim / "metrics.jsonl").write_text('{"step": 300}\n')
+    before = snapshot(victim)
+    proc = luban("import", trained / "hf", victim)
+    one_line_refusal(proc, "OUT", str(victim), "already holds a run", "nothing was changed")
+    assert snapshot(victim) == before
+
+    from luban import owned
+
+    fresh = tmp_path / "fresh"
+    proc = luban("import", trained / "hf", fresh, check=0)
+    assert (fresh / "checkpoints" / "step_0000000").is_dir() and owned.marked_kind(fresh) == "run"
+
+
+def test_import_refuses_a_folder_of_other_files(trained, tmp_path):
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "notes.txt").write_text("mine")
+    before = snapshot(theirs)
+    one_line_refusal(luban("import", trained / "hf", theirs), "OUT", "'notes.txt'", "luban did not write")
+    assert snapshot(theirs) == before
+
+
+def test_export_never_overwrites_a_users_folder(trained, tmp_path):
+    """Issue 24: export into a folder holding the user's own config.json and model.safetensors
+    overwrote both."""
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o755)
+    (theirs / "config.json").write_text('{"mine": true}')
+    (theirs / "model.safetensors").write_bytes(b"my weights")
+    before = snapshot(theirs)
+    one_line_refusal(luban("export", trained / "run", "--format", "hf", theirs), "OUT", "luban did not write")
+    assert snapshot(theirs) == before
+    # luban's own export folder is rewritten; a run folder is luban's, but not an export
+    luban("export", trained / "run", "--format", "hf", trained / "hf", check=0)
+    one_line_refusal(luban("export", trained / "run", "--format", "hf", trained / "run"),
+                     "is luban's folder for a training run, not a Hugging Face export")
+
+
+def test_train_refuses_a_run_dir_of_other_files(small_dataset, tmp_path):
+    """Issue 24: run.dir a folder of other files: the user's config.json was overwritten and
+    metrics.jsonl appended to."""
+    from .conftest import tiny_overrides
+
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "config.json").write_text('{"my": "config"}')
+    (theirs / "metrics.jsonl").write_text('{"my": 1}\n')
+    before = snapshot(theirs)
+    proc = luban("train", *_sets(tiny_overrides(small_dataset, theirs, **{"train.steps": 1})))
+    one_line_refusal(proc, "run.dir", str(theirs), "luban did not write", "nothing was changed")
+    assert snapshot(theirs) == before
+    # the same through `luban demo` (same start-up check), and a dataset folder is not a run
+    proc = luban("demo", *_sets(tiny_overrides(small_dataset, theirs, **{"train.steps": 2})))
+    one_line_refusal(proc, "run.dir", "luban did not write")
+    proc = luban("train", *_sets(tiny_overrides(small_dataset, small_dataset, **{"train.steps": 1})))
+    one_line_refusal(proc, "run.dir", "luban's folder for a dataset, not a training run")
+    assert snapshot(theirs) == before
