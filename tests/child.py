@@ -14,6 +14,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -121,3 +122,38 @@ def run(args, timeout: float, log: Path | None = None, expect: int | None = 0, *
     """Run to completion (bounded), output via a file; returns the output."""
     with Child(args, log=log, **kw) as child:
         return child.finish(timeout, expect)
+
+
+def wait_or_fail(proc: subprocess.Popen, timeout: float, output=lambda: "") -> int:
+    """``proc.wait`` bounded for a process a test started some other way (e.g. ``launcher.spawn``):
+    past ``timeout`` it is killed (its group too, if it leads one) and the test fails with
+    ``output()`` (e.g. the tail of the log it writes)."""
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        try:
+            if proc.pid == os.getpgid(proc.pid):
+                os.killpg(proc.pid, signal.SIGKILL)
+            else:
+                proc.kill()
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            pass
+        raise AssertionError(f"{proc.args}: still running after {timeout} s\n--- output (tail) ---\n"
+                             f"{str(output())[-TAIL:]}") from None
+
+
+def launch(argv, nproc: int, module: str, timeout: float = 840, log: Path | None = None) -> tuple[int, str]:
+    """``luban.parallel.launch`` of ``python -m <module> <argv>`` on ``nproc`` ranks, in a child
+    process with a bound (a hung collective fails the test with the ranks' output instead of
+    hanging it until pytest's 900 s timeout); returns (the launch's exit code, the ranks' output)."""
+    code = ("import sys; from luban.parallel.launch import launch; "
+            f"sys.exit(launch({[str(a) for a in argv]!r}, nproc={nproc}, module={module!r}))")
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    with Child([sys.executable, "-c", code], log=log, env=env) as child:
+        rc = child.wait(timeout)
+        return rc, child.output()
