@@ -5,7 +5,6 @@ bitwise equal to an uninterrupted run. No user code: the trainer speaks the prot
 from __future__ import annotations
 
 import re
-import subprocess
 
 import pytest
 
