@@ -9,7 +9,8 @@ The job's processes are one unit (``luban.procs``): CMD runs in a session of its
 job's cgroup v2 where one can be made (entered before CMD executes, so nothing escapes it), and
 with ``LUBAN_JOB_TAG`` in its environment. Signals:
 
-- SIGUSR1 and SIGINT are forwarded to CMD's process group (suspend: CMD checkpoints, exits 75);
+- SIGUSR1 and SIGINT are forwarded to CMD's process group (suspend: CMD checkpoints, exits 75), and the
+  log says so (`== luban: SIGUSR1 forwarded to the job HH:MM:SS ==`);
 - SIGTERM means *kill this job*: every process of it is killed (cgroup, process group, tag
   sweep) and the launcher exits 137 once none is left — the executors' kill path, local and
   Slurm (``scancel`` sends SIGTERM first);
@@ -78,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     log_path = Path(args.log.format(rank=rank))
     log_path.parent.mkdir(parents=True, exist_ok=True)
 
-    state = {"child": None, "pending": [], "kill": False}
+    state = {"child": None, "pending": [], "kill": False, "log": None}
 
     def on_signal(signum, _frame):
         if signum == signal.SIGTERM:
@@ -90,7 +91,11 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 os.killpg(child.pid, signum)
             except ProcessLookupError:
-                pass
+                return
+            log = state["log"]
+            if log is not None and not log.closed:  # the job's log says when it was asked (unbuffered: no lock)
+                log.write(f"== luban: {signal.Signals(signum).name} forwarded to the job "
+                          f"{time.strftime('%H:%M:%S')} ==\n".encode())
 
     for sig in JOB_SIGNALS:
         signal.signal(sig, on_signal)
@@ -98,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     cgroup = procs.make_cgroup(tag)
 
     with open(log_path, "ab", buffering=0) as log:
+        state["log"] = log
         account = args.user or ("the service's account, in namespaces hiding the service's state" if args.hide else f"{pwd.getpwuid(os.geteuid()).pw_name} (the service's own account: the job can "
                                 "read the service's state; share it only with users you trust)")
         log.write(f"== luban: job {env.get('LUBAN_JOB_ID', '?')} rank {rank} started "

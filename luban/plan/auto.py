@@ -13,7 +13,7 @@ from luban.parallel.layout import LUBAN_RULES, OFFLOADS, SCHEDULES, ParallelLayo
 from luban.plan.estimate import Estimate
 from luban.plan.explain import describe
 from luban.plan.problem import Problem
-from luban.plan.search import search
+from luban.plan.search import SearchResult, search
 from luban.plan.system import System, load_system
 
 
@@ -28,6 +28,22 @@ def choose_layout(model_cfg: ModelConfig, world_size: int, global_batch: int, se
     ``precision`` defaults to the faster of bf16 and fp32 on the system (fp32 on most CPUs);
     ``schedules`` and ``offloads`` restrict the search to what the runtime supports.
     """
+    problem, result = candidates(model_cfg, world_size, global_batch, seq_len, system, precision=precision,
+                                 optimizer=optimizer, schedules=schedules, offloads=offloads, top=1)
+    if not result.best:
+        worst = max(result.rejected, key=result.rejected.get) if result.rejected else "no candidates"
+        raise LubanError(f"plan: no layout of {model_cfg.name} on {world_size} x {problem.system.name} with global_batch = "
+                         f"{global_batch}, seq_len = {seq_len} is valid and fits (most common reason: {worst})")
+    best = result.best[0]
+    best.extra["summary"] = describe(best.layout)
+    return best.layout, best
+
+
+def candidates(model_cfg: ModelConfig, world_size: int, global_batch: int, seq_len: int,
+               system: "System | str | None" = None, *, precision: str | None = None, optimizer: str = "adamw",
+               schedules=SCHEDULES, offloads=RUNTIME_OFFLOADS, top: int = 1) -> tuple[Problem, SearchResult]:
+    """The search ``choose_layout`` runs: the ``top`` fastest valid layouts that fit (a large
+    ``top``: every layout ``--parallel auto`` can choose on this system; tests sweep them)."""
     if system is None:
         from luban.plan.probe import cached_profile
 
@@ -35,11 +51,4 @@ def choose_layout(model_cfg: ModelConfig, world_size: int, global_batch: int, se
     system = load_system(system)
     precision = precision or ("bf16" if system.peak("bf16") > system.peak("fp32") else "fp32")
     problem = Problem(model_cfg, system, world_size, seq_len, global_batch, runtime="luban", optimizer=optimizer)
-    result = search(problem, top=1, precision=precision, schedules=schedules, offloads=offloads)
-    if not result.best:
-        worst = max(result.rejected, key=result.rejected.get) if result.rejected else "no candidates"
-        raise LubanError(f"plan: no layout of {model_cfg.name} on {world_size} x {system.name} with global_batch = "
-                         f"{global_batch}, seq_len = {seq_len} is valid and fits (most common reason: {worst})")
-    best = result.best[0]
-    best.extra["summary"] = describe(best.layout)
-    return best.layout, best
+    return problem, search(problem, top=top, precision=precision, schedules=schedules, offloads=offloads)

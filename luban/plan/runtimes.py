@@ -323,7 +323,7 @@ class Luban(FSDP2):
         cfg = problem.model
         h, t = cfg.hidden, g.tp
         rep_div = np.where(g.sp, t, 1)
-        big = 4.0
+        big = luban_residual_bytes(g)
         norm_saved = big * h + 8 if cfg.norm == "layernorm" else 2 * big * h + 4
         rope = 8.0 * problem.seq * cfg.head_dim if cfg.position == "rope" else 8.0 * problem.seq
         every_layer_recomputed = (g.recompute == FULL) & (g.recompute_every == 1) & (cfg.position == "rope")
@@ -331,12 +331,13 @@ class Luban(FSDP2):
         # the logits path (tensor or pipeline parallel): the head's input (an autocast copy
         # unless fp32), fp32 log-probabilities, the labels; the head weight's autocast copy
         logits_tok = norm_saved / rep_div + np.where(g.precision == FP32, big, e) * h + 4.0 * cfg.vocab / t + 8.0
-        logits_fix = np.where(g.precision == FP32, 0.0, 2.0 * cfg.vocab * h / t)
+        logits_fix = np.where((g.precision == FP32) | luban_fsdp_casts(g), 0.0, 2.0 * cfg.vocab * h / t)
         # the fused head + loss (luban.model.head_loss, one stage without tensor parallel):
-        # the gradients it computed in forward, the input's (fp32 norm output) and the weight's
+        # the gradients it computed in forward, the input's (the norm output's dtype) and the
+        # weight's (always fp32)
         fused = (g.tp == 1) & (g.pp == 1)
         last_tok = np.where(fused, norm_saved + big * h, logits_tok)
-        last_fix = np.where(fused, big * cfg.vocab * h, logits_fix)
+        last_fix = np.where(fused, 4.0 * cfg.vocab * h, logits_fix)
         return first, (last_tok, last_fix)
 
     def dp_collective_counts(self, problem, g, m, n):
@@ -419,6 +420,20 @@ def korthikanti_layer(problem, g, rt: Runtime) -> dict:
             "full": e * h / rep_div, "fixed_none": np.zeros_like(e), "e": e}
 
 
+def luban_fsdp_casts(g):
+    """Layouts where luban's FSDP2 casts the parameters to the half-precision compute dtype
+    (``MixedPrecisionPolicy``, zero >= 1 with dp·cp > 1; ``luban.parallel.data_parallel.uses_autocast``)
+    instead of autocast: the whole forward runs in that dtype (residual stream and norms too) and
+    no per-micro-batch weight copies are saved (the cast weights are FSDP2's parameters)."""
+    return (g.precision != FP32) & (g.zero >= 1) & (g.dp * g.cp > 1)
+
+
+def luban_residual_bytes(g):
+    """Bytes per element of luban's residual stream and norms: fp32 (the weights are fp32) under
+    autocast, the compute dtype where FSDP2 casts the parameters (``luban_fsdp_casts``)."""
+    return np.where(luban_fsdp_casts(g), 2.0, 4.0)
+
+
 def luban_layer(problem, g) -> dict:
     """The tensors PyTorch saves for ``luban.model.transformer.Block`` (docs/planner.md lists
     them): fp32 residual stream and norms, autocast weight copies per micro-batch."""
@@ -429,11 +444,13 @@ def luban_layer(problem, g) -> dict:
     t = g.tp
     rep_div = np.where(g.sp, t, 1)
     dense = 1 - problem.derived["moe_share"]  # the MLP terms below are for the dense layers
-    big = 4.0  # residual stream, norms: fp32 (the weights are fp32)
+    big = luban_residual_bytes(g)  # residual stream, norms
     e = np.where(g.precision == FP32, 4.0, 2.0)
+    no_autocast = (g.precision == FP32) | luban_fsdp_casts(g)
     norm_saved = big * h + 8 if cfg.norm == "layernorm" else 2 * big * h + 4
     consumers = 2 if cfg.activation == "swiglu" else 1
-    norm_out = np.where(g.precision == FP32, big * h * 2, e * h * (3 + consumers))
+    # autocast: one half-precision cast of a norm output per consuming linear; else one tensor each
+    norm_out = np.where(no_autocast, big * h * 2, e * h * (3 + consumers))
     # luban's sequence parallel all-gathers the norm outputs before the linears, which save
     # them whole (Megatron instead re-gathers them in backward): only norm inputs shrink
     replicated = 2 * norm_saved / rep_div + norm_out
@@ -446,7 +463,7 @@ def luban_layer(problem, g) -> dict:
     return {"none": replicated + (core + core_out + mlp) / t + moe,
             "selective": replicated + (e * (q + 2 * kv) + core_out + mlp) / t + moe,
             "full": big * h / rep_div,
-            "fixed_none": np.where(g.precision == FP32, 0.0, 2.0 * weights),  # autocast's half-precision copies
+            "fixed_none": np.where(no_autocast, 0.0, 2.0 * weights),  # autocast's half-precision copies
             "e": e}
 
 

@@ -114,7 +114,9 @@ class Service:
     def stop(self, sig=signal.SIGTERM) -> None:
         if self.proc and self.proc.poll() is None:
             self.proc.send_signal(sig)
-            self.proc.wait(30)
+            from tests.child import wait_or_fail
+
+            wait_or_fail(self.proc, 60, lambda: self.log.read_text(errors="replace"))
 
     @property
     def admin_token(self) -> str:

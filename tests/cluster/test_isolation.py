@@ -41,13 +41,13 @@ def users(service):
 
     yield svc, add, public
     for name in made:  # a job still ending would make userdel refuse: end the account's processes first
-        subprocess.run(["pkill", "-KILL", "-u", accounts.account_for(name)], capture_output=True)
+        subprocess.run(["pkill", "-KILL", "-u", accounts.account_for(name)], capture_output=True, timeout=300)
         account = accounts.account_for(name)
-        wait_for(lambda: subprocess.run(["userdel", "--remove", account], capture_output=True) and
-                 account not in subprocess.run(["getent", "passwd"], capture_output=True, text=True).stdout,
+        wait_for(lambda: subprocess.run(["userdel", "--remove", account], capture_output=True, timeout=300) and
+                 account not in subprocess.run(["getent", "passwd"], capture_output=True, text=True, timeout=300).stdout,
                  30, what=f"userdel {account}")
     for g in ("tg",):
-        subprocess.run(["groupdel", accounts.unix_group(g + svc.state.name[-6:])], capture_output=True)
+        subprocess.run(["groupdel", accounts.unix_group(g + svc.state.name[-6:])], capture_output=True, timeout=300)
     shutil.rmtree(public, ignore_errors=True)
 
 
@@ -80,7 +80,7 @@ def test_a_job_cannot_read_another_users_files_or_job_environment(users):
     sleeper = alice.submit({"name": "sleeper", "command": "/bin/sh", "args": ["-c", "sleep 600"]})["id"]
     wait_for(lambda: alice.job(sleeper)["state"] == "running", 60, what="alice's job running")
     pids = wait_for(lambda: subprocess.run(["pgrep", "-u", accounts.account_for(a), "sleep"], capture_output=True,
-                                           text=True).stdout.split(), 30, what="alice's sleep process")
+                                           text=True, timeout=300).stdout.split(), 30, what="alice's sleep process")
     state, log = run(bob, "steal", f"cat {home}/secret.txt || echo DENIED-FILE; "
                                   f"cat /proc/{pids[0]}/environ || echo DENIED-ENVIRON")
     assert "DENIED-FILE" in log and "DENIED-ENVIRON" in log and "LUBAN_CLUSTER_TOKEN" not in log

@@ -32,7 +32,7 @@ NOBODY = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups"]
 
 
 def nobody_can_read(path: Path) -> bool:
-    return subprocess.run([*NOBODY, "test", "-r", str(path)], capture_output=True).returncode == 0
+    return subprocess.run([*NOBODY, "test", "-r", str(path)], capture_output=True, timeout=300).returncode == 0
 
 
 def nobody_paths(root: Path, site: Path) -> tuple[Path, Path]:
@@ -43,8 +43,8 @@ def nobody_paths(root: Path, site: Path) -> tuple[Path, Path]:
     mirror.chmod(0o755)
     atexit.register(shutil.rmtree, mirror, ignore_errors=True)
     (mirror / "src").mkdir()
-    subprocess.run(["cp", "-al", str(root / "luban"), str(mirror / "src" / "luban")], check=True)
-    subprocess.run(["cp", "-al", str(site), str(mirror / "site")], check=True)
+    subprocess.run(["cp", "-al", str(root / "luban"), str(mirror / "src" / "luban")], check=True, timeout=300)
+    subprocess.run(["cp", "-al", str(site), str(mirror / "site")], check=True, timeout=300)
     return mirror / "src", mirror / "site"
 
 
@@ -78,7 +78,7 @@ def svc():
     service.start()
     yield service
     service.stop()
-    subprocess.run(["pkill", "-KILL", "-u", "nobody", "-f", str(base)], capture_output=True)
+    subprocess.run(["pkill", "-KILL", "-u", "nobody", "-f", str(base)], capture_output=True, timeout=300)
     shutil.rmtree(base, ignore_errors=True)
 
 
@@ -109,7 +109,7 @@ def test_jobs_of_a_nonroot_service_cannot_reach_its_secrets(svc):
     assert len(notice) == 1 and str(svc.state) in notice[0] and "read-only" in notice[0], notice
     # outside any namespace, as the service's own uid: undumpable, so its /proc entries stay closed
     peek = subprocess.run([*NOBODY, "cat",
-                           f"/proc/{service_pid}/environ"], capture_output=True)
+                           f"/proc/{service_pid}/environ"], capture_output=True, timeout=300)
     assert peek.returncode != 0 and b"Permission denied" in peek.stderr, peek
 
 
@@ -119,7 +119,7 @@ def test_a_job_cannot_see_another_jobs_processes_and_a_normal_job_trains(svc, tm
                             "workdir": "/tmp"})["id"]
     wait_for(lambda: alice.job(sleeper)["state"] == "running", 60, what="sleeper running")
     pids = wait_for(lambda: subprocess.run(["pgrep", "-u", "nobody", "-x", "sleep"], capture_output=True,
-                                           text=True).stdout.split(), 30, what="the sleeper's process")
+                                           text=True, timeout=300).stdout.split(), 30, what="the sleeper's process")
     state, log = run(alice, f"cat /proc/{pids[0]}/environ || echo DENIED-ENVIRON; ls /proc | grep -c '^[0-9]'")
     assert "DENIED-ENVIRON" in log and "LUBAN_CLUSTER_TOKEN" not in log, log
     alice.stop(sleeper)
@@ -143,12 +143,12 @@ def test_a_job_that_could_reach_a_secret_does_not_start(tmp_path):
     secret.mkdir()
     (secret / "admin.token").write_text("x")
     code = subprocess.run([sys.executable, "-c", "from luban.cluster import jobguard; "
-                           f"print(jobguard.reachable([{str(secret)!r}]))"], capture_output=True, text=True)
+                           f"print(jobguard.reachable([{str(secret)!r}]))"], capture_output=True, text=True, timeout=300)
     assert code.stdout.strip() == str(secret)
     run_dir = tmp_path / "run"
     result = subprocess.run([sys.executable, "-m", "luban.cluster.launcher", "--run-dir", str(run_dir), "--log",
                              str(tmp_path / "log"), "--rank", "0", "--hide", str(secret / "admin.token"), "--",
-                             "/bin/sh", "-c", f"touch {tmp_path}/ran"], capture_output=True, text=True, cwd=ROOT)
+                             "/bin/sh", "-c", f"touch {tmp_path}/ran"], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert result.returncode == 126 and (run_dir / "rank0.exit").read_text() == "126"
     lines = [line for line in (tmp_path / "log").read_text().splitlines() if "isolation failed" in line]
     assert len(lines) == 1 and "admin.token is still readable" in lines[0], lines
@@ -180,7 +180,7 @@ def test_no_bypass_through_the_inherited_working_directory_and_the_code_is_read_
         result = subprocess.run([*NOBODY, "env", *[f"{k}={v}" for k, v in env.items()], str(SYSTEM_PYTHON), "-m",
                                  "luban.cluster.launcher", "--run-dir", str(base / "run"), "--log", str(base / "log"),
                                  "--rank", "0", "--hide", str(secret), "--", "/bin/sh", "-c", script],
-                                capture_output=True, text=True, cwd=secret)
+                                capture_output=True, text=True, cwd=secret, timeout=300)
         log = (base / "log").read_text()
         assert result.returncode == 0, (result, log)
         assert "TOKEN-SECRET" not in log and "DENIED-REL" in log, log
@@ -200,7 +200,7 @@ def test_a_workdir_inside_a_hidden_folder_refuses_to_start():
         result = subprocess.run([*NOBODY, "env", *[f"{k}={v}" for k, v in env.items()], str(SYSTEM_PYTHON), "-m",
                                  "luban.cluster.launcher", "--run-dir", str(base / "run"), "--log", str(base / "log"),
                                  "--rank", "0", "--hide", str(secret), "--", "/bin/sh", "-c",
-                                 f"cat admin.token; touch {base}/ran"], capture_output=True, text=True, cwd="/tmp")
+                                 f"cat admin.token; touch {base}/ran"], capture_output=True, text=True, cwd="/tmp", timeout=300)
         log = (base / "log").read_text()
         assert result.returncode == 126, (result, log)
         lines = [line for line in log.splitlines() if "isolation failed" in line]

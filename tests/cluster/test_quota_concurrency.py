@@ -14,7 +14,9 @@ from luban.cluster.executors.local import LocalExecutor
 from luban.cluster.models import ACTIVE, Allocation, Job
 from luban.cluster.scheduler import Scheduler, Settings
 from luban.cluster.service import create_app, ensure_admin
-from tests.cluster.conftest import kill_jobs
+from tests.cluster.conftest import kill_jobs, wait_for
+
+BOUND = 120  # seconds any thread of these tests may block
 
 QUOTA = {"user:alice": 3, "user:bob": 2}
 
@@ -47,12 +49,26 @@ def held(sessions) -> dict[str, int]:
                               .group_by(Job.owner)).all())
 
 
+def join(thread: threading.Thread) -> None:
+    thread.join(BOUND)
+    assert not thread.is_alive(), f"{thread.name} still running after {BOUND} s"
+
+
+def lock_waiters(sessions) -> int:
+    """Backends of this database waiting for a lock (PostgreSQL's pg_stat_activity)."""
+    from sqlalchemy import text
+
+    with sessions() as s:
+        return s.scalar(text("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                             "AND wait_event_type = 'Lock'"))
+
+
 def test_racing_claims_stop_exactly_at_the_quota(cluster):
     sessions, schedulers, http, tokens = cluster
     auth = {"Authorization": f"Bearer {tokens['alice']}"}
     ids = [http.post("/api/jobs", json={"spec": {"name": f"j{i}", "command": "true"}}, headers=auth).json()["id"]
            for i in range(6)]
-    barrier, wins = threading.Barrier(6), []
+    barrier, wins = threading.Barrier(6, timeout=BOUND), []
 
     def claim(i):
         barrier.wait()
@@ -62,19 +78,19 @@ def test_racing_claims_stop_exactly_at_the_quota(cluster):
     for t in threads:
         t.start()
     for t in threads:
-        t.join()
+        join(t)
     assert sum(wins) == 3 == held(sessions)["user:alice"]
     # the node primary key: two schedulers giving one node to two of bob's jobs, one wins
     bob = {"Authorization": f"Bearer {tokens['bob']}"}
     a, b = (http.post("/api/jobs", json={"spec": {"name": n, "command": "true"}}, headers=bob).json()["id"]
             for n in ("a", "b"))
-    barrier, wins = threading.Barrier(2), []
+    barrier, wins = threading.Barrier(2, timeout=BOUND), []
     threads = [threading.Thread(target=claim_one, args=(schedulers[k], job, barrier, wins))
                for k, job in ((0, a), (1, b))]
     for t in threads:
         t.start()
     for t in threads:
-        t.join()
+        join(t)
     assert sorted(wins) == [False, True]
 
 
@@ -86,7 +102,7 @@ def claim_one(scheduler, job_id, barrier, wins):
 def test_concurrent_submissions_and_schedulers_never_exceed_quota(cluster):
     sessions, schedulers, http, tokens = cluster
     stop, peaks, errors = threading.Event(), {o: 0 for o in QUOTA}, []
-    barrier = threading.Barrier(8)
+    barrier = threading.Barrier(8, timeout=BOUND)
 
     def submit(user, k):
         barrier.wait()
@@ -110,7 +126,8 @@ def test_concurrent_submissions_and_schedulers_never_exceed_quota(cluster):
                 peaks[owner] = max(peaks[owner], n)
             with sessions() as s:
                 per_node = s.execute(select(Allocation.node, func.count()).group_by(Allocation.node)).all()
-            assert all(c == 1 for _, c in per_node)
+            if any(c != 1 for _, c in per_node):  # an assert in a thread would only be printed
+                errors.append(f"a node allocated twice: {per_node}")
             time.sleep(0.01)
 
     workers = [threading.Thread(target=submit, args=(u, k)) for u in ("alice", "bob") for k in range(4)]
@@ -118,7 +135,7 @@ def test_concurrent_submissions_and_schedulers_never_exceed_quota(cluster):
     for t in workers + loops:
         t.start()
     for t in workers:
-        t.join()
+        join(t)
     deadline = time.time() + 120
     while time.time() < deadline:
         with sessions() as s:
@@ -127,7 +144,7 @@ def test_concurrent_submissions_and_schedulers_never_exceed_quota(cluster):
         time.sleep(0.2)
     stop.set()
     for t in loops:
-        t.join()
+        join(t)
     assert errors == []
     assert peaks == QUOTA, f"peaks {peaks} must reach but never pass the quotas {QUOTA}"
     with sessions() as s:
@@ -149,7 +166,7 @@ def test_two_schedulers_sampling_the_same_instant_do_not_fail(cluster):
             s.add(Sample(t=now, nodes=0, held=0, running=0, queued_jobs=0))
             s.flush()  # holds the key until commit
             flushed.set()
-            done.wait(timeout=2)  # the other scheduler's merge has read "no row" and is blocked
+            done.wait(timeout=BOUND)  # until the other scheduler's insert is blocked on this key
 
     def racing_scheduler():
         try:
@@ -159,13 +176,15 @@ def test_two_schedulers_sampling_the_same_instant_do_not_fail(cluster):
 
     writer = threading.Thread(target=first_writer)
     writer.start()
-    flushed.wait()
+    assert flushed.wait(timeout=BOUND)
     racer = threading.Thread(target=racing_scheduler)
     racer.start()
-    time.sleep(0.5)
-    done.set()
-    writer.join()
-    racer.join()
+    try:  # not a sleep: the race is on once PostgreSQL shows the racer waiting for the writer's key
+        wait_for(lambda: lock_waiters(sessions), BOUND, 0.02, "the racing insert to wait on the held key")
+    finally:
+        done.set()
+    join(writer)
+    join(racer)
     assert errors == []
     with sessions() as s:
         assert s.scalar(select(func.count()).select_from(Sample).where(Sample.t == now)) == 1

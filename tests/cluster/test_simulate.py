@@ -66,12 +66,12 @@ def test_synthetic_run_finishes_everything_and_favours_high_priority():
 def test_cli_trace_and_simulate(tmp_path):
     out = tmp_path / "trace.jsonl"
     made = subprocess.run([*LUBAN, "cluster", "trace", "--jobs", "200", "--nodes", "20", "--days", "1",
-                           "-o", str(out)], capture_output=True, text=True, check=True)
+                           "-o", str(out)], capture_output=True, text=True, check=True, timeout=300)
     assert "wrote 200 jobs" in made.stdout
     ran = subprocess.run([*LUBAN, "cluster", "simulate", "--trace", str(out), "--nodes", "20", "--zones", "2",
-                          "--json"], capture_output=True, text=True, check=True)
+                          "--json"], capture_output=True, text=True, check=True, timeout=300)
     assert json.loads(ran.stdout)["finished"] == 200
-    bad = subprocess.run([*LUBAN, "cluster", "simulate", "--jobs", "0"], capture_output=True, text=True)
+    bad = subprocess.run([*LUBAN, "cluster", "simulate", "--jobs", "0"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "jobs = 0" in bad.stderr
 
 

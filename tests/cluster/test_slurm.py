@@ -27,13 +27,13 @@ def slurm(service):
     wait_for(lambda: len(slurm_nodes()) >= 4, 60, 1, "4 idle Slurm nodes (node1..node4, .ci/services.sh)")
     svc = service("--executor", "slurm", "--tick", "0.3", "--suspend-timeout", "60")
     yield svc
-    for line in subprocess.run(["squeue", "-h", "-o", "%i %j"], capture_output=True, text=True).stdout.splitlines():
+    for line in subprocess.run(["squeue", "-h", "-o", "%i %j"], capture_output=True, text=True, timeout=300).stdout.splitlines():
         if line.split()[1].startswith("luban-") and str(svc.state) in slurm_job(line.split()[0]).get("Command", ""):
-            subprocess.run(["scancel", line.split()[0]])
+            subprocess.run(["scancel", line.split()[0]], timeout=300)
 
 
 def slurm_job(name_or_id: str) -> dict:
-    out = subprocess.run(["scontrol", "show", "job", "-o", name_or_id], capture_output=True, text=True).stdout
+    out = subprocess.run(["scontrol", "show", "job", "-o", name_or_id], capture_output=True, text=True, timeout=300).stdout
     return dict(t.partition("=")[::2] for t in out.split())
 
 
@@ -42,7 +42,7 @@ def test_nodes_come_from_slurm(slurm):
     assert set(slurm_nodes()) <= set(names)
     group = names["node1"]["node_group"]
     assert group == subprocess.run(["sinfo", "-h", "-n", "node1", "-o", "%R"], capture_output=True,
-                                   text=True).stdout.split()[0]
+                                   text=True, timeout=300).stdout.split()[0]
     assert names["node1"]["labels"]["zone"] == "zone1" and names["node4"]["labels"]["zone"] == "zone2"
 
 
@@ -56,7 +56,7 @@ def test_preempt_checkpoint_resume_on_slurm(slurm, tmp_path):
     wait_for(lambda: "step 5\n" in alice.logs(low, 2)["text"], 90, 0.5, "low job progress on Slurm")
     first = alice.job(low)
     name = f"luban-{low}-{first['chain_id']}"
-    slurm_id = subprocess.run(["squeue", "-h", "-n", name, "-o", "%i"], capture_output=True, text=True).stdout.strip()
+    slurm_id = subprocess.run(["squeue", "-h", "-n", name, "-o", "%i"], capture_output=True, text=True, timeout=300).stdout.strip()
     sl = slurm_job(slurm_id)
     assert sl["JobName"] == name and sl["OverSubscribe"] == "NO"  # --exclusive
     assert sl["NumNodes"] == "3" and sl["JobState"] == "RUNNING"

@@ -5,10 +5,11 @@ bitwise equal to an uninterrupted run. No user code: the trainer speaks the prot
 from __future__ import annotations
 
 import re
-import subprocess
 
 import pytest
 
+from luban.train import checkpoint
+from tests.child import Child
 from tests.cluster.conftest import PYTHON, ROOT, wait_for
 
 CONFIG = """
@@ -24,7 +25,7 @@ steps = {steps}
 global_batch = 2
 warmup_steps = 2
 seed = 0
-checkpoint_every = 1000
+checkpoint_every = {every}
 eval_every = 1000
 [run]
 dir = "{run}"
@@ -53,48 +54,46 @@ def weights(run_dir):
     return final.name, out
 
 
-def per_step_seconds(run_dir) -> float:
-    import json
-    import statistics
-
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return statistics.median(json.loads(x)["time_step_s"] for x in lines if "time_step_s" in x)
-
-
 @pytest.mark.slow
 def test_luban_training_is_preempted_resumes_and_matches_an_uninterrupted_run(service, tmp_path):
+    """Deterministic order: the job's step-4 checkpoint write is held (``LUBAN_TEST_HOLD_CHECKPOINT_WRITE``),
+    so it cannot get past step 8 (whose save waits for step 4's) and finish before the preemption
+    lands; the write is released only once the launcher has forwarded SIGUSR1 to the trainer. (Before,
+    the test waited for step 3 and hoped: a 24-step run of this model takes ~0.1 s, so it often
+    finished first, and the retry ran ~12 s worth of steps behind an unread stdout pipe, which filled
+    and hung the reference run.)"""
     svc = service("--nodes", "1", "--tick", "0.1", "--suspend-timeout", "300")
     alice_token, alice = svc.user("alice", {"LOW": 1})
     _, bob = svc.user("bob", {"HIGH": 1})
-    steps = 24
-    for round_ in range(2):  # a fast machine may finish 24 steps before the preemption lands: go longer
-        root = tmp_path / f"round{round_}"
-        root.mkdir()
-        ref_cfg, job_cfg = root / "ref.toml", root / "job.toml"
-        ref_cfg.write_text(CONFIG.format(run=root / "ref", steps=steps))
-        job_cfg.write_text(CONFIG.format(run=root / "job", steps=steps))
-        reference = subprocess.Popen([PYTHON, "-m", "luban", "train", str(ref_cfg), "--resume", "auto"], cwd=ROOT,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        out = svc.cli("submit", "-p", "LOW", "--name", "train", "--workdir", str(ROOT), "--", PYTHON, "-m", "luban",
-                      "train", str(job_cfg), "--resume", "auto", token=alice_token).stdout
+    steps, hold = 24, tmp_path / "hold"
+    hold.mkdir()
+    ref_cfg, job_cfg = tmp_path / "ref.toml", tmp_path / "job.toml"
+    ref_cfg.write_text(CONFIG.format(run=tmp_path / "ref", steps=steps, every=4))
+    job_cfg.write_text(CONFIG.format(run=tmp_path / "job", steps=steps, every=4))
+    with Child([PYTHON, "-m", "luban", "train", str(ref_cfg), "--resume", "auto"], log=tmp_path / "ref.log",
+               cwd=ROOT) as reference:
+        out = svc.cli("submit", "-p", "LOW", "--name", "train", "--workdir", str(ROOT),
+                      "--env", f"{checkpoint.HOLD_ENV}={hold}", "--env", f"{checkpoint.HOLD_STEP_ENV}=4",
+                      "--", PYTHON, "-m", "luban", "train", str(job_cfg), "--resume", "auto", token=alice_token).stdout
         job = int(re.search(r"submitted job (\d+)", out).group(1))
-        wait_for(lambda: re.search(rf"step ([3-9]|\d\d+)/{steps}", alice.logs(job)["text"]), 600, 0.05,
-                 "training progress")
+        wait_for(lambda: (hold / "held").exists() or alice.job(job)["state"] not in ("queued", "starting", "running"),
+                 600, 0.05, "the step-4 checkpoint write to be held")
+        assert (hold / "held").exists(), alice.logs(job)["text"][-3000:]
         high = bob.submit({"name": "urgent", "command": "true", "priority": "HIGH"})["id"]
+        wait_for(lambda: "SIGUSR1 forwarded" in alice.logs(job)["text"], 600, 0.05, "the suspend signal")
+        (hold / "release").write_text("")
         assert bob.wait(high, timeout=600)["state"] == "succeeded"
-        final = alice.wait(job, timeout=900)
+        final = alice.wait(job, timeout=600)
         log = alice.logs(job)["text"]
         assert final["state"] == "succeeded", log[-3000:]
-        assert reference.wait(900) == 0, reference.stdout.read()[-3000:]
-        if final["restart_count"] == 1:
-            break
-        steps = max(steps, int(12.0 / per_step_seconds(root / "ref")))
+        reference.finish(600)
+    assert final["restart_count"] == 1, log[-3000:]
     first = [j for j in alice.jobs(all_attempts=True) if j["chain_id"] == final["chain_id"]][0]
     assert first["state"] == "suspended" and first["exit_code"] == 75 and "PREEMPTED" in first["stop_reasons"]
     assert re.search(r"resumed from .*step_\d+ at step \d+", log), log[-3000:]
 
-    ref_step, ref_weights = weights(root / "ref")
-    job_step, job_weights = weights(root / "job")
+    ref_step, ref_weights = weights(tmp_path / "ref")
+    job_step, job_weights = weights(tmp_path / "job")
     assert ref_step == job_step == f"step_{steps:07d}"
     assert ref_weights.keys() == job_weights.keys() and ref_weights
     assert all(ref_weights[k] == job_weights[k] for k in ref_weights), "weights differ after preemption"
@@ -111,7 +110,7 @@ def _train_in_a_job(svc, tmp_path, nproc_flag, group="default", nodes=1):
     """A job running luban train on 2 ranks in all: 1 node of 2 "GPUs", or 2 nodes of one rank each."""
     token, alice = svc.user("alice", {"NORMAL": nodes}, node_group=group)
     cfg = tmp_path / "job.toml"
-    cfg.write_text(CONFIG.format(run=tmp_path / "run", steps=3).replace("[data]", "[parallel]\ndp = 2\n[data]"))
+    cfg.write_text(CONFIG.format(run=tmp_path / "run", steps=3, every=1000).replace("[data]", "[parallel]\ndp = 2\n[data]"))
     out = svc.cli("submit", "-n", str(nodes), "--name", "train", "--workdir", str(ROOT), "--", PYTHON, "-m",
                   "luban", "train", str(cfg), *nproc_flag, token=token).stdout
     job = int(re.search(r"submitted job (\d+)", out).group(1))

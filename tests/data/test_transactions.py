@@ -70,7 +70,7 @@ def test_kill_at_any_moment_of_a_rebuild_leaves_old_or_new(tmp_path, write_docs)
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(rng.uniform(0.3, 3.0))
         proc.send_signal(signal.SIGKILL)
-        proc.wait()
+        proc.wait(60)
         manifest = load_manifest(out)  # always a complete dataset at the path...
         assert luban_data("verify", out).returncode == 0  # ...that verifies
         outcomes.add("old" if manifest == old else "new")

@@ -21,8 +21,8 @@ import torch
 
 from luban.model.presets import get_preset
 from luban.parallel.engine import OptimizerConfig, build_engine, unwrap
-from luban.parallel.launch import launch
 from luban.parallel.layout import ParallelLayout
+from tests.child import launch as bounded_launch
 
 LR, MAX_NORM = 0.1, 1.0
 
@@ -155,7 +155,10 @@ def spawn(jobs: list[dict], nproc: int, out_dir: Path) -> int:
     jobs_file = out_dir / f"jobs-{nproc}.json"
     jobs_file.write_text(json.dumps(jobs))
     os.environ["OMP_NUM_THREADS"] = "1"
-    return launch([str(jobs_file), str(out_dir)], nproc=nproc, module="tests.parallel.harness")
+    code, output = bounded_launch([str(jobs_file), str(out_dir)], nproc, "tests.parallel.harness",
+                                  log=out_dir / f"ranks-{nproc}.log")
+    print(output[-20000:])  # pytest shows it when the test fails
+    return code
 
 
 def world(layout: dict) -> int:

@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 
 import pytest
 
 from luban.parallel.launch import host_cores, launch, rank_env, rank_threads, slurm_defaults
+from tests.child import Child
 
 CHILD = "tests.parallel._launch_child"
 
@@ -33,28 +33,30 @@ def test_rank_threads_share_the_cores():
     assert rank_threads(2, 4) == 1 and rank_threads(3, 2) == 1
 
 
-def _launch_in_subprocess(mode, tmp_path):
+def _launch_in_subprocess(mode, tmp_path) -> Child:
+    """A launch of 2 ranks of _launch_child in a child process, once both ranks are ready."""
     code = (f"import sys; from luban.parallel.launch import launch; "
             f"sys.exit(launch([{mode!r}, {str(tmp_path)!r}], nproc=2, module={CHILD!r}))")
-    proc = subprocess.Popen([sys.executable, "-c", code], cwd=os.getcwd())
-    deadline = time.monotonic() + 60
-    while (not all((tmp_path / f"ready{r}").exists() for r in (0, 1)) and proc.poll() is None
-           and time.monotonic() < deadline):
+    child = Child([sys.executable, "-c", code], log=tmp_path / "launch.log", cwd=os.getcwd(),
+                  start_new_session=False)  # signals go to the launcher, as from a terminal or scheduler
+    deadline = time.monotonic() + 300
+    while not all((tmp_path / f"ready{r}").exists() for r in (0, 1)):
+        if child.poll() is not None or time.monotonic() > deadline:
+            child.kill()
+            raise AssertionError(f"ranks not ready (launcher exit {child.returncode})\n{child.tail()}")
         time.sleep(0.1)
-    return proc
+    return child
 
 
 def test_sigusr1_is_forwarded_and_suspension_reported(tmp_path):
-    proc = _launch_in_subprocess("suspend", tmp_path)
-    proc.send_signal(signal.SIGUSR1)
-    assert proc.wait(30) == 75
+    with _launch_in_subprocess("suspend", tmp_path) as proc:
+        proc.send_signal(signal.SIGUSR1)
+        assert proc.wait(300) == 75, proc.tail()  # the ranks sleep 3600 s unless the signal reaches them
 
 
 def test_failed_rank_kills_the_others(tmp_path):
-    start = time.monotonic()
-    proc = _launch_in_subprocess("fail", tmp_path)
-    assert proc.wait(40) == 3
-    assert time.monotonic() - start < 50  # rank 0 (sleeping 60 s once started) was terminated
+    with _launch_in_subprocess("fail", tmp_path) as proc:
+        assert proc.wait(300) == 3, proc.tail()  # rank 0 sleeps 3600 s unless the launcher terminates it
 
 
 def test_slurm_variables():

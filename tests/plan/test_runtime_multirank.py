@@ -16,18 +16,17 @@ tier; the engine measures nothing saved on the device and the bytes it copied to
 """
 
 import json
-import os
 
 import numpy as np
 import pytest
 
 from luban.model.presets import get_preset
-from luban.parallel.launch import launch
 from luban.parallel.layout import ParallelLayout
 from luban.plan.grid import Grid
 from luban.plan.memory import memory
 from luban.plan.problem import Problem
 from luban.plan.system import load_system
+from tests.child import launch
 
 GLOBAL_BATCH = 4
 VOCAB = 256
@@ -55,8 +54,8 @@ def runs(tmp_path_factory):
     jobs = [{"name": f"{name}-{preset}", "preset": preset, "layout": layout, "global_batch": GLOBAL_BATCH,
              "vocab": VOCAB, "seq": SEQ} for name, preset in CASES for layout in [LAYOUTS[name]]]
     (out / "jobs.json").write_text(json.dumps(jobs))
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    assert launch([str(out / "jobs.json"), str(out)], nproc=2, module="tests.plan.plan_rank_job") == 0
+    code, output = launch([out / "jobs.json", out], 2, "tests.plan.plan_rank_job", log=out / "ranks.log")
+    assert code == 0, output[-3000:]
     return out
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -22,6 +21,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from tests.child import Child
 from luban.errors import EXIT_SUSPENDED
 from luban.train import checkpoint
 
@@ -67,16 +67,19 @@ def _assert_same(a: dict, b: dict) -> None:
             assert a[k] == b[k], k
 
 
-def _held(hold: Path, proc: subprocess.Popen) -> None:
+def _held(hold: Path, proc: Child, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
     while not (hold / "held").exists():
-        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        assert proc.poll() is None, f"exit {proc.returncode} before the write was held\n{proc.tail()}"
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"the write was not held within {timeout} s\n{proc.tail()}")
         time.sleep(0.05)
 
 
-def _popen(args, hold: Path, step: int, **extra_env) -> subprocess.Popen:
+def _popen(args, hold: Path, step: int, **extra_env) -> Child:
     env = {**os.environ, checkpoint.HOLD_ENV: str(hold), checkpoint.HOLD_STEP_ENV: str(step), **extra_env}
-    return subprocess.Popen([sys.executable, "-m", "luban", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env)
+    return Child([sys.executable, "-m", "luban", *args], log=hold / "train.log", env=env)
 
 
 def test_async_save_equals_sync_save_while_training_moves_on(tiny, tmp_path):
@@ -86,8 +89,8 @@ def test_async_save_equals_sync_save_while_training_moves_on(tiny, tmp_path):
     proc = _popen(["train", *_args(tiny("async", **BASE))], hold, step=2, **SLOW)
     _held(hold, proc)  # step 2's write is held; training goes on to step 4 (and waits there for it)
     (hold / "release").write_text("")
-    out = proc.communicate(timeout=300)[0]
-    assert proc.returncode == 0, out[-3000:]
+    with proc:
+        proc.finish(300)
     for step in ("step_0000002", "step_0000004", "step_0000006"):
         sync, asy = (tmp_path / run / "checkpoints" / step for run in ("sync", "async"))
         assert checkpoint.verify(asy) is None
@@ -135,9 +138,9 @@ def test_kill_9_during_a_background_write_leaves_the_previous_checkpoint(tiny, t
     hold = tmp_path / "hold"
     hold.mkdir()
     proc = _popen(["train", *_args(tiny("run", **BASE))], hold, step=4)
-    _held(hold, proc)
-    proc.kill()
-    proc.communicate(timeout=60)
+    with proc:
+        _held(hold, proc)
+        proc.kill()
     root = tmp_path / "run" / "checkpoints"
     assert (root / ".tmp-step_0000004").is_dir()  # DCP files written, no manifest, never renamed
     assert checkpoint.latest_valid(root) == root / "step_0000002"
@@ -151,11 +154,11 @@ def test_sigusr1_during_a_background_write_waits_for_it_and_exits_75(tiny, tmp_p
     hold.mkdir()
     sets = tiny("run", **{**BASE, "train.steps": 40, "train.checkpoint_every": 4})
     proc = _popen(["train", "--resume", "auto", *_args(sets)], hold, step=4)
-    _held(hold, proc)
-    proc.send_signal(signal.SIGUSR1)
-    (hold / "release").write_text("")
-    out = proc.communicate(timeout=300)[0]
-    assert proc.returncode == EXIT_SUSPENDED, out[-3000:]
+    with proc:
+        _held(hold, proc)
+        proc.send_signal(signal.SIGUSR1)
+        (hold / "release").write_text("")
+        proc.finish(300, expect=EXIT_SUSPENDED)
     root = tmp_path / "run" / "checkpoints"
     newest = checkpoint.latest_valid(root)
     assert newest is not None and int(newest.name.split("_")[1]) > 4

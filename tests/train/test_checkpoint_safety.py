@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.child import Child
 from luban.train import checkpoint
 from tests.train.conftest import luban
 
@@ -83,7 +84,6 @@ def test_kill_9_at_random_moments_of_saving_always_leaves_a_valid_newest_checkpo
     newest valid checkpoint loads, and training resumes from it."""
     import random
     import signal
-    import subprocess
     import time
 
     root_dir = Path(__file__).resolve().parents[2]
@@ -94,14 +94,11 @@ def test_kill_9_at_random_moments_of_saving_always_leaves_a_valid_newest_checkpo
                                                        "train.keep_checkpoints": 2, "model.hidden": 256}))]
     steps = []
     for _ in range(4):
-        proc = subprocess.Popen([sys.executable, "-m", "luban", *args], cwd=root_dir, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
-        for line in proc.stdout:  # into the loop, then somewhere within the next steps' saves
-            if line.startswith("step "):
-                break
-        time.sleep(rng.uniform(0.0, 1.5))
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
+        with Child([sys.executable, "-m", "luban", *args], log=tmp_path / "train.log", cwd=root_dir) as proc:
+            proc.wait_for(r"^step ", 300)  # into the loop, then somewhere within the next steps' saves
+            time.sleep(rng.uniform(0.0, 1.5))  # a random moment, not a synchronisation
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(60)
         newest = checkpoint.latest_valid(run / "checkpoints")
         assert newest is not None and checkpoint.verify(newest) is None
         steps.append(int(newest.name.split("_")[1]))

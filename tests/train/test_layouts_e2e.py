@@ -8,11 +8,11 @@ state, learning-rate step and global sample sequence.
 
 import shutil
 import signal
-import subprocess
 import sys
 
 import pytest
 
+from tests.child import Child
 from luban.config import load_config
 from luban.errors import EXIT_SUSPENDED
 from luban.train.trainer import Trainer
@@ -37,14 +37,10 @@ def test_suspend_and_resume_under_3d_layout_is_bitwise_exact(tiny, tmp_path):
     layout = _layout(pp=2, dp=2, tp=2, zero=1, micro_batch=2)
     luban("train", "--nproc", 8, *_args(tiny("straight", **SGD, **layout)), check=0, timeout=900)
     args = ["train", "--nproc", "8", "--resume", "auto", *_args(tiny("suspended", **SGD, **layout))]
-    proc = subprocess.Popen([sys.executable, "-m", "luban", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    for line in proc.stdout:
-        if line.startswith("step 3/"):
-            proc.send_signal(signal.SIGUSR1)
-            break
-    out = proc.communicate(timeout=900)[0]
-    assert proc.returncode == EXIT_SUSPENDED, out[-3000:]
+    with Child([sys.executable, "-m", "luban", *args], log=tmp_path / "suspended.log") as proc:
+        proc.wait_for(r"^step 3/", 600)
+        proc.send_signal(signal.SIGUSR1)
+        proc.finish(600, expect=EXIT_SUSPENDED)
     saved = sorted(p.name for p in (tmp_path / "suspended" / "checkpoints").iterdir())
     assert len(saved) == 1 and saved[0] != "step_0000008"  # one step, saved by all 8 ranks together
     assert len(list((tmp_path / "suspended" / "checkpoints" / saved[0]).glob("rng_rank*.pt"))) == 8

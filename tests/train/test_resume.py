@@ -2,12 +2,12 @@
 
 import json
 import signal
-import subprocess
 import sys
 import time
 
 import pytest
 
+from tests.child import Child
 from luban.config import load_config
 from luban.errors import EXIT_SUSPENDED
 from luban.train import checkpoint
@@ -45,14 +45,18 @@ def test_suspend_by_signal_k_times_is_bitwise_exact(tiny, tmp_path):
     args = ["train", "--resume", "auto", *sum((["--set", s] for s in tiny("suspended", **{"train.steps": 12})), [])]
     suspensions = 0
     for wait_for_step in (2, 5, 9, None):
-        proc = subprocess.Popen([sys.executable, "-m", "luban", *args], stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
-        if wait_for_step is not None:
-            for line in proc.stdout:
-                if line.startswith("step ") and int(line.split()[1].split("/")[0]) >= wait_for_step:
+        with Child([sys.executable, "-m", "luban", *args], log=tmp_path / f"run{suspensions}.log") as proc:
+            if wait_for_step is not None:
+                deadline = time.monotonic() + 300
+                while not any(line.startswith("step ") and int(line.split()[1].split("/")[0]) >= wait_for_step
+                              for line in proc.output().splitlines()):
+                    if proc.poll() is not None or time.monotonic() > deadline:
+                        break  # finished (or failed) before that step: the exit code below says which
+                    time.sleep(0.02)
+                else:
                     proc.send_signal(signal.SIGUSR1)
-                    break
-        out = proc.communicate(timeout=300)[0]
+            proc.wait(300)
+            out = proc.output()
         if proc.returncode == EXIT_SUSPENDED:
             suspensions += 1
             assert "suspended on SIGUSR1" in out
@@ -68,16 +72,12 @@ def test_second_sigint_exits_at_once(tiny, tmp_path):
     # loaded host delays the second one (at ~1 s steps, CI once saw the step end in between)
     big = {"train.steps": 500, "model.hidden": 512, "model.seq_len": 128, "train.global_batch": 64}
     args = ["train", *sum((["--set", s] for s in tiny(**big)), [])]
-    proc = subprocess.Popen([sys.executable, "-m", "luban", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    for line in proc.stdout:
-        if line.startswith("step "):
-            break
-    proc.send_signal(signal.SIGINT)
-    time.sleep(0.2)
-    proc.send_signal(signal.SIGINT)
-    proc.communicate(timeout=60)
-    assert proc.returncode == 130
+    with Child([sys.executable, "-m", "luban", *args], log=tmp_path / "train.log") as proc:
+        proc.wait_for(r"^step ", 300)
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 130, proc.tail()
     assert checkpoint.step_dirs(tmp_path / "run" / "checkpoints") == []  # nothing saved (the folder is made at start-up)
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.child import wait_or_fail
 from luban import procs
 from luban.cluster import launcher
 from tests.conftest import tiny_toml
@@ -36,7 +37,7 @@ def test_sigusr1_at_any_moment_of_start_up_gives_75_and_no_survivor(tmp_path):
                              start_new_session=True)
         time.sleep(delay)
         job.send_signal(signal.SIGUSR1)
-        code = job.wait(300)
+        code = wait_or_fail(job, 300, lambda: (case / "log0").read_text())
         log = (case / "log0").read_text()
         outcomes[delay] = code
         assert code in (0, 75), f"delay {delay}: exit {code}\n{log[-3000:]}"
@@ -70,7 +71,7 @@ def test_signal_storm_through_training_and_shutdown_never_kills_a_rank(tmp_path,
             except ProcessLookupError:
                 break
         time.sleep(0.02)
-    code = job.wait(30)
+    code = wait_or_fail(job, 60, log_path.read_text)
     log = log_path.read_text()
     assert sent > 0, log[-3000:]
     assert code in (0, 75), f"exit {code} after {sent} signals\n{log[-3000:]}"
