@@ -383,7 +383,7 @@ def test_export_carries_the_tokenizer_and_loads_without_warnings(kind, small_dat
     assert main(["export", str(run), "--format", "hf", str(tmp_path / "hf")]) == 0
     assert "warning" not in capsys.readouterr().err
     names = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-             "special_tokens_map.json"}
+             "special_tokens_map.json", ".luban"}  # .luban: luban's own folder (luban.owned)
     assert {p.name for p in (tmp_path / "hf").iterdir()} == names
     umask = os.umask(0)
     os.umask(umask)
