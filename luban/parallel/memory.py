@@ -13,6 +13,7 @@ before a later forward, and the allocator would hand the same addresses out agai
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -52,9 +53,17 @@ class ActivationCounter:
     def __init__(self, modules):
         self.modules = list(modules)
         self.storages: dict[int, int] = {}
-        self.params: set[int] = set()
+        self.params: dict[int, weakref.ref] = {}  # storage address -> the parameter holding it
         self.refreshes = 0  # parameter-set rebuilds (tests/parallel: few per micro-batch)
         self._alive: list = []
+
+    def _is_param(self, ptr: int) -> bool:
+        """``ptr`` is a parameter's storage now: FSDP2 frees a resharded parameter's storage,
+        and a tensor allocated later may get its address (issue #22: the fused loss's saved
+        gradients under ZeRO-3 were taken for parameters)."""
+        ref = self.params.get(ptr)
+        p = ref() if ref is not None else None
+        return p is not None and _innermost(p).untyped_storage().data_ptr() == ptr
 
     def is_activation(self, t: torch.Tensor) -> bool:
         """Not (a view of) a parameter: the one rule for what counts and what is offloaded.
@@ -67,12 +76,13 @@ class ActivationCounter:
         if root.grad_fn is not None:
             return True
         ptr = inner.untyped_storage().data_ptr()
-        if ptr in self.params:
+        if self._is_param(ptr):
             return False
         if ptr not in self.storages:
-            self.params = {_innermost(p).untyped_storage().data_ptr() for m in self.modules for p in m.parameters()}
+            self.params = {_innermost(p).untyped_storage().data_ptr(): weakref.ref(p)
+                           for m in self.modules for p in m.parameters()}
             self.refreshes += 1
-        return ptr not in self.params
+        return not self._is_param(ptr)
 
     def count(self, t: torch.Tensor) -> None:
         storage = _innermost(t).untyped_storage()
