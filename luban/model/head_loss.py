@@ -79,7 +79,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         w = padded_weight(weight, dtype)
         ctx.weight_dtype = weight.dtype
         grad_h = torch.empty_like(h) if ctx.needs_input_grad[0] else None
-        grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if ctx.needs_input_grad[1] else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=w.device) if ctx.needs_input_grad[1] else None
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         for start in range(0, n, chunk):
             hc, yc = h[start:start + chunk].to(dtype), labels[start:start + chunk]
@@ -96,8 +96,8 @@ class _ChunkedHeadLoss(torch.autograd.Function):
             if grad_h is not None:
                 grad_h[start:start + chunk] = g @ w
             if grad_w is not None:
-                grad_w += (g.t() @ hc).float()
-        ctx.save_for_backward(grad_h, None if grad_w is None else grad_w[:vocab])
+                grad_w += (g.t() @ hc)[:vocab].float()  # the padded rows: zero, dropped
+        ctx.save_for_backward(grad_h, grad_w)
         return total / n
 
     @staticmethod
