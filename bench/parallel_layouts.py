@@ -44,8 +44,8 @@ Notes:
   full gradients until the last micro-batch) and in all-gathers per step.
 * Gradients are measured after ``forward_backward``, before ``step``; a pipeline stage's
   tied or vocab-parallel embedding gradient may still be replicated then.
-* GPU MFU (``bench/gpu_mfu.py``: GPT-2 124M and Llama 1B, bf16 + torch.compile + fused
-  AdamW) has NOT been measured: no GPU was available to this task.
+* GPU MFU (``bench/gpu_check.py``: GPT-2 124M, Llama 1B and a MoE against HF and a bare loop, bf16,
+  compiled) has NOT been measured: no GPU was available to this task.
 """
 
 
