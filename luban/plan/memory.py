@@ -202,8 +202,17 @@ def memory(problem: Problem, g: Grid) -> dict:
     layer_mb = act["per_token"] * tokens + act["fixed"]
     inflight_first, inflight_last = in_flight(g, m)
     single = (g.pp == 1) | schedules.is_v(g.schedule)
-    per_mb_first = layers_first * layer_mb + f_tok * tokens + f_fix + np.where(single, l_tok * tokens + l_fix, 0.0)
-    per_mb_last = np.where(single, per_mb_first, layers_last * layer_mb + l_tok * tokens + l_fix)
+    # per micro-batch: bytes per token and fixed bytes (weight copies, tables) of the rank's share
+    tok_first = layers_first * act["per_token"] + f_tok + np.where(single, l_tok, 0.0)
+    tok_last = np.where(single, tok_first, layers_last * act["per_token"] + l_tok)
+    fix_first = layers_first * act["fixed"] + f_fix + np.where(single, l_fix, 0.0)
+    fix_last = np.where(single, fix_first, layers_last * act["fixed"] + l_fix)
+    # where a pipeline step makes the fixed bytes once (Runtime.pipeline_fixed_once), a micro-batch's
+    # share is 1/m of them (what the runtime measures: a step's saved bytes over its micro-batches)
+    fixed_once = problem.runtime_model.pipeline_fixed_once & (g.pp > 1)
+    fix_share = np.where(fixed_once, 1.0 / np.maximum(m, 1), 1.0)
+    per_mb_first = tok_first * tokens + fix_share * fix_first
+    per_mb_last = tok_last * tokens + fix_share * fix_last
     # full recompute re-creates one layer's activations at a time during the backward pass
     working = np.where(g.recompute == FULL, act["none"] * tokens + act["fixed_none"], 0.0)
     offload_opt = g.offload == OPTIMIZER_OFFLOAD
@@ -213,8 +222,10 @@ def memory(problem: Problem, g: Grid) -> dict:
     params_first, params_last = rank_params(problem, g)
     experts_first, experts_last = rank_experts(problem, g)
     expert_shards = expert_zero_shards(problem, g)
-    for name, params, per_mb, flight in (("first", params_first, per_mb_first, inflight_first),
-                                         ("last", params_last, per_mb_last, inflight_last)):
+    for name, params, per_mb, flight, tok, fix in (
+            ("first", params_first, per_mb_first, inflight_first, tok_first, fix_first),
+            ("last", params_last, per_mb_last, inflight_last, tok_last, fix_last)):
+        held = flight * tok * tokens + np.where(fixed_once, fix, flight * fix)  # at the in-flight peak
         experts = experts_first if name == "first" else experts_last
         dense_states = model_state_bytes(params - experts, wb, gb, ob, g.zero, shards, fsdp)
         expert_states = model_state_bytes(experts, wb, gb, ob, g.zero, expert_shards, fsdp)
@@ -231,8 +242,8 @@ def memory(problem: Problem, g: Grid) -> dict:
         # second memory tier (seed 003 §3, seed 002): every in-flight micro-batch's saved activations
         # (and with "blocks" all weights, gradients and optimizer state) live in the tier; the device
         # holds two blocks: the one computing and the one being fetched or written back
-        host = host + np.where(tier_acts, flight * per_mb, 0.0) + np.where(tier_blocks, weights + grads + optim, 0.0)
-        activations = np.where(tier_acts, 2 * layer_mb, flight * per_mb) + working
+        host = host + np.where(tier_acts, held, 0.0) + np.where(tier_blocks, weights + grads + optim, 0.0)
+        activations = np.where(tier_acts, 2 * layer_mb, held) + working
         weights_gpu = np.where(tier_blocks, 2 * full_layer, weights_gpu)
         grads = np.where(tier_blocks, 2 * full_layer * gb / wb, grads)
         optim_gpu = np.where(tier_blocks, 0.0, optim_gpu)

@@ -94,6 +94,9 @@ class Runtime:
     fp8_amax_history = 0
     fp8_cast_passes = 0
     experts_replicated_with_ep = False  # with ep > 1 expert states stay out of ZeRO (replicated over edp)
+    # a pipeline step's fixed activation bytes (autocast weight copies, the rope table) are made
+    # once per step and shared by its micro-batches, not once per micro-batch in flight
+    pipeline_fixed_once = False
     # --- kernel efficiency: what differs between runtimes on the same GPU (docs/planner.md "Runtimes") ---
     # eager_kernels: the layers' elementwise work (norms, activations, rotary, residuals, the loss)
     # runs as separate eager PyTorch kernels, each a round trip through HBM, unless the runtime
@@ -315,6 +318,10 @@ class Luban(FSDP2):
     head_grad_view = True  # measured: tests/plan/test_runtime_multirank.py
     offload_host_shards = True  # luban.parallel.data_parallel's CPU optimizer step
     experts_replicated_with_ep = True  # luban.parallel.expert_parallel
+    # luban.parallel.microbatch.PipelineSchedule runs the whole step in one autocast context, whose
+    # cache keeps each weight's half-precision copy for every micro-batch (measured: the sweep in
+    # tests/train/test_auto.py; per micro-batch it counted the copies 8 times at pp 2, mb 1)
+    pipeline_fixed_once = True
 
     def layer_activations(self, problem, g):
         return luban_layer(problem, g)
