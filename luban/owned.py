@@ -40,7 +40,8 @@ def _names(path: Path) -> list[str]:
 def _is_run(path: Path) -> bool:
     """A run folder written before the marker: only luban's run files, and either a checkpoint
     (``checkpoints/step_NNNNNNN/meta.json``) or a ``config.json`` that is a luban run config."""
-    own = {"checkpoints", "config.json", "metrics.jsonl", "plan.json", "plan_vs_measured.json", "tensorboard"}
+    own = {"checkpoints", "config.json", "metrics.jsonl", "peak.json", "plan.json", "plan_vs_measured.json",
+           "tensorboard"}  # what luban.train writes into run.dir (peak.json: luban.train.peak.PEAK_FILE)
     if not set(_names(path)) <= own:
         return False
     ckpts = path / "checkpoints"

@@ -45,7 +45,8 @@ def load_model(path: str) -> tuple[Transformer, dict]:
     state = {"model": model.state_dict()}
     try:
         dcp.load(state, checkpoint_id=str(ckpt))
-    except Exception as err:  # noqa: BLE001 - a damaged or foreign checkpoint, whatever the library raises
+    except (Exception, dcp.api.CheckpointException) as err:  # noqa: BLE001 - a damaged or foreign checkpoint,
+        # whatever the library raises (its CheckpointException derives from BaseException, not Exception)
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise LubanError(f"CHECKPOINT = {path!r}: its weights cannot be read ({first})") from None
     model.load_state_dict(state["model"])
