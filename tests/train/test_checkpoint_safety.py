@@ -92,17 +92,22 @@ def test_kill_9_at_random_moments_of_saving_always_leaves_a_valid_newest_checkpo
     rng = random.Random(0)
     args = ["train", "--resume", "auto", *sets(tiny(**{"train.steps": 400, "train.checkpoint_every": 1,
                                                        "train.keep_checkpoints": 2, "model.hidden": 256}))]
-    steps = []
-    for _ in range(4):
-        with Child([sys.executable, "-m", "luban", *args], log=tmp_path / "train.log", cwd=root_dir) as proc:
-            proc.wait_for(r"^step ", 300)  # into the loop, then somewhere within the next steps' saves
+    steps, newest_step = [], 0
+    for attempt in range(4):
+        # Its own log: a shared one would hold the previous run's step lines, and the wait below
+        # would return at once. Step p+3 shown means the save of p+1 finished (each save waits for
+        # the previous one before starting), so every run leaves a newer checkpoint than it found
+        # however slow the machine; then a random moment within the next steps' saves.
+        with Child([sys.executable, "-m", "luban", *args], log=tmp_path / f"train{attempt}.log", cwd=root_dir) as proc:
+            proc.wait_for(rf"^step {newest_step + 3}/", 300)
             time.sleep(rng.uniform(0.0, 1.5))  # a random moment, not a synchronisation
             proc.send_signal(signal.SIGKILL)
             proc.wait(60)
         newest = checkpoint.latest_valid(run / "checkpoints")
         assert newest is not None and checkpoint.verify(newest) is None
-        steps.append(int(newest.name.split("_")[1]))
-    assert steps == sorted(steps) and steps[-1] > steps[0]  # every restart resumed, none went back
+        newest_step = int(newest.name.split("_")[1])
+        steps.append(newest_step)
+    assert all(a < b for a, b in zip(steps, steps[1:])), steps  # every restart resumed and went on
 
 
 # Run `luban train ARGS` with the run dir turned read-only right after the trainer's start-up check,
