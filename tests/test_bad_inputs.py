@@ -217,7 +217,7 @@ def test_fuzzed_manifests_are_named_and_nothing_changes(dataset, tmp_path_factor
 
 
 # -- issue 24: files checked before use ------------------------------------------------------------
-def test_issue24_file_cases(capsys, tmp_path):
+def test_issue24_file_cases(capsys, tmp_path, monkeypatch):
     """Each was a traceback on 3457f4b; now one line naming the file or flag, exit 2."""
     (tmp_path / "list.json").write_text("[1, 2, 3]")
     (tmp_path / "t5.toml").write_text("train = 5\n")
@@ -236,6 +236,15 @@ def test_issue24_file_cases(capsys, tmp_path):
         (["export", str(tmp_path / "ckpt"), "--format", "hf", "/proc/x"], "out = '/proc/x': a folder that exists"),
         (["cluster", "simulate", "--trace", str(tmp_path / "list.json")], "a trace job (a JSON object, not list)"),
     ]
+    # an image suffix matplotlib cannot write is refused before the search (a 1e9-layout search
+    # would otherwise run first): the planner must not be called at all
+    import luban.plan.search as search_module
+
+    def no_search(*a, **k):
+        raise AssertionError("searched before checking --chart")
+    monkeypatch.setattr(search_module, "search", no_search)
+    cases.append((["plan", "search", "--model", "gpt2-124m", "--system", "dgx-a100-80g", "--gpus", "8",
+                   "--global-batch", "8", "--chart", str(tmp_path / "x.bmpx")], "an image file ending in one of"))
     for argv, words in cases:
         try:
             code = main(argv)

@@ -415,9 +415,12 @@ def cmd_serve(args) -> int:
               "read-only; other files of this account stay writable to jobs (docs/platform.md); run as root "
               "for per-user accounts", file=sys.stderr, flush=True)
     if run_as == "service":
+        fix = ("this service is root, so every job runs as root and can do anything on this machine; "
+               "--run-jobs-as user (the default for root) gives per-user accounts" if accounts.privileged()
+               else "run as root for per-user accounts")
         print("luban cluster: WARNING: jobs run as this service's own OS account "
               f"({getpass.getuser()}) and can read its state directory (tokens, database): "
-              "share it only with users you trust; run as root for per-user accounts", file=sys.stderr, flush=True)
+              f"share it only with users you trust; {fix}", file=sys.stderr, flush=True)
     if token_path:
         print(f"luban cluster: admin token written to {token_path}", flush=True)
     from luban import interrupt

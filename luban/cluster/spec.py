@@ -71,10 +71,12 @@ def parse(data) -> JobSpec:
     if unknown:
         raise bad_value(unknown[0], data[unknown[0]], "unknown key; allowed keys are " + ", ".join(FIELDS))
     args = data.get("args", [])
-    if not isinstance(args, list) or not all(isinstance(a, (str, int, float)) and not isinstance(a, bool)
-                                             for a in args):
+    if not isinstance(args, list):
         raise bad_value("args", args, "a list of strings")
     for i, a in enumerate(args):
+        # an integer's text is exact; a float's is not what was written (YAML 0.00003 -> "3e-05")
+        if not isinstance(a, (str, int)) or isinstance(a, bool):
+            raise bad_value(f"args[{i}]", a, "a string or an integer (quote other values in YAML: \"3e-4\", \"true\")")
         _no_nul(f"args[{i}]", str(a))
     env = data.get("env", {}) or {}
     if not isinstance(env, dict):

@@ -8,11 +8,26 @@ from luban.plan.estimate import MEMORY_KEYS
 from luban.plan.explain import GIB, describe
 
 
-def write_chart(estimates: list, path: "str | Path", title: str = "") -> Path:
-    """Two stacked horizontal bar charts, one bar per estimate (best at the top)."""
+def chart_format(path: "str | Path") -> str:
+    """The image format ``path``'s suffix names (no suffix: png); one line (exit 2) for a suffix
+    matplotlib cannot write. Called before a search, so a bad name costs nothing."""
     import matplotlib
 
     matplotlib.use("Agg")
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    from luban.errors import bad_value
+
+    kinds = FigureCanvasBase.get_supported_filetypes()
+    kind = Path(path).suffix[1:].lower() or "png"
+    if kind not in kinds:
+        raise bad_value("--chart", str(path), f"an image file ending in one of {', '.join('.' + k for k in kinds)}")
+    return kind
+
+
+def write_chart(estimates: list, path: "str | Path", title: str = "") -> Path:
+    """Two stacked horizontal bar charts, one bar per estimate (best at the top)."""
+    kind = chart_format(path)
     import matplotlib.pyplot as plt
 
     labels = [describe(e.layout) for e in estimates][::-1]
@@ -43,11 +58,6 @@ def write_chart(estimates: list, path: "str | Path", title: str = "") -> Path:
     from luban.errors import bad_value
 
     path = Path(path)
-    kinds = fig.canvas.get_supported_filetypes()
-    kind = path.suffix[1:].lower() or "png"
-    if kind not in kinds:
-        plt.close(fig)
-        raise bad_value("--chart", str(path), f"an image file ending in one of {', '.join('.' + k for k in kinds)}")
     png = io.BytesIO()
     fig.savefig(png, dpi=110, format=kind)
     plt.close(fig)

@@ -210,6 +210,10 @@ def cmd_search(args) -> int:
         raise bad_value("--precision", args.precision, f"one of {', '.join(PRECISIONS)}")
     from luban.plan.search import search
 
+    if args.chart:
+        from luban.plan.chart import chart_format
+
+        chart_format(args.chart)  # a bad suffix before the search, not after it
     problem = _problem(args)
     for ep in args.ep or ():
         if ep < 1 or (problem.model.moe and problem.model.experts % ep) or (not problem.model.moe and ep > 1):

@@ -126,3 +126,15 @@ def test_tokens_never_reach_the_log(api):
     assert httpx.get(f"{svc.url}/?token={token}", timeout=10).status_code == 200
     wait_for(lambda: "token=***" in svc.log.read_text(), 10, what="the access log line")
     assert token not in svc.log.read_text()
+
+
+def test_args_are_strings_or_integers_never_rewritten_floats():
+    """YAML reads ``--lr 0.00003`` as a float whose text is '3e-05': refused with the index and
+    how to quote it; an integer's decimal text is exact and passes."""
+    from luban.cluster import spec as specs
+    from luban.errors import LubanError
+
+    assert specs.parse({"name": "j", "command": "true", "args": ["--steps", 100]}).args == ["--steps", "100"]
+    for bad in (0.00003, True, None, [1], {"a": 1}):
+        with pytest.raises(LubanError, match=r"args\[1\] = .*a string or an integer \(quote other values"):
+            specs.parse({"name": "j", "command": "true", "args": ["--lr", bad]})

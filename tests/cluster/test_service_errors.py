@@ -164,3 +164,10 @@ def test_a_huge_chunked_body_is_413_without_a_traceback_in_the_log(api):
     wait_for(lambda: "POST /api/jobs" in svc.log.read_text()[size:], 10, what="the access log line")
     logged = svc.log.read_text()[size:]
     assert "Traceback" not in logged and "Exception in ASGI application" not in logged, logged[-3000:]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the root case")
+def test_service_mode_as_root_warns_that_jobs_run_as_root(service):
+    svc = service("--nodes", "1", "--run-jobs-as", "service")
+    log = svc.log.read_text()
+    assert "every job runs as root" in log and "--run-jobs-as user" in log, log[-2000:]
