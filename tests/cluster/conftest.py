@@ -100,7 +100,12 @@ class Service:
             self.proc = subprocess.Popen(
                 [*LUBAN, "cluster", "serve", "--state", str(self.state), "--port", str(self.port),
                  "--log-level", "info", *self.args], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
-        wait_for(self._up, 60, 0.2, f"service on {self.url} (log {self.log})")
+        try:
+            wait_for(self._up, 60, 0.2, f"service on {self.url} (log {self.log})")
+        except BaseException:
+            self.proc.kill()  # a service that did not come up in time must not outlive the test
+            self.proc.wait(30)
+            raise
         return self
 
     def _up(self) -> bool:
