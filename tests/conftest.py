@@ -1,8 +1,71 @@
-"""Fixtures shared by the whole suite: a small packed dataset built once per session."""
+"""Fixtures shared by the whole suite: a small packed dataset built once per session; the
+``exclusive`` marker; the order in which pytest-xdist hands out test files.
 
+The README's test command runs the suite on two pytest-xdist workers (``-n 2 --dist loadfile``:
+a file's tests, and so its module fixtures, stay on one worker). Tests that share something
+outside their tmp_path that two of them cannot use at once say so with
+``@pytest.mark.exclusive("NAME")``: tests holding the same NAME never run at the same time,
+on any worker (an flock on a file shared by this run's workers).
+"""
+
+import fcntl
+import os
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
+
+# The heaviest files first (seconds of a 2-core CI run, serial): xdist gives each worker the next
+# file when it runs short, so the long ones start early and the short ones fill the end instead
+# of one worker finishing a 4-minute file alone. Order only: every test still runs.
+HEAVY_FIRST = [
+    "tests/parallel/test_layouts.py",         # one 2-, 4- and 8-rank spawn of every layout (~290 s)
+    "tests/train/test_layouts_e2e.py",        # 8-rank suspend/resume (~140 s)
+    "tests/train/test_auto.py",
+    "tests/train/test_async_checkpoint.py",
+    "tests/plan/test_study.py",
+    "tests/train/test_compile.py",
+    "tests/train/test_resume_layouts.py",
+    "tests/parallel/test_fsdp_tp_output.py",
+    "tests/train/test_signals.py",
+    "tests/train/test_cli.py",
+    "tests/train/test_checkpoint_safety.py",
+    "tests/cluster/test_trainer_e2e.py",
+    "tests/parallel/test_expert_parallel.py",
+    "tests/train/test_ownership.py",
+    "tests/model/test_hf.py",
+    "tests/test_cli_fuzz.py",
+    "tests/bench/test_gpu_check.py",
+]
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "exclusive(name): never runs at the same time as another test holding name")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {path: i for i, path in enumerate(HEAVY_FIRST)}
+    root = Path(config.rootpath)
+
+    def key(item):
+        return rank.get(Path(item.path).relative_to(root).as_posix(), len(rank))
+
+    items.sort(key=key)  # stable: within a file and among the rest, the collection order
+
+
+@pytest.fixture(autouse=True)
+def _exclusive(request, tmp_path_factory):
+    names = sorted({m.args[0] for m in request.node.iter_markers("exclusive")})
+    if not names:
+        yield
+        return
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # the run's, not a worker's
+    with ExitStack() as stack:
+        for name in names:  # always in the same order: two tests never hold one lock each
+            lock = stack.enter_context(open(shared / f"exclusive-{name}.lock", "a"))
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -156,7 +156,7 @@ def _crash_between_start_and_record(svc, job_id: int) -> None:
         db.execute("UPDATE jobs SET handle = NULL, started_at = started_at - 600 WHERE id = ?", (job_id,))
 
 
-@pytest.mark.parametrize("executor", ["local", "slurm"])
+@pytest.mark.parametrize("executor", ["local", pytest.param("slurm", marks=pytest.mark.exclusive("slurm"))])
 def test_a_job_started_before_a_crash_is_adopted_not_run_twice(service, tmp_path, executor):
     args = ("--nodes", "1", "--tick", "0.2") if executor == "local" else ("--executor", "slurm", "--tick", "0.3")
     if executor == "slurm":

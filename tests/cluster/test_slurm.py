@@ -12,6 +12,9 @@ import pytest
 from tests.cluster.conftest import PYTHON, require, wait_for
 
 TRAINER = str(Path(__file__).with_name("fake_trainer.py"))
+# one 4-node cluster for the whole run: a test that waits for 4 idle nodes, or whose jobs must
+# preempt each other, must not share it with another worker's Slurm jobs
+pytestmark = pytest.mark.exclusive("slurm")
 
 
 def slurm_nodes() -> list[str]:

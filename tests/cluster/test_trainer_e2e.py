@@ -138,6 +138,7 @@ def test_the_readmes_multi_node_command_trains_on_all_nodes(service, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.exclusive("slurm")  # the run's one Slurm cluster (tests/cluster/test_slurm.py)
 def test_luban_train_nproc2_inside_a_slurm_job(service, tmp_path):
     from tests.cluster.test_slurm import slurm_nodes
 
