@@ -24,7 +24,7 @@ import zlib
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, noop_context_fn
 
 from luban.model.config import ModelConfig
 from luban.model.head_loss import chunked_head_loss, lm_loss
@@ -77,7 +77,7 @@ class Attention(nn.Module):
             self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps)
         self.qk_norm = cfg.qk_norm
         self.attention_fn = causal_attention
-        self.recompute_core = False  # selective recompute (Korthikanti et al. 2022, Sec. 4.2)
+        self.recompute_core = False  # checkpoint the core alone (Korthikanti et al. 2022, Sec. 4.2)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         b, s, _ = x.shape
@@ -121,7 +121,10 @@ class Block(nn.Module):
         self.norm2 = make_norm(cfg)
         self.mlp = MoE(cfg) if is_moe_layer(cfg, layer) else MLP(cfg)
         self.drop = nn.Dropout(cfg.dropout)
-        self.recompute = False  # full recompute of this block
+        # checkpoint this block, saving what ``checkpoint_context`` says (nothing: full recompute;
+        # an op policy: selective); set by ``luban.parallel.recompute.apply_recompute``
+        self.recompute = False
+        self.checkpoint_context = noop_context_fn
 
     def _forward(self, x, rope):
         x = x + self.drop(self.attn(self.norm1(x), rope))
@@ -129,7 +132,7 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, rope=None) -> torch.Tensor:
         if self.recompute and torch.is_grad_enabled():
-            return checkpoint(self._forward, x, rope, use_reentrant=False)
+            return checkpoint(self._forward, x, rope, use_reentrant=False, context_fn=self.checkpoint_context)
         return self._forward(x, rope)
 
 
@@ -182,15 +185,6 @@ class Transformer(nn.Module):
             x = self.lm_head(x)
         return x
 
-    def set_recompute(self, recompute: str) -> None:
-        """Apply ``none`` | ``selective`` | ``full`` | ``full:k`` (every k-th layer by global index)."""
-        from luban.parallel.layout import parse_recompute
-
-        mode, every = parse_recompute(recompute)
-        for name, block in self.layers.items():
-            block.recompute = mode == "full" and int(name) % every == 0
-            block.attn.recompute_core = mode == "selective"
-
 
 def init_weights(model: nn.Module, cfg: ModelConfig, seed: int) -> None:
     """GPT-2 initialisation: N(0, σ) weights, residual output projections N(0, σ/√(2l)),
@@ -228,10 +222,9 @@ def _normal(seed: int, name: str, std: float, shape, dtype) -> torch.Tensor:
     return torch.normal(0.0, std, tuple(shape), generator=gen).to(dtype)
 
 
-def build_model(cfg: ModelConfig, seed: int = 0, recompute: str = "none") -> Transformer:
+def build_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
     model = Transformer(cfg)
     init_weights(model, cfg, seed)
-    model.set_recompute(recompute)
     return model
 
 

@@ -58,6 +58,7 @@ from luban.parallel.microbatch import MicroBatchLoop, PipelineSchedule, Schedule
 from luban.parallel.activation_offload import ActivationOffload
 from luban.parallel.offload import OffloadedOptimizer
 from luban.parallel.optimizer import OptimizerConfig, build_optimizer
+from luban.parallel.recompute import apply_recompute
 from luban.parallel.pipeline import Pipeline, TransformerPipeline
 from luban.parallel.precision import LossScaler, autocast
 from luban.parallel.tensor_parallel import apply_tensor_parallel, loss_parallel, vocab_parallel_loss
@@ -70,8 +71,9 @@ __all__ = ["Engine", "OptimizerConfig", "autocast", "build_engine", "build_optim
 
 # ---- the apply_* steps: one per parallel dimension, applied to each model part in this order ----
 def apply_ac(module: Transformer, layout: ParallelLayout) -> None:
-    """Activation recompute (``none`` | ``selective`` | ``full`` | ``full:k``)."""
-    module.set_recompute(layout.recompute)
+    """Activation recompute (``none`` | ``selective`` | ``full`` | ``full:k``, ``recompute.py``);
+    under context parallel ``selective`` checkpoints the ring attention core alone."""
+    apply_recompute(module, layout.recompute, ring_attention=layout.cp > 1)
 
 
 def apply_tp(module: Transformer, layout: ParallelLayout, mesh: LayoutMesh | None) -> None:

@@ -5,7 +5,8 @@ rank's (local shards of) tensors. Activations are what autograd saves for backwa
 ``torch.autograd.graph.saved_tensors_hooks`` pack hook sees every saved tensor of a
 micro-batch; distinct storages that are not parameters are counted once each (views of one
 activation share a storage). With recompute only the checkpoint inputs are saved, so the
-measured figure drops accordingly (Korthikanti et al. 2022). Counted storages are kept alive
+measured figure drops accordingly (Korthikanti et al. 2022); selective recompute's saved
+operator outputs sit in its own cache and are reported by its policy (``recompute.py``). Counted storages are kept alive
 until the recording ends: a pipeline schedule frees a micro-batch's activations in its backward
 before a later forward, and the allocator would hand the same addresses out again.
 """
@@ -17,6 +18,8 @@ import weakref
 
 import torch
 from torch.distributed.tensor import DTensor
+
+from luban.parallel.recompute import observe_saved
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -97,7 +100,7 @@ class ActivationCounter:
     @contextlib.contextmanager
     def record(self):
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t), observe_saved(self.count):
                 yield self
         finally:
             self._alive.clear()

@@ -36,7 +36,7 @@ def evaluate(problem: Problem, g: Grid) -> dict:
     times = step_time(problem, g, mem)
     d = problem.derived
     hardware_extra = np.where(g.recompute == FULL, recomputed_share(problem, g) * d["full_extra"],
-                              np.where(g.recompute == SELECTIVE, d["selective_extra"], 0.0))
+                              np.where(g.recompute == SELECTIVE, problem.runtime_model.selective_flops(problem, g), 0.0))
     tokens_per_s = problem.global_batch * problem.seq / times["step"]
     peak = problem.gpus * peak_flops(problem, g)
     model_flops = d["model_flops_per_token"] * tokens_per_s

@@ -101,11 +101,15 @@ def activation_bytes(problem: Problem, g: Grid) -> dict:
     layer = problem.runtime_model.layer_activations(problem, g)
     none, selective = layer["none"], layer["selective"]
     share = recomputed_share(problem, g)  # full:k keeps the other layers' activations
-    fixed = (1 - share) * layer["fixed_none"]
+    fixed = np.where(g.recompute == SELECTIVE, layer.get("fixed_selective", layer["fixed_none"]),
+                     (1 - share) * layer["fixed_none"])
     full = share * layer["full"] + (1 - share) * none
     per_token = np.where(g.recompute == NO_RECOMPUTE, none, np.where(g.recompute == SELECTIVE, selective, full))
+    # bytes per token of a layer's saved activations that stay on the device under activation
+    # offload (selective recompute's cache in luban's runtime: ``selective_resident``)
+    resident = np.where(g.recompute == SELECTIVE, layer.get("selective_resident", 0.0), 0.0)
     return {"per_token": per_token, "fixed": fixed, "none": none, "selective": selective,
-            "fixed_none": layer["fixed_none"], "e": layer["e"]}
+            "fixed_none": layer["fixed_none"], "resident": resident, "e": layer["e"]}
 
 
 def moe_activation_bytes(problem: Problem, g: Grid, e, per_width: int, token_copies: int):
@@ -242,15 +246,18 @@ def memory(problem: Problem, g: Grid) -> dict:
         # second memory tier (seed 003 §3, seed 002): every in-flight micro-batch's saved activations
         # (and with "blocks" all weights, gradients and optimizer state) live in the tier; the device
         # holds two blocks: the one computing and the one being fetched or written back
-        host = host + np.where(tier_acts, held, 0.0) + np.where(tier_blocks, weights + grads + optim, 0.0)
-        activations = np.where(tier_acts, 2 * layer_mb, held) + working
+        layers = layers_first if name == "first" else layers_last
+        resident_mb = layers * act["resident"] * tokens
+        resident = flight * resident_mb  # in flight on the device all the same
+        host = host + np.where(tier_acts, held - resident, 0.0) + np.where(tier_blocks, weights + grads + optim, 0.0)
+        activations = np.where(tier_acts, 2 * layer_mb + resident, held) + working
         weights_gpu = np.where(tier_blocks, 2 * full_layer, weights_gpu)
         grads = np.where(tier_blocks, 2 * full_layer * gb / wb, grads)
         optim_gpu = np.where(tier_blocks, 0.0, optim_gpu)
         prefetch = np.where((g.zero >= 3) & ~tier_blocks, 2 * full_layer, 0.0)  # gathered layer + the next one
         msg = tokens * problem.model.hidden * act["e"]
         buffers = prefetch + np.where(g.tp > 1, msg, 0.0) + np.where(g.pp > 1, 2 * msg / g.tp, 0.0)
-        buffers = buffers + problem.runtime_model.fp8_state_bytes(problem, g, layers_first if name == "first" else layers_last)
+        buffers = buffers + problem.runtime_model.fp8_state_bytes(problem, g, layers)
         buffers = buffers + 2 * tokens * all_to_all_bytes(problem, g, act["e"])  # send + receive
         if fsdp:  # FSDP2's units: everything but expert-parallel experts
             buffers = buffers + fsdp_transients(params - np.where(g.ep > 1, experts, 0.0), wb, gb, g.zero, shards)
@@ -258,6 +265,7 @@ def memory(problem: Problem, g: Grid) -> dict:
         total = weights_gpu + grads + optim_gpu + activations + other
         ranks[name] = dict(params=params, weights=weights_gpu, gradients=grads, optimizer=optim_gpu,
                            activations=activations, activation_per_microbatch=per_mb, other=other,
+                           activation_resident=np.where(tier_acts, resident_mb, 0.0),
                            buffers=buffers, total=total, host=host, in_flight=flight, layer_activation=layer_mb,
                            weights_total=weights, optimizer_total=optim)
     pick_first = ranks["first"]["total"] >= ranks["last"]["total"]

@@ -175,7 +175,12 @@ class Runtime:
         whole model."""
         return np.where(g.zero >= 3, 2 * m, 1), np.where(g.zero >= 3, m, 1), 1
 
-    def selective_redo(self, problem, mm, attn, elementwise, korthikanti):
+    def selective_flops(self, problem, g):
+        """FLOPs per token ``recompute = "selective"`` adds (HFU): the attention core again
+        (Korthikanti et al. 2022 Sec. 4.2; ``luban.model.flops``)."""
+        return problem.derived["selective_extra"]
+
+    def selective_redo(self, problem, g, mm, attn, elementwise, korthikanti):
         """Seconds one layer's forward recomputes under ``recompute = "selective"`` (mm, attn,
         elementwise: that forward's GEMMs, attention core and elementwise kernels). Korthikanti
         et al. 2022 Sec. 4.2: only the attention core (``korthikanti``)."""
@@ -272,7 +277,7 @@ class FSDP2(Runtime):
     # all-gather's copies are transient); one amax pass and one cast pass per tensor
     fp8_cast_passes = 2
 
-    def selective_redo(self, problem, mm, attn, elementwise, korthikanti):
+    def selective_redo(self, problem, g, mm, attn, elementwise, korthikanti):
         """torchtitan's op-level selective checkpointing (``selective_ac_option = "op"``,
         ``parallelize_llama.py`` @9dec370 ``_save_list``/``_custom_policy``): the outputs of the
         flash attention and of every *other* ``aten.mm`` are saved; the 2nd, 4th and 6th of a
@@ -300,7 +305,16 @@ class FSDP2(Runtime):
 
 class Luban(FSDP2):
     name = "luban"
-    selective_redo = Runtime.selective_redo  # luban's "selective": Korthikanti's (luban.model.transformer)
+    def selective_redo(self, problem, g, mm, attn, elementwise, korthikanti):
+        """luban's op-level selective checkpointing (``luban.parallel.recompute``) saves every GEMM
+        and the fused attention: only the elementwise kernels run again; under context parallel
+        the ring attention core (Korthikanti)."""
+        return np.where(g.cp > 1, korthikanti, elementwise)
+
+    def selective_flops(self, problem, g):
+        """No GEMM and no attention core run again (elementwise work has no FLOPs counted), except
+        under context parallel (``luban.parallel.recompute.recomputed_flops_mode``)."""
+        return np.where(g.cp > 1, problem.derived["selective_extra"], 0.0)
 
     def skips_causal(self, problem) -> bool:
         """``F.scaled_dot_product_attention(is_causal=True)`` dispatches to FlashAttention on a CUDA
@@ -467,11 +481,37 @@ def luban_layer(problem, g) -> dict:
     core_out = e * q
     core = np.where(g.cp > 1, ring_attention_bytes(problem, g), e * 3 * q + 4 * a)
     weights = problem.derived["layer_matmul_weights"] / t + problem.derived["layer_experts"] / expert_split(problem, g)
+    autocast_copies = np.where(no_autocast, 0.0, 2.0 * weights)  # autocast's half-precision weight copies
+    block_input = big * h / rep_div  # what a checkpointed block keeps
+    # selective (op-level SAC, luban/parallel/recompute.py): the block input and the outputs of
+    # the GEMMs (q, k, v; up (and gate); each row-parallel projection's partial sum and, under tp,
+    # its all-reduce / reduce-scatter), of the fused attention (output and fp32 log-sum-exp) and of
+    # sp's all-gathers (the norm outputs, whole); the casts are recomputed (no weight copies kept).
+    # Under cp: the ring attention core alone is recomputed (Korthikanti) and the rest is saved.
+    rows = (1 + dense) * e * h * (1 + np.where(t > 1, 1 / rep_div, 0.0))
+    gathers = np.where(g.sp & (t > 1), 2 * big * h, 0.0)
+    sac = (block_input + gathers + rows + (e * (q + 2 * kv) + core_out + 4 * a + dense * consumers * e * f) / t
+           + luban_selective_moe(problem, g, e, consumers))
     return {"none": replicated + (core + core_out + mlp) / t + moe,
-            "selective": replicated + (e * (q + 2 * kv) + core_out + mlp) / t + moe,
-            "full": big * h / rep_div,
-            "fixed_none": np.where(no_autocast, 0.0, 2.0 * weights),  # autocast's half-precision copies
+            "selective": np.where(g.cp > 1, replicated + (e * (q + 2 * kv) + core_out + mlp) / t + moe, sac),
+            "full": block_input,
+            "fixed_none": autocast_copies,
+            "fixed_selective": np.where(g.cp > 1, autocast_copies, 0.0),
+            "selective_resident": np.where(g.cp > 1, 0.0, sac - block_input),  # SAC's cache: never offloaded
             "e": e}
+
+
+def luban_selective_moe(problem, g, e, consumers):
+    """Bytes per token (average layer) selective recompute saves in luban's MoE feed-forward: the
+    router's GEMM (E logits), each routed copy's and each shared expert's GEMM outputs (gate and
+    up, or up; down) and, under expert parallel, the dispatch and combine all-to-alls' outputs."""
+    cfg = problem.model
+    if not cfg.moe:
+        return 0.0
+    k, fe, h = cfg.experts_per_token, cfg.expert_ffn_hidden, cfg.hidden
+    experts = (k + cfg.shared_experts) * (consumers * fe + h) * e
+    exchange = np.where(g.ep > 1, 2 * k * h * e, 0.0)
+    return problem.derived["moe_share"] * (experts + cfg.experts * e + exchange)
 
 
 def ring_attention_bytes(problem, g):

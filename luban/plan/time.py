@@ -203,7 +203,7 @@ def step_time(problem: Problem, g: Grid, mem: dict) -> dict:
               * all_to_all(problem, tokens * all_to_all_bytes(problem, g, act["e"]), g.ep, t))
 
     share = recomputed_share(problem, g)
-    selective_redo = rt.selective_redo(problem, mm, attn, elementwise,
+    selective_redo = rt.selective_redo(problem, g, mm, attn, elementwise,
                                        attn + traffic * (act["none"] - act["selective"]) * tokens / hbm)
     recompute = np.where(g.recompute == FULL, share * layer_fwd, np.where(g.recompute == SELECTIVE, selective_redo, 0.0))
     comm_redo = np.where(g.recompute == FULL, share * (tp_fwd + cp_fwd + ep_one), 0.0)

@@ -25,6 +25,7 @@ from luban.model import flops
 from luban.model.config import ModelConfig
 from luban.parallel.engine import Engine, OptimizerConfig, build_engine, resolve_compile
 from luban.parallel.layout import check_layout
+from luban.parallel.recompute import recomputed_flops_mode
 from luban.train import checkpoint
 from luban.train.metrics import MetricsLogger
 from luban.train.peak import run_peak
@@ -156,7 +157,8 @@ class Trainer:
         self.writer: checkpoint.AsyncCheckpointer | None = None
         self.async_ok = False
         self.model_flops = flops.flops_per_token(cfg.model, cfg.seq_len)
-        self.hw_flops = flops.flops_per_token(cfg.model, cfg.seq_len, recompute=cfg.parallel.recompute)
+        self.hw_flops = flops.flops_per_token(
+            cfg.model, cfg.seq_len, recompute=recomputed_flops_mode(cfg.parallel.recompute, cfg.parallel.cp))
 
     def _check_vocab(self, data_dir: Path) -> None:
         from luban.data.tokenizer import load_tokenizer

@@ -11,6 +11,7 @@ from luban.errors import LubanError
 from luban.model import ModelConfig, flops, get_preset
 from luban.model.moe import MoE, collect_stats, moe_layers, reset_stats, update_router_bias
 from luban.model.transformer import build_model
+from luban.parallel.recompute import apply_recompute
 
 CFG = ModelConfig(arch="llama", norm="rmsnorm", activation="swiglu", position="rope", bias=False, hidden=32, layers=2, heads=4, kv_heads=2, ffn_hidden=48, vocab=64, seq_len=16,
                   experts=6, experts_per_token=2, expert_ffn_hidden=24, shared_experts=1, dense_layers=1)
@@ -179,7 +180,8 @@ def test_capacity_reports_routed_and_kept_load_and_the_bias_follows_routing():
 
 
 def test_recompute_and_eval_do_not_count():
-    model = build_model(CFG, seed=0, recompute="full").train()
+    model = build_model(CFG, seed=0).train()
+    apply_recompute(model, "full")
     x = torch.randint(0, 64, (2, 16))
     F.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()  # recompute reruns forward in backward
     assert sum(collect_stats([model])["moe_tokens_per_expert"]["1"]) == 2 * 16 * 2

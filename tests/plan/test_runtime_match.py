@@ -2,7 +2,8 @@
 
 Parameters, gradients and optimizer state come from ``Engine.memory_report`` (storages);
 saved activations per micro-batch are the distinct non-parameter storages that autograd saves
-for backward (``saved_tensors_hooks``), as the runtime measures them.
+for backward (``saved_tensors_hooks``) and that selective recompute keeps in its cache, as the
+runtime measures them (``ActivationCounter``).
 """
 
 import pytest
@@ -10,32 +11,28 @@ import torch
 
 from luban.model.presets import get_preset
 from luban.model.transformer import build_model
+from luban.parallel.recompute import apply_recompute
 from luban.parallel.engine import Engine, OptimizerConfig, autocast
 from luban.parallel.layout import ParallelLayout
+from luban.parallel.memory import ActivationCounter
 from luban.plan.estimate import estimate
 
 
 def saved_activation_bytes(cfg, layout, batch, seq):
-    model = build_model(cfg, recompute=layout.recompute)
+    model = build_model(cfg)
+    apply_recompute(model, layout.recompute)
     model.train()
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return t
-
+    counter = ActivationCounter([model])  # selective recompute's cache included (its policy reports it)
     x = torch.randint(0, cfg.vocab, (batch, seq))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast(layout, torch.device("cpu")):
+    with counter.record(), autocast(layout, torch.device("cpu")):
         model(x, labels=x)  # the micro-batch loop's path: the head and loss fused (one stage, tp = 1)
-    return sum(seen.values())
+    return counter.total
 
 
 @pytest.mark.parametrize("name,precision,recompute", [
-    (name, precision, recompute) for name in ("tiny", "tiny-llama") for precision, recompute in
-    (("fp32", "none"), ("fp32", "selective"), ("fp32", "full:2"), ("bf16", "none"), ("bf16", "full"))])
+    (name, precision, recompute) for name in ("tiny", "tiny-llama", "tiny-moe") for precision, recompute in
+    (("fp32", "none"), ("fp32", "selective"), ("fp32", "full:2"), ("bf16", "none"), ("bf16", "selective"),
+     ("bf16", "full"))])
 def test_activations_per_microbatch_within_10pct(name, precision, recompute):
     cfg = get_preset(name).replace(layers=3)
     batch, seq = (1, 96) if precision == "fp32" else (3, 64)
