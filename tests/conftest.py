@@ -15,6 +15,13 @@ from pathlib import Path
 
 import pytest
 
+# One intra-op thread for torch in the test processes and every child they start (unless the caller
+# set OMP_NUM_THREADS; luban.parallel.launch gives oversubscribed ranks one already). The tests'
+# models are tiny: a second OpenMP thread gains nothing, and while the other xdist worker's
+# processes want the core it spins and waits for it. Measured on the 2-core CI machine under load,
+# three 10-step tiny-llama runs took 2.7 s of CPU with one thread and 12-27 s with two.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 # The heaviest files first (seconds of a 2-core CI run, serial): xdist gives each worker the next
 # file when it runs short, so the long ones start early and the short ones fill the end instead
 # of one worker finishing a 4-minute file alone. Order only: every test still runs.
