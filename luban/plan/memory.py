@@ -266,6 +266,7 @@ def memory(problem: Problem, g: Grid) -> dict:
         ranks[name] = dict(params=params, weights=weights_gpu, gradients=grads, optimizer=optim_gpu,
                            activations=activations, activation_per_microbatch=per_mb, other=other,
                            activation_resident=np.where(tier_acts, resident_mb, 0.0),
+                           layer_resident=np.where(tier_acts, act["resident"] * tokens, 0.0),
                            buffers=buffers, total=total, host=host, in_flight=flight, layer_activation=layer_mb,
                            weights_total=weights, optimizer_total=optim)
     pick_first = ranks["first"]["total"] >= ranks["last"]["total"]

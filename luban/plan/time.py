@@ -320,7 +320,8 @@ def tier_exposed(problem: Problem, g: Grid, mem: dict, m, n, layer_fwd, shard, p
     and optimizer state), exposed: nothing else runs then."""
     link = problem.system.offload_bandwidth
     wb, gb, ob = param_bytes
-    acts = np.where(activations_in_tier(g), at_pick(mem, "layer_activation"), 0.0)
+    # what moves: a layer's saved activations but those kept on the device (luban's selective cache)
+    acts = np.where(activations_in_tier(g), at_pick(mem, "layer_activation") - at_pick(mem, "layer_resident"), 0.0)
     blocks = g.offload == BLOCKS_OFFLOAD
     layer = problem.derived["layer_params"] / g.tp
     w_in, g_out = np.where(blocks, layer * wb, 0.0), np.where(blocks, layer * gb, 0.0)
