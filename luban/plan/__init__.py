@@ -4,3 +4,8 @@
 # class (any GPU) and FA3 class (Hopper: TMA, WGMMA, warp specialisation). Here, not in problem.py,
 # so that the command line can declare its flag without importing numpy.
 ATTENTION_KERNELS = ("fa2", "fa3")
+
+# MoE token dispatchers (``Problem.dispatcher``): ``alltoall`` sends one copy of a token per routed
+# expert (Megatron-Core's alltoall dispatcher, luban); ``deepep`` one per destination node, then
+# forwards over NVLink (DeepEP, Megatron-Core's flex dispatcher)
+DISPATCHERS = ("alltoall", "deepep")

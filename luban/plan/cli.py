@@ -13,7 +13,7 @@ import tomllib
 from pathlib import Path
 
 from luban import schema
-from luban.plan import ATTENTION_KERNELS
+from luban.plan import ATTENTION_KERNELS, DISPATCHERS
 from luban.errors import LubanError, bad_value
 
 DEGREE = schema.integer(1, 1 << 20)  # a parallel degree or a count of micro-batches / stages
@@ -49,6 +49,12 @@ def register(sub) -> None:
     common.add_argument("--attention-kernel", type=schema.choice(*ATTENTION_KERNELS), default="fa3",
                         help="fused attention generation: fa3 (Hopper's FA3 class: TE/cuDNN, FlashAttention-3; "
                              "as fa2 on GPUs without one) or fa2 (FlashAttention-2 class)")
+    common.add_argument("--dispatcher", type=schema.choice(*DISPATCHERS), default="alltoall",
+                        help="MoE token dispatch: alltoall (a copy per routed expert) or deepep (a copy per "
+                             "destination node, then NVLink)")
+    common.add_argument("--ep-overlap", action="store_true",
+                        help="MoE: the all-to-alls overlap another micro-batch's compute (Megatron-Core's 1F1B "
+                             "A2A overlap; planned as an upper bound)")
     common.add_argument("--compile", choices=("auto", "on", "off", "blocks"), default="auto",
                         help="torch.compile in the planned runtime (luban.plan.runtimes): auto (the runtime's default; "
                              "luban: on), on (model, head and loss), blocks (each block; head and loss eager), off")
@@ -134,7 +140,7 @@ def _problem(args):
     runtime = args.runtime if args.runtime is not None else ("luban" if system.cpu else "megatron")
     compiled = {"auto": None, "on": True, "off": False, "blocks": "blocks"}[getattr(args, "compile", "auto")]
     return Problem(model, system, args.gpus, seq, args.global_batch, runtime, args.optimizer, args.expert_imbalance,
-                   args.attention_kernel, compiled)
+                   args.attention_kernel, compiled, args.dispatcher, args.ep_overlap)
 
 
 def _layout(args, gpus: int, rules=None):

@@ -23,7 +23,7 @@ from luban.errors import bad_value
 from luban.model import flops
 from luban.model.config import ModelConfig
 from luban.parallel import schedules
-from luban.plan import ATTENTION_KERNELS, runtimes
+from luban.plan import ATTENTION_KERNELS, DISPATCHERS, runtimes
 from luban.plan.runtimes import RUNTIMES
 from luban.plan.system import System
 
@@ -42,6 +42,8 @@ class Problem:
     expert_imbalance: float = 1.0
     attention_kernel: str = "fa3"  # fused attention generation: fa2 (FlashAttention-2 class) or fa3 (Hopper's FA3 class)
     compiled: bool | str | None = None  # torch.compile: True (model, head, loss), "blocks" (blocks only), False; None: the runtime's default
+    dispatcher: str = "alltoall"  # MoE token dispatch: alltoall (one copy per routed expert) or deepep (one per node)
+    ep_overlap: bool = False  # the MoE all-to-alls overlapped with another micro-batch's compute (1F1B A2A overlap)
     derived: dict = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -54,6 +56,10 @@ class Problem:
                 raise bad_value(f"--{key.replace('_', '-')}", value, "must be a positive integer")
         if self.compiled not in (None, True, False, "blocks"):
             raise bad_value("--compile", self.compiled, "on, off, blocks or auto (the runtime's default)")
+        if not isinstance(self.ep_overlap, bool):
+            raise bad_value("--ep-overlap", self.ep_overlap, "true or false")
+        if self.dispatcher not in DISPATCHERS:
+            raise bad_value("--dispatcher", self.dispatcher, f"one of {', '.join(DISPATCHERS)}")
         if self.attention_kernel not in ATTENTION_KERNELS:
             raise bad_value("--attention-kernel", self.attention_kernel, f"one of {', '.join(ATTENTION_KERNELS)}")
         if not isinstance(self.expert_imbalance, (int, float)) or not 1.0 <= self.expert_imbalance < float("inf"):

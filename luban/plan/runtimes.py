@@ -83,6 +83,10 @@ class Runtime:
     head_grad_view = False  # an untied TP head's gradient shard views a full V x h buffer
     offload_host_shards = False  # optimizer offload also keeps host copies of weight/grad shards
     expert_tp = False  # MoE routed experts are split by tensor parallel too (expert-TP = tp)
+    # MoE parallel folding (Liu et al. 2025, arXiv 2504.14960; Megatron-Core >= 0.10): the expert
+    # layers get their own groups (expert-TP 1, EP over consecutive ranks, folded over the
+    # attention's tp x dp), and each rank dispatches its own sequence-parallel shard of the tokens
+    ep_folding = False
     precisions = LUBAN_RULES.precisions  # what it runs (fp8: see the FP8 attributes below)
     offloads = OFFLOADS  # planned offload kinds ("blocks": seed 003's second memory tier, a what-if)
     # FP8 recipe (docs/planner.md "FP8"): GEMM inputs saved for backward in fp8 (1 byte) or in bf16;
@@ -223,6 +227,8 @@ class Megatron(Runtime):
 class MegatronCore(Megatron):
     name = "megatron-core"
     flash_attention = True
+    expert_tp = False  # with folding the experts take expert_tensor_parallel_size = 1 (the recipes' ETP)
+    ep_folding = True
     cp_shards = True  # the distributed optimizer shards over the data-parallel-with-cp group
     causal_skip = True  # TE/cuDNN fused attention
     precisions = PRECISIONS

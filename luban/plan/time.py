@@ -42,19 +42,39 @@ def collective(problem: Problem, nbytes, n, intra, kind: str):
     return np.where(n > 1, seconds, 0.0)
 
 
-def all_to_all(problem: Problem, nbytes, n, stride):
+def all_to_all(problem: Problem, nbytes, n, stride, dedup_nodes: bool = False):
     """Seconds for an all-to-all of ``nbytes`` per rank over ``n`` ranks at ``stride``: each rank
     sends M/n to every peer in n−1 pairwise steps; the peers inside its NVLink domain
     (domain/stride of them) over NVLink, the others over the network, both at once (NCCL
-    runs the pairs concurrently), so the slower of the two paces it."""
+    runs the pairs concurrently), so the slower of the two paces it. ``dedup_nodes``: the
+    network part is a MoE dispatch that sends each token once per destination node
+    (``deepep_network_share``)."""
     s = problem.system
     local = np.clip(s.nvlink_domain // stride, 1, n)
     stall = cpu_stall(problem)
     near = ((local - 1) * (s.nvlink_latency + stall)
             + (local - 1) / n * nbytes / (s.nvlink_bandwidth * s.collective_efficiency(nbytes)))
-    far = ((n - local) * (s.internode_latency + stall)
-           + (n - local) / n * nbytes / (s.internode_bandwidth * s.collective_efficiency(nbytes)))
+    network = (n - local) / n * nbytes * (deepep_network_share(problem, n, local) if dedup_nodes else 1.0)
+    far = (n - local) * (s.internode_latency + stall) + network / (s.internode_bandwidth * s.collective_efficiency(nbytes))
     return np.where(n > 1, np.maximum(near, far), 0.0)
+
+
+def deepep_network_share(problem: Problem, n, local):
+    """Network bytes of a node-deduplicating MoE dispatch (DeepEP's internode kernels: a token goes
+    once to each other node holding one of its experts, then over NVLink to those GPUs; DeepSeek-V3
+    report Sec. 3.2.2) over a per-expert all-to-all's. E experts evenly over n/local nodes, k of
+    them per token, uniformly (forced balance): a token reaches each other node with probability
+    1 − C(E − E/nodes, k)/C(E, k), against k·(n − local)/n copies per expert."""
+    cfg = problem.model
+    e, k = cfg.experts, cfg.experts_per_token
+    nodes = np.maximum(n // np.maximum(local, 1), 1)
+    per_node = e // nodes
+    miss = np.ones_like(np.asarray(nodes, dtype=float))
+    for i in range(k):  # C(E − E/nodes, k)/C(E, k) as a product (nodes = 1: nothing leaves the node)
+        miss = miss * np.maximum(e - per_node - i, 0) / (e - i)
+    dedup = (nodes - 1) * (1 - miss)
+    per_expert = k * (n - local) / np.maximum(n, 1)
+    return np.where(per_expert > 0, dedup / np.maximum(per_expert, 1e-12), 1.0)
 
 
 def compute_seconds(problem: Problem, flops, size, precision_peak):
@@ -198,9 +218,18 @@ def step_time(problem: Problem, g: Grid, mem: dict) -> dict:
     cp_bwd = np.maximum(0.0, (c - 1) * collective(problem, 2 * kv_msg, c, cp_intra, P2P) - 2 * attn)
 
     # expert parallel: dispatch + combine all-to-all per MoE layer (average layer: x moe_share);
-    # the EP group's ranks sit at stride tp inside dp·cp
+    # the EP group's ranks sit at stride tp inside dp·cp, or (``Runtime.ep_folding``) on
+    # consecutive ranks, each sending its sequence-parallel shard of the tokens
+    folded = rt.ep_folding
+    ep_tokens = tokens / t if folded else tokens
     ep_one = (problem.expert_imbalance * d["moe_share"] * 2
-              * all_to_all(problem, tokens * all_to_all_bytes(problem, g, act["e"]), g.ep, t))
+              * all_to_all(problem, ep_tokens * all_to_all_bytes(problem, g, act["e"]), g.ep, 1 if folded else t,
+                           dedup_nodes=problem.dispatcher == "deepep"))
+    if problem.ep_overlap:  # Megatron-Core --overlap-moe-expert-parallel-comm: in the 1F1B steady state one
+        # micro-batch's forward runs beside another's backward, and each side's dispatch and combine
+        # hide behind the other's compute (3 layer forwards per pair, half of it per direction); an
+        # upper bound on what the overlap hides (not fitted)
+        ep_one = np.maximum(0.0, ep_one - 1.5 * layer_fwd)
 
     share = recomputed_share(problem, g)
     selective_redo = rt.selective_redo(problem, g, mm, attn, elementwise,

@@ -168,6 +168,43 @@ def megatron_bridge_moe(system="dgx-h100") -> list[dict]:
     return rows
 
 
+MODELZOO_TABLE = "megatron_moe_modelzoo_qwen3_h100.csv"
+# Qwen3-235B-A22B (the CSV's citation lines: Qwen3 report Table 2, Hugging Face config.json)
+QWEN3_235B = ModelConfig(name="qwen3-235b-a22b", arch="llama", hidden=4096, layers=94, heads=64, kv_heads=4, head_dim=128,
+                         vocab=151936, seq_len=4096, tie_embeddings=False, ffn_hidden=1536, experts=128,
+                         experts_per_token=8, expert_ffn_hidden=1536, qk_norm=True)
+
+
+def megatron_moe_modelzoo(system="dgx-h100") -> list[dict]:
+    """Step time of the Megatron-Core MoE team's Qwen3-235B-A22B rows on 256 H100 (a second MoE
+    source: another team than the Megatron-Bridge performance pages), ``runtime="megatron-core"``
+    at the published tp/ep/pp/vpp (sequence parallel with tp > 1, distributed optimizer: zero 1;
+    Megatron-FSDP: zero 3), forced-balanced routing as the page's benchmarks (imbalance 1), the
+    rows' dispatcher (DeepEP: one copy per destination node) and, in the second row, the 1F1B
+    all-to-all overlap (``Problem.ep_overlap``, an upper bound; docs/planner.md, MoE)."""
+    system = load_system(system)
+    rows = []
+    for r in read_source_table(MODELZOO_TABLE):
+        gpus, tp, pp, cp, ep, vp = (int(r[k]) for k in ("gpus", "tp", "pp", "cp", "ep", "vpp"))
+        layout = ParallelLayout(dp=gpus // (tp * pp * cp), tp=tp, sp=tp > 1, pp=pp, cp=cp, ep=ep,
+                                zero=3 if r["fsdp"] == "On" else 1, precision="bf16", recompute=r["recompute"],
+                                schedule="interleaved-1f1b" if vp > 1 else "1f1b", virtual_stages=vp,
+                                micro_batch=int(r["micro_batch"]))
+        seq, batch = int(r["seq"]), int(r["global_batch"])
+        problem = Problem(QWEN3_235B.replace(seq_len=seq), system, gpus, seq, batch, runtime=RUNTIME_MOE,
+                          attention_kernel=BRIDGE_ATTENTION, dispatcher="deepep" if r["dispatcher"] == "DeepEP" else "alltoall",
+                          ep_overlap="1f1b overlap" in r["notes"])
+        g = Grid.from_layout(layout)
+        est = Estimate.from_results(problem, g, evaluate(problem, g))
+        ref = float(r["step_time_s"])
+        label = (f"{r['model']} {r['dispatcher']} tp{tp} ep{ep} pp{pp} vp{vp} dp{layout.dp} mb{r['micro_batch']} "
+                 f"rc={r['recompute_as_published'] or 'none'}" + (" fsdp" if r["fsdp"] == "On" else "")
+                 + (" 1f1b-overlap" if "overlap" in r["notes"] else ""))
+        rows.append(dict(table="megatron-moe-modelzoo-h100", row=label, reference=ref, predicted=est.step_time_s,
+                         error=est.step_time_s / ref - 1, unit="s", estimate=est, seq=seq))
+    return rows
+
+
 DENSE_TABLE, LLAMA3_TABLE, CP_TABLE = ("megatron_bridge_h100_dense.csv", "llama3_2024_table4_h100.csv",
                                       "nemo_long_sequence_cp_h100.csv")
 
@@ -307,6 +344,7 @@ def validate_all(system="dgx-a100-80g") -> dict:
     moe = megatron_bridge_moe()
     tables["megatron-bridge-h100-moe-bf16"] = [r for r in moe if not r["fp8"]]
     tables["megatron-bridge-h100-moe-fp8"] = [r for r in moe if r["fp8"]]
+    tables["megatron-moe-modelzoo-h100"] = megatron_moe_modelzoo()
     return {name: {"summary": summary(rows), "rows": rows} for name, rows in tables.items()}
 
 
