@@ -29,10 +29,14 @@ import collections
 import contextlib
 
 import torch
-from torch.utils.checkpoint import CheckpointPolicy, noop_context_fn
-# SAC's two dispatch modes (what ``create_selective_checkpoint_contexts`` returns), built here on
-# a cache whose entries a second backward pass may read again (``_Entries``)
-from torch.utils.checkpoint import _CONSUMED, _CachedTorchDispatchMode, _CachingTorchDispatchMode
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts, noop_context_fn
+
+try:  # SAC's two dispatch modes (what ``create_selective_checkpoint_contexts`` returns), built here
+    # on a cache whose entries a second backward pass may read again (``_Entries``); private names
+    # of torch.utils.checkpoint, present in torch 2.11-2.13
+    from torch.utils.checkpoint import _CONSUMED, _CachedTorchDispatchMode, _CachingTorchDispatchMode
+except ImportError:  # a torch without them: PyTorch's own contexts (a split backward then fails loudly)
+    _CONSUMED = None
 
 from luban.parallel.layout import parse_recompute
 
@@ -102,6 +106,8 @@ class _Entries(dict):
 def selective_context():
     """``context_fn`` for ``torch.utils.checkpoint.checkpoint`` under selective recompute:
     ``create_selective_checkpoint_contexts(save_policy)`` with entries kept for a second pass."""
+    if _CONSUMED is None:
+        return create_selective_checkpoint_contexts(save_policy)
     storage = collections.defaultdict(_Entries)
     return _CachingTorchDispatchMode(save_policy, storage), _CachedTorchDispatchMode(save_policy, storage)
 
