@@ -27,6 +27,7 @@ cache, not behind these hooks: they stay on the device and are counted there.
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
@@ -45,15 +46,17 @@ PREFETCH = 16
 
 class _Saved:
     """One saved storage's host copy: ``order`` the storages saved in one forward (this one at
-    ``index``; the list outlives the hooks, which wrap the forward only), ``saved`` the event after
-    its device-to-host copy, ``device``/``fetched`` its copy back ahead of use and the event after it."""
+    ``index``; the list outlives the hooks, which wrap the forward only, and holds weak references:
+    an entry dies, host and device copies with it, when autograd drops what it saved), ``saved``
+    the event after its device-to-host copy, ``device``/``fetched`` its copy back ahead of use and
+    the event after it."""
 
-    __slots__ = ("host", "order", "index", "saved", "device", "fetched")
+    __slots__ = ("host", "order", "index", "saved", "device", "fetched", "__weakref__")
 
     def __init__(self, host: torch.UntypedStorage, order: list, saved):
         self.host, self.order, self.index, self.saved = host, order, len(order), saved
         self.device = self.fetched = None
-        order.append(self)
+        order.append(weakref.ref(self))
 
 
 class ActivationOffload:
@@ -73,7 +76,7 @@ class ActivationOffload:
         self._measure: ActivationCounter | None = None  # set while a measured micro-batch runs
         self.host_bytes = 0  # bytes of the host copies made while measuring (one per storage and version)
         self._copies: dict = {}  # (storage address, version) -> (weak ref to it, its _Saved)
-        self._order: list[_Saved] = []  # this forward's, in the order they were saved
+        self._order: list = []  # this forward's entries (weak references), in the order they were saved
 
     def _host_copy(self, t: torch.Tensor) -> _Saved:
         """The whole storage behind ``t``, once per storage and version: the views autograd saves
@@ -118,8 +121,9 @@ class ActivationOffload:
             return torch.empty(0, dtype=torch.uint8).set_(entry.host).to(device).untyped_storage()
         if entry.device is None:
             self._start_fetch(entry, device)
-        for ahead in reversed(entry.order[max(0, entry.index - self.prefetch):entry.index]):
-            if ahead.fetched is None:  # never copied back yet
+        for ref in reversed(entry.order[max(0, entry.index - self.prefetch):entry.index]):
+            ahead = ref()
+            if ahead is not None and ahead.fetched is None:  # alive and never copied back yet
                 self._start_fetch(ahead, device)
         current = torch.cuda.current_stream(device)
         current.wait_event(entry.fetched)

@@ -115,6 +115,7 @@ def test_cuda_path_prefetches_in_backward_order_with_cpu_stand_ins(monkeypatch):
     with off.hooks():
         entries = [off._host_copy(t) for t in saved]
     assert [e.index for e in entries] == list(range(6)) and all(e.order is entries[0].order for e in entries)
+    assert [ref() for ref in entries[0].order] == entries  # weak: an entry dies with what autograd saved
     started = []
     real_start = off._start_fetch
     monkeypatch.setattr(off, "_start_fetch", lambda e, d: started.append(e.index) or real_start(e, d))
@@ -127,3 +128,8 @@ def test_cuda_path_prefetches_in_backward_order_with_cpu_stand_ins(monkeypatch):
     assert entries[0].fetched is not None
     off._fetch(entries[3], torch.device("cpu"))  # a second view of a storage already handed over:
     assert started[6:] == [3]  # fetched again, alone (the earlier ones were brought back before)
+    import weakref
+
+    gone = weakref.ref(entries[5])
+    del entries[5]
+    assert gone() is None  # no reference cycle keeps a dropped entry's host copy alive
