@@ -18,8 +18,13 @@ if mode == "suspend":  # exit 75 on SIGUSR1, like the trainer after saving a che
     (out / f"ready{rank}").touch()
     time.sleep(3600)  # the test fails on its bound unless a signal or the launcher ends this
     sys.exit(0)
-if mode == "fail":  # rank 1 crashes, rank 0 would hang forever
+if mode == "fail":  # rank 1 crashes once rank 0 runs; rank 0 would hang forever
     (out / f"ready{rank}").touch()
     if rank == 1:
+        # on a loaded machine rank 0 may start seconds later: crashing before it is up let the
+        # launcher end it before it wrote ready0, and the test saw no running rank to be killed
+        deadline = time.monotonic() + 300
+        while not (out / "ready0").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
         sys.exit(3)
     time.sleep(3600)  # the test fails on its bound unless a signal or the launcher ends this
