@@ -247,7 +247,13 @@ def _spawn(worker, world: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         # the workers start with SIGINT blocked: a terminal's Ctrl-C reaches the whole process group,
-        # and this process alone answers it (luban.interrupt), ending the workers with it
+        # and this process alone answers it (luban.interrupt), ending the workers with it. The
+        # resource tracker is started first: starting it unblocks SIGINT in the starting thread
+        # (multiprocessing/resource_tracker.py), and a worker started from that thread would take
+        # Ctrl-C while importing torch and print a traceback
+        from multiprocessing import resource_tracker
+
+        resource_tracker.ensure_running()
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
             context = mp.spawn(worker, args=(world, port, out), nprocs=world, join=False)
