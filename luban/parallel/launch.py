@@ -36,7 +36,30 @@ from luban.train import preempt
 FORWARDED = preempt.HANDLED  # the suspend signals: forwarded to every rank
 
 
+# ports handed out for a rendezvous lie below the kernel's ephemeral range (Linux default
+# 32768-60999, /proc/sys/net/ipv4/ip_local_port_range): a port there, freed by ``free_port`` and
+# bound by rank 0 seconds later, can meanwhile become the source port of any outgoing connection
+# (gloo opens many) — EADDRINUSE, seen in a 2-worker CI run
+RENDEZVOUS_PORTS = (20000, 32768)
+
+
 def free_port() -> int:
+    """A port that is free now, outside the ephemeral range when one is (else any free one)."""
+    import random
+
+    low, high = RENDEZVOUS_PORTS
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            high = min(high, int(f.read().split()[0]))
+    except (OSError, ValueError, IndexError):
+        pass
+    for port in random.Random().sample(range(low, high), min(64, max(high - low, 0))):  # not the global RNG
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

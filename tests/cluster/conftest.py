@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ import httpx
 import pytest
 
 from luban.cluster.client import Client
+from luban.parallel.launch import free_port  # re-exported for the platform tests (outside the ephemeral ports)
 
 ROOT = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
@@ -37,12 +37,6 @@ def require(available: bool, what: str) -> None:
     if os.environ.get("LUBAN_REQUIRE_SERVICES") == "1":
         pytest.fail(message + " and LUBAN_REQUIRE_SERVICES=1")
     pytest.skip(message)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for(predicate, timeout: float = 60.0, every: float = 0.1, what: str = "condition"):
