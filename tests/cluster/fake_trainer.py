@@ -38,7 +38,7 @@ def on_usr1(signum, frame):
 
 
 def checkpoint():
-    tmp = args.state.with_suffix(".tmp")
+    tmp = args.state.with_name(args.state.name + ".tmp")  # per rank: with_suffix would give every rank one file
     tmp.write_text(str(step))
     os.replace(tmp, args.state)
     if os.environ["LUBAN_NODE_RANK"] == "0":
