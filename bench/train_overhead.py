@@ -65,7 +65,7 @@ def main() -> None:
                  f"parallel.micro_batch={args.batch}"]  # one micro-batch: the bare loop does no accumulation
     cfg = load_config(None, overrides)
     from luban.data.loader import TokenLoader
-    from luban.train.trainer import dataset_path
+    from luban.train.resolve import dataset_path
 
     with TokenLoader(dataset_path(cfg), seq_len=args.seq, global_batch=args.batch, prefetch=0) as loader:
         batches = [next(loader) for _ in range(args.steps)]

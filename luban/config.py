@@ -70,7 +70,7 @@ class RunConfig:
     parallel: ParallelLayout = field(default_factory=ParallelLayout)
     run: RunSection = field(default_factory=RunSection)
     # [model] keys the config file or --set gave (the rest come from the preset): a vocabulary
-    # the user did not choose follows the dataset's tokenizer (luban.train.trainer.fit_vocab)
+    # the user did not choose follows the dataset's tokenizer (luban.train.resolve.fit_vocab)
     model_keys: frozenset = field(default=frozenset(), compare=False, repr=False)
 
     @property

@@ -121,7 +121,7 @@ def _run_training(args) -> int:
     from luban.config import load_config
 
     cfg = load_config(args.config, args.set)
-    from luban.train.trainer import fit_vocab
+    from luban.train.resolve import fit_vocab
 
     cfg, note = fit_vocab(cfg)  # every rank does the same: the same dataset
     if note and "WORLD_SIZE" not in os.environ:
@@ -151,7 +151,7 @@ def _run_training(args) -> int:
 
         check_layout(cfg.parallel, cfg.model, cfg.train.global_batch, world, cfg.seq_len)
         from luban.train.memcheck import check_fits
-        from luban.train.trainer import pick_device
+        from luban.train.resolve import pick_device
 
         check_fits(cfg, world, args.nproc, pick_device(cfg.run.device).type)  # before any rank allocates
         argv = ["train", args.config, *sum((["--set", s] for s in sets), [])]
