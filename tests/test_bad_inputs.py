@@ -63,6 +63,9 @@ def test_train_file_and_flag_cases(capsys, tmp_path):
     (["--train-tokens", "nan"], "--train-tokens = nan"),
     (["--train-tokens", "-5"], "--train-tokens = -5.0"),
     (["--price-per-gpu-hour", "inf"], "--price-per-gpu-hour = inf"),
+    (["--dispatcher", "nccl"], "--dispatcher = 'nccl': one of 'alltoall', 'deepep'"),
+    (["--dispatcher", "deepep"], "--dispatcher = 'deepep': only for a mixture-of-experts model"),  # gpt2: dense
+    (["--ep-overlap"], "--ep-overlap = True: only for a mixture-of-experts model"),
 ])
 def test_planner_flag_cases(capsys, extra, words):
     code, err = run(capsys, PLAN + extra)
@@ -115,7 +118,7 @@ def test_fuzzed_config_values_are_one_line_errors_or_valid(pairs):
             assert not isinstance(value, float) or math.isfinite(value)
 
 
-FLAGS = ["--seq", "--train-tokens", "--price-per-gpu-hour", "--gpus", "--global-batch", "--tp", "--pp", "--dp",
+FLAGS = ["--seq", "--train-tokens", "--price-per-gpu-hour", "--gpus", "--global-batch", "--tp", "--pp", "--dp", "--dispatcher",
          "--micro-batch", "--zero"]
 
 

@@ -60,6 +60,10 @@ class Problem:
             raise bad_value("--ep-overlap", self.ep_overlap, "true or false")
         if self.dispatcher not in DISPATCHERS:
             raise bad_value("--dispatcher", self.dispatcher, f"one of {', '.join(DISPATCHERS)}")
+        if not self.model.moe and (self.dispatcher != "alltoall" or self.ep_overlap):
+            key, value = ("--dispatcher", self.dispatcher) if self.dispatcher != "alltoall" else ("--ep-overlap", True)
+            raise bad_value(key, value, "only for a mixture-of-experts model (this one has no experts: "
+                                        "set model.experts, or leave the option out)")
         if self.attention_kernel not in ATTENTION_KERNELS:
             raise bad_value("--attention-kernel", self.attention_kernel, f"one of {', '.join(ATTENTION_KERNELS)}")
         if not isinstance(self.expert_imbalance, (int, float)) or not 1.0 <= self.expert_imbalance < float("inf"):

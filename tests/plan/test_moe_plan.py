@@ -131,6 +131,12 @@ def test_deepep_sends_each_token_once_per_node_and_overlap_hides_the_all_to_all(
     assert float(intra[0]) == float(intra[1]) > 0
     with pytest.raises(LubanError, match="--dispatcher"):
         problem(dispatcher="nccl")
+    with pytest.raises(LubanError, match="--ep-overlap"):
+        problem(ep_overlap="yes")
+    dense = get_preset("llama-8b")
+    for kw, key in (({"dispatcher": "deepep"}, "--dispatcher"), ({"ep_overlap": True}, "--ep-overlap")):
+        with pytest.raises(LubanError, match=f"{key} = .*only for a mixture-of-experts model"):
+            problem(dense, **kw)
 
 
 def test_megatron_core_folds_expert_parallel_over_tensor_parallel():
