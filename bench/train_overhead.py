@@ -46,7 +46,8 @@ def bare_loop(cfg, batches) -> list[float]:
 def luban_loop(overrides, run_dir: Path) -> list[float]:
     cfg = load_config(None, overrides + [f'run.dir="{run_dir}"'])
     Trainer(cfg).train()
-    return [json.loads(line)["time_step_s"] for line in (run_dir / "metrics.jsonl").open()]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+    return [r["time_step_s"] for r in records if "time_step_s" in r]  # step records (not the run's header)
 
 
 def main() -> None:
