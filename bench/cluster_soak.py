@@ -101,7 +101,9 @@ class Service:
                     return
             except httpx.HTTPError:
                 time.sleep(0.2)
-        raise RuntimeError("service did not start")
+        log.flush()
+        tail = (self.state.parent / "service.log").read_text().strip().splitlines()[-5:]
+        raise SystemExit("service did not start:\n  " + "\n  ".join(tail))
 
     def kill9(self) -> None:
         self.proc.kill()
@@ -121,6 +123,9 @@ def main() -> int:
     parser.add_argument("--run-jobs-as", choices=["namespace", "service"], default="namespace")
     parser.add_argument("--out")
     args = parser.parse_args()
+    if args.run_jobs_as == "namespace" and os.geteuid() == 0:  # the service refuses it (every job would run as root)
+        parser.error("--run-jobs-as namespace needs a service that is not root: run this as an unprivileged "
+                     "account, or pass --run-jobs-as service (unisolated)")
     rng = random.Random(args.seed)
     work = Path(tempfile.mkdtemp(prefix="luban-soak-"))
     (work / "chains").mkdir()
