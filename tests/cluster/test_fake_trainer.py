@@ -27,9 +27,10 @@ def test_two_ranks_suspended_at_once_each_save_their_own_state(tmp_path):
         state = tmp_path / f"t{trial}" / "low.state"
         state.parent.mkdir()
         logs = [state.parent / f"rank{r}.log" for r in range(2)]
+        files = [log.open("w") for log in logs]
         ranks = [subprocess.Popen([sys.executable, TRAINER, str(state), "1000000", "--sleep", "0.0005"],
-                                  env=dict(env, LUBAN_NODE_RANK=str(r)), stdout=log.open("w"),
-                                  stderr=subprocess.STDOUT) for r, log in enumerate(logs)]
+                                  env=dict(env, LUBAN_NODE_RANK=str(r)), stdout=f,
+                                  stderr=subprocess.STDOUT) for r, f in enumerate(files)]
         try:
             deadline = time.monotonic() + 60  # "step 1" comes after the handler is installed
             while not all("step 1\n" in log.read_text() for log in logs):
@@ -41,8 +42,10 @@ def test_two_ranks_suspended_at_once_each_save_their_own_state(tmp_path):
             for p in ranks:
                 p.wait(timeout=60)
         finally:
-            for p in ranks:
+            for p, f in zip(ranks, files):
                 p.kill()
+                p.wait(timeout=60)
+                f.close()
         outs = [log.read_text() for log in logs]
         assert [p.returncode for p in ranks] == [75, 75], outs
         for r in range(2):
