@@ -109,6 +109,14 @@ class Runtime:
     eager_kernels = False
     compiled_default = False  # torch.compile on when the problem does not say (``Problem.compiled``)
     gather_half = False  # ZeRO-3/FSDP all-gathers weights in the 16-bit compute dtype (param_dtype), not wb
+    # the LM head's GEMMs run on a vocabulary padded to an aligned width (Megatron-LM's
+    # --make-vocab-size-divisible-by 128, luban.model.head_loss.VOCAB_MULTIPLE); otherwise an odd
+    # vocabulary (GPT-2's 50,257) meets the profile's ``unaligned_gemm`` (time.unaligned_head_seconds)
+    pads_vocab_default = False
+
+    def pads_vocab(self, problem) -> bool:
+        """``Problem.pads_vocab``, or the runtime's default (``pads_vocab_default``)."""
+        return self.pads_vocab_default if problem.pads_vocab is None else problem.pads_vocab
 
     def skips_causal(self, problem) -> bool:
         """Whether attention runs as a fused kernel that skips the masked half (``causal_skip``)."""
@@ -214,6 +222,7 @@ class Megatron(Runtime):
     ddp_with_tp = True
     ddp_with_split_backward = True
     flash_attention = False
+    pads_vocab_default = True  # --make-vocab-size-divisible-by (default 128) x tp
     expert_tp = True  # Megatron's expert_tensor_parallel_size defaults to tp
 
     def param_bytes(self, states, precision):
@@ -327,6 +336,7 @@ class Luban(FSDP2):
         GPU (masked blocks skipped) and to the math path on a CPU (``causal_skip`` False: the
         planner's CPU terms were fitted so)."""
         return not problem.system.cpu
+    pads_vocab_default = True  # luban.model.head_loss.VOCAB_MULTIPLE (since issue #22; 3457f4b did not)
     compiled_default = True  # ``[train] compile = "auto"``: on for CUDA (CPU profiles: traffic_scale is 1)
     gather_half = False  # luban's FSDP2 groups gather the fp32 weights (as measured)
     causal_skip = False  # as measured on CPU (math path) and as the planner's CPU terms were fitted

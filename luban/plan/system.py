@@ -35,12 +35,15 @@ from luban.parallel.layout import PRECISIONS
 SYSTEMS_DIR = Path(__file__).with_name("systems")
 EFFICIENCY_KEYS = {"matmul_size": None, "matmul": None, "collective_size": None, "collective": None,
                    "elementwise_traffic": 2.0, "hbm_efficiency": 0.8, "zero3_overlap": 0.8,
-                   "fp8_matmul": 1.0, "attention_matmul": 1.0, "attention_fa3_speedup": 1.0, "kernel_launch_s": 0.0}
+                   "fp8_matmul": 1.0, "attention_matmul": 1.0, "attention_fa3_speedup": 1.0, "kernel_launch_s": 0.0,
+                   "unaligned_gemm": 0.0}
 # kernel_launch_s: host seconds to dispatch and launch one eager kernel on this GPU's host (``luban plan
 # probe --device cuda``); 0 (not probed): the host never paces an eager runtime (luban.plan.time.host_bound)
 # fp8_matmul: share of the GEMM curve fp8 GEMMs reach (scaling, casts); attention_matmul: share of it an
 # FA2-class fused causal attention kernel reaches on the causal FLOPs (runtimes with ``causal_skip``);
 # attention_fa3_speedup: how much faster an FA3-class kernel is (Hopper only; 1 where none exists)
+# unaligned_gemm: share of the peak a 16-bit GEMM with a dimension off the tensor-core alignment reaches
+# (luban.plan.time.unaligned_head_seconds); 0 (not measured): no penalty
 CPU_KEYS = ("cores", "threads", "oversubscription_exponent", "oversubscribed_stall_s", "op_overhead_s", "tensor_overhead_s", "reference_s",
             "reference_one_thread_s", "tp_op_overhead_s", "fsdp_group_overhead_s",
             "dtensor_tensor_overhead_s")

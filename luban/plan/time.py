@@ -19,7 +19,7 @@ import numpy as np
 
 from luban.parallel.layout import PRECISIONS
 from luban.parallel import schedules
-from luban.plan.grid import BLOCKS_OFFLOAD, FULL, PARAMS_OFFLOAD, SELECTIVE, Grid
+from luban.plan.grid import BLOCKS_OFFLOAD, FP32, FULL, PARAMS_OFFLOAD, SELECTIVE, Grid
 from luban.plan.memory import (activation_bytes, activations_in_tier, all_to_all_bytes, expert_split, expert_zero_shards,
                                host_state_offload, rank_layers, recomputed_share, zero_shards)
 from luban.plan.problem import Problem
@@ -86,6 +86,29 @@ def attention_share(problem: Problem) -> float:
     times its FA3 speedup where the problem's kernel is FA3-class (1 on profiles without one)."""
     eff = problem.system.efficiency
     return eff["attention_matmul"] * (eff["attention_fa3_speedup"] if problem.attention_kernel == "fa3" else 1.0)
+
+
+# elements a 16-bit GEMM's dimensions must be a multiple of for the aligned tensor-core kernels:
+# 16 bytes (Hopper's TMA needs 16-byte-aligned strides, CUDA driver API cuTensorMapEncodeTiled;
+# Inductor pads 16-bit GEMMs to 8 elements for the same reason, torch/_inductor/fx_passes/pad_mm.py)
+GEMM_ALIGN_16BIT = 8
+
+
+def unaligned_head_seconds(problem: Problem, g: Grid, tokens, peak):
+    """Extra seconds per micro-batch when the LM head's vocabulary width is not a multiple of
+    ``GEMM_ALIGN_16BIT`` (per tensor-parallel rank) and nothing pads it: neither the runtime
+    (``Runtime.pads_vocab``) nor Inductor (the head compiled with the model, ``compiled is True``:
+    ``shape_padding``). One of the head's three GEMMs a micro-batch then runs on a generic kernel
+    at the profile's ``unaligned_gemm`` share of the peak instead of the GEMM curve (issue #22's
+    H100 profile of GPT-2's 50,257-wide head: one GEMM a step on ``cutlass_75…s1688gemm``, the
+    other two on aligned kernels). Profiles without ``unaligned_gemm`` (not measured) add nothing."""
+    share = problem.system.efficiency.get("unaligned_gemm")
+    rt = problem.runtime_model
+    if not share or problem.system.cpu or rt.pads_vocab(problem) or rt.compiled(problem) is True:
+        return 0.0
+    unaligned = (np.mod(problem.model.vocab, GEMM_ALIGN_16BIT * g.tp) != 0) & (g.precision != FP32)
+    one = tokens * problem.derived["head_flops"] / g.tp
+    return np.where(unaligned, np.maximum(0.0, one / (peak * share) - compute_seconds(problem, one, one, peak)), 0.0)
 
 
 def peak_flops(problem: Problem, g: Grid, gemm: bool = False):
@@ -238,7 +261,7 @@ def step_time(problem: Problem, g: Grid, mem: dict) -> dict:
     comm_redo = np.where(g.recompute == FULL, share * (tp_fwd + cp_fwd + ep_one), 0.0)
 
     fwd = n * layer_fwd + head_fwd
-    bwd = 2 * fwd
+    bwd = 2 * fwd + unaligned_head_seconds(problem, g, tokens, peak)
     rc = n * recompute
     tp_mb = n * (tp_fwd + tp_bwd + np.where(g.recompute == FULL, share * tp_fwd, 0.0))
     cp_mb = n * (cp_fwd + cp_bwd + np.where(g.recompute == FULL, share * cp_fwd, 0.0))

@@ -16,7 +16,8 @@ from luban.plan.system import load_system
 
 def _step(runtime="fsdp2", compiled=None, system="dgx-h100", model="llama-1b", gpus=1, zero=0, recompute="none",
           **kw):
-    problem = Problem(get_preset(model), load_system(system), gpus, 1024, 8 * gpus, runtime=runtime,
+    cfg = get_preset(model) if isinstance(model, str) else model
+    problem = Problem(cfg, load_system(system), gpus, 1024, 8 * gpus, runtime=runtime,
                       compiled=compiled, **kw)
     g = Grid.from_layout(ParallelLayout(dp=gpus, zero=zero, precision="bf16", micro_batch=8, recompute=recompute))
     return Estimate.from_results(problem, g, evaluate(problem, g))
@@ -138,3 +139,44 @@ def test_moe_token_permutation_is_charged_per_routed_copy(monkeypatch):
     with_perm = evaluate(moe, g)["time"]["parts"]["forward"]
     monkeypatch.setattr(plan_time, "PERMUTE_PASSES", 0)
     assert float(evaluate(moe, g)["time"]["parts"]["forward"]) < float(with_perm)
+
+
+def test_an_unaligned_vocabulary_costs_one_head_gemm_on_the_generic_kernel():
+    """GPT-2's 50,257-wide head: one of its three GEMMs a micro-batch runs at ``unaligned_gemm`` of
+    the peak (issue #22's H100 profile) unless the runtime pads the vocabulary or Inductor compiles
+    the head; an aligned vocabulary, a profile without the figure and fp32 pay nothing."""
+    from luban.plan import time as plan_time
+
+    def step(runtime="pytorch", compiled=False, vocab=50257, system="dgx-h100", **kw):
+        return _step(runtime, compiled, system=system, model=get_preset("gpt2-124m").replace(vocab=vocab), **kw)
+
+    gpt2 = get_preset("gpt2-124m")
+    h100 = load_system("dgx-h100")
+    share = h100.efficiency["unaligned_gemm"]
+    assert 0 < share < h100.matmul_efficiency(1e12)
+    # the extra time is one head GEMM at the generic kernel's rate minus the same GEMM on the curve
+    problem = Problem(gpt2, h100, 1, 1024, 8, runtime="pytorch", compiled=False)
+    g = Grid.from_layout(ParallelLayout(precision="bf16", micro_batch=8))
+    tokens = 8 * 1024
+    one = tokens * 2 * gpt2.hidden * gpt2.vocab
+    peak = h100.peak("bf16")
+    expected = one / (peak * share) - one / (peak * h100.matmul_efficiency(one))
+    assert float(plan_time.unaligned_head_seconds(problem, g, tokens, peak)) == pytest.approx(expected)
+    slow, aligned = step(), step(vocab=50304)
+    assert slow.step_time_s - aligned.step_time_s > 0.9 * expected
+    # what pads it: the runtime (luban today, megatron), Inductor (head compiled), or the problem
+    assert step(compiled=True).step_time_s < step(compiled=True, vocab=50304).step_time_s + 0.1 * expected
+    assert step("pytorch", pads_vocab=True).step_time_s < step("pytorch", pads_vocab=True, vocab=50304).step_time_s + 0.1 * expected
+    for runtime in ("luban", "megatron-core"):
+        problem = Problem(gpt2, h100, 1, 1024, 8, runtime=runtime, compiled=False)
+        assert float(plan_time.unaligned_head_seconds(problem, g, tokens, peak)) == 0.0
+    problem = Problem(gpt2, h100, 1, 1024, 8, runtime="luban", compiled=False, pads_vocab=False)  # main 3457f4b
+    assert float(plan_time.unaligned_head_seconds(problem, g, tokens, peak)) == pytest.approx(expected)
+    # fp32 GEMMs and profiles without the measured figure: nothing added
+    fp32 = Grid.from_layout(ParallelLayout(precision="fp32", micro_batch=8))
+    problem = Problem(gpt2, h100, 1, 1024, 8, runtime="pytorch", compiled=False)
+    assert float(plan_time.unaligned_head_seconds(problem, fp32, tokens, peak)) == 0.0
+    a100 = Problem(gpt2, load_system("dgx-a100-80g"), 1, 1024, 8, runtime="pytorch", compiled=False)
+    assert float(plan_time.unaligned_head_seconds(a100, g, tokens, peak)) == 0.0
+    with pytest.raises(Exception, match="--pads-vocab"):
+        Problem(gpt2, h100, 1, 1024, 8, pads_vocab="yes")
