@@ -10,7 +10,8 @@
 * Megatron-Bridge H100 MoE rows (``megatron_bridge_h100_moe_shared.csv``): tokens/s per GPU of
   Qwen3-30B-A3B and GPT-OSS-120B at the published tp/pp/vp/ep, ``runtime="megatron-core"``,
   dropless with forced balanced routing (expert imbalance 1), distributed optimizer (zero 1),
-  no recompute (the recipes' recompute settings are not in the table); the FP8 rows at
+  no recompute (the recipes' recompute settings are not in the table), each row's token dispatcher
+  and all-to-all overlap from its release's recipe (``BRIDGE_MOE_RECIPES``); the FP8 rows at
   ``precision="fp8"`` (FP8 GEMM peak for dense and expert GEMMs). Not modelled: GPT-OSS's
   sliding-window layers and attention sinks (full causal attention is charged); skipped: the
   hybrid Mamba Nemotron 3 Nano rows and the 25.09 token-drop row.
@@ -148,6 +149,19 @@ def _moe_model(r: dict) -> ModelConfig:
                        shared_experts=int(r["num_shared_experts"] or 0), dense_layers=int(r["num_dense_layers"] or 0))
 
 
+# The token dispatcher and all-to-all overlap each Megatron-Bridge MoE row ran with (not in the published
+# table): the H100 performance recipe of that release, NVIDIA-NeMo/Megatron-Bridge scripts/performance/
+# configs (git history). Qwen3-30B-A3B: 25.11 alltoall with --moe-a2a-overlap (qwen3/workload_base_configs.py
+# @dd84b9e4, 2025-11); 26.02 DeepEP flex dispatcher + a2a overlap (qwen/qwen3_workload_base_configs.py
+# @c4cc63ba, 2026-02-13: pp2 vp12 ep8, gbs 1024, the published layout); 26.04 on HybridEP (per-node
+# deduplicated dispatch, as DeepEP: --dispatcher deepep) without overlap (@4a645075, 2026-02-23: ep16 pp1,
+# unchanged to @01b2977e). GPT-OSS-120B: alltoall, no overlap in every release (gpt_oss recipes).
+_QWEN3 = "Qwen3_30B_a3B"
+BRIDGE_MOE_RECIPES = {(_QWEN3, "25.11"): ("alltoall", True), (_QWEN3, "26.02"): ("deepep", True),
+                      (_QWEN3, "26.02.01"): ("deepep", True), (_QWEN3, "26.04"): ("deepep", False),
+                      (_QWEN3, "26.04.01"): ("deepep", False), (_QWEN3, "26.06"): ("deepep", False)}
+
+
 def megatron_bridge_moe(system="dgx-h100") -> list[dict]:
     """Tokens/s per GPU of the Megatron-Bridge MoE rows (module docstring: what is not modelled)."""
     system = load_system(system)
@@ -161,10 +175,13 @@ def megatron_bridge_moe(system="dgx-h100") -> list[dict]:
         layout = ParallelLayout(dp=gpus // (tp * pp * cp), tp=tp, pp=pp, cp=cp, ep=ep, zero=1, precision="fp8" if fp8 else "bf16",
                                 schedule="interleaved-1f1b" if vp > 1 else "1f1b", virtual_stages=vp,
                                 micro_batch=int(r["micro_batch_size_seqs"]))
+        dispatcher, overlap = BRIDGE_MOE_RECIPES.get((r["model_as_published"], r["container"]), ("alltoall", False))
         rows.append(_tokens_row("megatron-bridge-h100-moe", f"{r['container']} {r['model_as_published']} "
-                                f"{r['precision_as_published']} tp{tp} pp{pp} vp{vp} ep{ep}", _moe_model(r), system,
-                                layout, gpus, int(r["seq_len_tokens"]), int(r["global_batch_size_seqs"]), RUNTIME_MOE,
-                                float(r["tokens_per_s_per_gpu"]), attention_kernel=BRIDGE_ATTENTION, fp8=fp8))
+                                f"{r['precision_as_published']} tp{tp} pp{pp} vp{vp} ep{ep}"
+                                + (f" {dispatcher}" if dispatcher != "alltoall" else "") + (" a2a-overlap" if overlap else ""),
+                                _moe_model(r), system, layout, gpus, int(r["seq_len_tokens"]),
+                                int(r["global_batch_size_seqs"]), RUNTIME_MOE, float(r["tokens_per_s_per_gpu"]),
+                                attention_kernel=BRIDGE_ATTENTION, dispatcher=dispatcher, ep_overlap=overlap, fp8=fp8))
     return rows
 
 
@@ -218,9 +235,10 @@ def _llama(r: dict, seq: int, vocab_key: str = "vocab", head_dim_key: str = "hea
 
 
 def _tokens_row(table: str, name: str, model: ModelConfig, system, layout: ParallelLayout, gpus: int, seq: int,
-                batch: int, runtime: str, ref_tokens: float, attention_kernel: str = "fa3", compiled=None, **extra) -> dict:
+                batch: int, runtime: str, ref_tokens: float, attention_kernel: str = "fa3", compiled=None,
+                dispatcher: str = "alltoall", ep_overlap: bool = False, **extra) -> dict:
     problem = Problem(model, system, gpus, seq, batch, runtime=runtime, attention_kernel=attention_kernel,
-                      compiled=compiled)
+                      compiled=compiled, dispatcher=dispatcher, ep_overlap=ep_overlap)
     g = Grid.from_layout(layout)
     est = Estimate.from_results(problem, g, evaluate(problem, g))
     predicted = est.tokens_per_s / gpus

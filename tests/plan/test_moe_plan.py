@@ -109,6 +109,19 @@ def test_megatron_bridge_moe_rows():
     assert [r["row"] for r in rows if not r["estimate"].fits] == ["25.11 GPT OSS 120B BF16 tp1 pp4 vp1 ep8"]
 
 
+def test_megatron_bridge_moe_rows_run_their_recipes_dispatcher_and_overlap():
+    """Each row is planned with the dispatcher and all-to-all overlap of its release's H100 recipe
+    (validate.BRIDGE_MOE_RECIPES, cited from Megatron-Bridge's git history): Qwen3-30B-A3B 25.11
+    alltoall + overlap, 26.02 DeepEP + overlap, 26.04 on HybridEP (deduplicated per node) without;
+    GPT-OSS alltoall without overlap."""
+    rows = {r["row"].split(" tp1")[0]: r["row"] for r in validate.megatron_bridge_moe()}
+    assert rows["25.11 Qwen3_30B_a3B FP8-CS"].endswith("ep8 a2a-overlap")
+    assert rows["26.02 Qwen3_30B_a3B FP8"].endswith("ep8 deepep a2a-overlap")
+    assert rows["26.06 Qwen3_30B_a3B FP8"].endswith("ep16 deepep")
+    assert all(name.endswith("ep8") for key, name in rows.items() if "GPT OSS" in key)
+    assert set(validate.BRIDGE_MOE_RECIPES.values()) <= {(d, o) for d in ("alltoall", "deepep") for o in (True, False)}
+
+
 def test_deepep_sends_each_token_once_per_node_and_overlap_hides_the_all_to_all():
     """DeepEP's dispatch crosses the network once per destination node: for Qwen3-30B-A3B (128
     experts, top 8) on ep 32 over 4 nodes a token reaches 3·(1 − C(96,8)/C(128,8)) = 2.72 other
