@@ -43,8 +43,8 @@ class Problem:
     attention_kernel: str = "fa3"  # fused attention generation: fa2 (FlashAttention-2 class) or fa3 (Hopper's FA3 class)
     compiled: bool | str | None = None  # torch.compile: True (model, head, loss), "blocks" (blocks only), False; None: the runtime's default
     dispatcher: str = "alltoall"  # MoE token dispatch: alltoall (one copy per routed expert) or deepep (one per node)
-    pads_vocab: bool | None = None  # the head's GEMMs on a padded (aligned) vocabulary; None: the runtime's default
     ep_overlap: bool = False  # the MoE all-to-alls overlapped with another micro-batch's compute (1F1B A2A overlap)
+    pads_vocab: bool | None = None  # the head's GEMMs on a padded (aligned) vocabulary; None: the runtime's default
     derived: dict = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -58,7 +58,7 @@ class Problem:
         if self.compiled not in (None, True, False, "blocks"):
             raise bad_value("--compile", self.compiled, "on, off, blocks or auto (the runtime's default)")
         if self.pads_vocab is not None and not isinstance(self.pads_vocab, bool):
-            raise bad_value("--pads-vocab", self.pads_vocab, "true, false or unset (the runtime's default)")
+            raise bad_value("--pad-vocab", self.pads_vocab, "on, off or auto (the runtime's default)")
         if not isinstance(self.ep_overlap, bool):
             raise bad_value("--ep-overlap", self.ep_overlap, "true or false")
         if self.dispatcher not in DISPATCHERS:

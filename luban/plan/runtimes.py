@@ -114,9 +114,10 @@ class Runtime:
     # vocabulary (GPT-2's 50,257) meets the profile's ``unaligned_gemm`` (time.unaligned_head_seconds)
     pads_vocab_default = False
 
-    def pads_vocab(self, problem) -> bool:
-        """``Problem.pads_vocab``, or the runtime's default (``pads_vocab_default``)."""
-        return self.pads_vocab_default if problem.pads_vocab is None else problem.pads_vocab
+    def pads_vocab(self, problem, g):
+        """Per layout: ``Problem.pads_vocab``, or the runtime's default (``pads_vocab_default``)."""
+        value = self.pads_vocab_default if problem.pads_vocab is None else problem.pads_vocab
+        return np.full(np.shape(g.tp), value, dtype=bool)
 
     def skips_causal(self, problem) -> bool:
         """Whether attention runs as a fused kernel that skips the masked half (``causal_skip``)."""
@@ -337,6 +338,12 @@ class Luban(FSDP2):
         planner's CPU terms were fitted so)."""
         return not problem.system.cpu
     pads_vocab_default = True  # luban.model.head_loss.VOCAB_MULTIPLE (since issue #22; 3457f4b did not)
+
+    def pads_vocab(self, problem, g):
+        """Only the fused head and loss (``luban.model.head_loss``: one stage, no tensor parallel)
+        runs on the padded vocabulary; the vocab-parallel head and a pipeline's last stage keep
+        the model's width."""
+        return super().pads_vocab(problem, g) & (g.tp == 1) & (g.pp == 1)
     compiled_default = True  # ``[train] compile = "auto"``: on for CUDA (CPU profiles: traffic_scale is 1)
     gather_half = False  # luban's FSDP2 groups gather the fp32 weights (as measured)
     causal_skip = False  # as measured on CPU (math path) and as the planner's CPU terms were fitted

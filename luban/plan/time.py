@@ -104,9 +104,10 @@ def unaligned_head_seconds(problem: Problem, g: Grid, tokens, peak):
     other two on aligned kernels). Profiles without ``unaligned_gemm`` (not measured) add nothing."""
     share = problem.system.efficiency.get("unaligned_gemm")
     rt = problem.runtime_model
-    if not share or problem.system.cpu or rt.pads_vocab(problem) or rt.compiled(problem) is True:
+    if not share or problem.system.cpu or rt.compiled(problem) is True:
         return 0.0
-    unaligned = (np.mod(problem.model.vocab, GEMM_ALIGN_16BIT * g.tp) != 0) & (g.precision != FP32)
+    unaligned = ((np.mod(problem.model.vocab, GEMM_ALIGN_16BIT * g.tp) != 0) & (g.precision != FP32)
+                 & ~rt.pads_vocab(problem, g))
     one = tokens * problem.derived["head_flops"] / g.tp
     return np.where(unaligned, np.maximum(0.0, one / (peak * share) - compute_seconds(problem, one, one, peak)), 0.0)
 

@@ -97,3 +97,21 @@ def test_estimate_on_a_probed_profile_models_luban_ranks(tmp_path):
     assert default["step_time_s"] > megatron["step_time_s"]  # framework overheads counted
     bad = luban(*args, "--runtime", "deepspeed")
     assert bad.returncode == 2 and "--runtime" in bad.stderr and "megatron" in bad.stderr
+
+
+def test_pad_vocab_and_ep_overlap_reach_the_plan(capsys):
+    """Each option changes the estimate it names: --pad-vocab off/on on GPT-2's odd vocabulary (one head
+    GEMM on the generic kernel), --ep-overlap on a MoE's all-to-alls; a bad value is a one-line error."""
+    def step(*flags):
+        assert main(["plan", "estimate", "--system", "dgx-h100", "--gpus", "8", "--json", *flags]) == 0
+        return json.loads(capsys.readouterr().out)["step_time_s"]
+
+    gpt2 = ("--model", "gpt2-124m", "--global-batch", "64", "--seq", "1024", "--runtime", "pytorch",
+            "--precision", "bf16", "--dp", "8")
+    assert step(*gpt2) == step(*gpt2, "--pad-vocab", "off") > step(*gpt2, "--pad-vocab", "on")  # pytorch: no padding
+    moe = ("--model", "qwen3-30b-a3b", "--global-batch", "64", "--seq", "4096", "--runtime", "megatron-core",
+           "--precision", "bf16", "--dp", "8", "--ep", "8", "--zero", "1")
+    assert step(*moe, "--ep-overlap") < step(*moe)
+    assert main(["plan", "estimate", *gpt2, "--pad-vocab", "maybe"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("luban: error:") and "--pad-vocab" in err[0], err

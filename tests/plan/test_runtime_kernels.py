@@ -172,11 +172,18 @@ def test_an_unaligned_vocabulary_costs_one_head_gemm_on_the_generic_kernel():
         assert float(plan_time.unaligned_head_seconds(problem, g, tokens, peak)) == 0.0
     problem = Problem(gpt2, h100, 1, 1024, 8, runtime="luban", compiled=False, pads_vocab=False)  # main 3457f4b
     assert float(plan_time.unaligned_head_seconds(problem, g, tokens, peak)) == pytest.approx(expected)
+    # luban pads only its fused head and loss: under tensor parallel (vocab-parallel head, 50,257 / 2
+    # per rank) and on a pipeline's last stage the model's width stays
+    luban = Problem(gpt2, h100, 2, 1024, 8, runtime="luban", compiled=False)
+    tp2 = Grid.from_layout(ParallelLayout(tp=2, precision="bf16", micro_batch=8))
+    pp2 = Grid.from_layout(ParallelLayout(pp=2, precision="bf16", micro_batch=8))
+    assert float(plan_time.unaligned_head_seconds(luban, tp2, tokens, peak)) > 0
+    assert float(plan_time.unaligned_head_seconds(luban, pp2, tokens, peak)) == pytest.approx(expected)
     # fp32 GEMMs and profiles without the measured figure: nothing added
     fp32 = Grid.from_layout(ParallelLayout(precision="fp32", micro_batch=8))
     problem = Problem(gpt2, h100, 1, 1024, 8, runtime="pytorch", compiled=False)
     assert float(plan_time.unaligned_head_seconds(problem, fp32, tokens, peak)) == 0.0
     a100 = Problem(gpt2, load_system("dgx-a100-80g"), 1, 1024, 8, runtime="pytorch", compiled=False)
     assert float(plan_time.unaligned_head_seconds(a100, g, tokens, peak)) == 0.0
-    with pytest.raises(Exception, match="--pads-vocab"):
+    with pytest.raises(Exception, match="--pad-vocab"):
         Problem(gpt2, h100, 1, 1024, 8, pads_vocab="yes")
