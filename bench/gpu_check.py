@@ -15,7 +15,9 @@ Sections of the report (each a table; a row that fails says why instead of stopp
     warm-up steps, which include compiling), tokens/s, MFU (``luban.model.flops``, the
     device's dense bf16 peak) and peak memory.
 (b) **Planner vs measured.** ``luban plan``'s prediction for each luban row (runtime
-    ``luban``, the system profile of this device) next to the measurement.
+    ``luban``) next to the measurement: with the built-in profile of this device, and with a
+    profile ``luban plan probe --device cuda`` measures here first (``probe_device``: GEMM curve,
+    attention, HBM, elementwise traffic, launch cost, unaligned GEMM) — issue #25 item 4.
 (c) **Options.** Every single-GPU option of issue #22 item 1 through ``luban train`` on the
     first model: precision, recompute, offload, ZeRO at dp 1, compile on and off, each a row.
 (d) **Checkpoint stall.** Asynchronous vs synchronous saves through ``luban train``: the stall
@@ -267,7 +269,7 @@ def peers(setup: Setup, root: Path) -> tuple[list, list]:
             try:
                 if runner == "luban train":
                     r = luban_train(setup, cfg, root / f"peer-{len(rows)}")
-                    plan_rows.append((name, r, planned(setup, r["cfg"])))
+                    plan_rows.append((name, r, r["cfg"]))
                 elif runner == "Hugging Face":
                     m = hf_model(cfg).to(setup.device)
                     r = timed_loop(setup, m, maybe_compile(setup, hf_forward_loss(m)))
@@ -295,28 +297,49 @@ def peers(setup: Setup, root: Path) -> tuple[list, list]:
 SYSTEMS = {"H100": "dgx-h100", "H200": "hgx-h200", "A100": "dgx-a100-80g"}
 
 
-def planned(setup: Setup, cfg) -> dict:
-    """The planner's step time and peak memory for this run (runtime luban, one GPU)."""
+def builtin_system(setup: Setup) -> str:
+    return next((v for k, v in SYSTEMS.items() if k in setup.device_name), "dgx-h100")
+
+
+def planned(setup: Setup, cfg, system=None) -> dict:
+    """The planner's step time and peak memory for this run (runtime luban, one GPU), on ``system``
+    (a profile; default: the built-in profile of this device)."""
     from luban.plan.estimate import estimate
 
-    system = next((v for k, v in SYSTEMS.items() if k in setup.device_name), "dgx-h100")
+    system = system or builtin_system(setup)
     try:
         est = estimate(cfg.model, system, cfg.parallel, global_batch=cfg.train.global_batch, seq=setup.seq,
                        gpus=1, runtime="luban", optimizer=cfg.train.optimizer)
-        return {"step_s": est.step_time_s, "peak_bytes": est.memory_bytes.get("total"), "system": system}
+        return {"step_s": est.step_time_s, "peak_bytes": est.memory_bytes.get("total")}
     except Exception as err:  # noqa: BLE001
         return {"error": one_line(err)}
 
 
-def plan_table(plan_rows) -> list:
+def probed_system(setup: Setup):
+    """A profile of this device measured by ``luban plan probe --device cuda``'s code (small shapes
+    in the CPU mode)."""
+    from luban.plan.probe_device import probe_device
+    from luban.plan.system import System
+
+    raw = probe_device("cpu" if setup.cpu else "cuda", builtin_system(setup), scale=1e-3 if setup.cpu else 1.0,
+                       budget=0.01 if setup.cpu else 0.2)
+    return System.from_dict(raw, source="probed")
+
+
+def plan_table(setup: Setup, plan_rows) -> list:
+    try:
+        probed = probed_system(setup)
+    except Exception as err:  # noqa: BLE001 - the builtin column still reports
+        probed, probe_error = None, one_line(err)
     rows = []
-    for name, measured, plan in plan_rows:
-        if not plan or "error" in plan:
-            rows.append([name, ms(measured["step_s"]), "not planned: " + (plan or {}).get("error", ""), "", "", ""])
-            continue
-        step, mem = plan.get("step_s"), plan.get("peak_bytes")
-        rows.append([name, ms(measured["step_s"]), ms(step) if step else "", f"{(step / measured['step_s'] - 1) * 100:+.0f}%"
-                     if step else "", gib(measured["peak_gib"]), gib(mem / 2**30) if mem else ""])
+    for name, measured, cfg in plan_rows:
+        row = [name, ms(measured["step_s"])]
+        for plan in (planned(setup, cfg), planned(setup, cfg, probed) if probed else {"error": "probe: " + probe_error}):
+            step = plan.get("step_s")
+            row += ([ms(step), f"{(step / measured['step_s'] - 1) * 100:+.0f}%"] if step
+                    else ["not planned: " + plan.get("error", ""), ""])
+        mem = planned(setup, cfg).get("peak_bytes")
+        rows.append(row + [gib(measured["peak_gib"]), gib(mem / 2**30) if mem else ""])
     return rows
 
 
@@ -465,7 +488,8 @@ def main(argv=None) -> int:
         root = Path(tmp)
         sections = [
             ("a", "(a) luban against its peers", ["model", "runner", "step", "tokens/s", "MFU", "peak memory"]),
-            ("b", "(b) planner vs measured (luban runtime)", ["model", "measured step", "planned step", "error",
+            ("b", "(b) planner vs measured (luban runtime)", ["model", "measured step", "planned step (built-in profile)",
+                                                              "error", "planned step (probed profile)", "error",
                                                               "measured peak", "planned peak"]),
             ("c", "(c) single-GPU options through luban train", ["option", "step", "tokens/s", "MFU", "peak memory",
                                                                  "first step"]),
@@ -479,7 +503,7 @@ def main(argv=None) -> int:
                 if key == "a":
                     rows, plan_rows = peers(setup, root)
                 elif key == "b":
-                    rows = plan_table(plan_rows)
+                    rows = plan_table(setup, plan_rows)
                 elif key == "c":
                     rows = options(setup, root)
                 elif key == "d":

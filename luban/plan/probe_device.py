@@ -18,7 +18,11 @@ takes as efficiencies with measurements on this device:
   (x, out; grad, x, grad-in), measured as time x copy bandwidth over the input bytes;
 * ``host_link_bandwidth``/``offload_bandwidth``: a pinned host -> device copy;
 * ``kernel_launch_s``: host seconds per eager kernel (a chain of tiny in-place adds), which
-  paces an eager runtime whose kernels are shorter than their dispatch (``time.host_bound``).
+  paces an eager runtime whose kernels are shorter than their dispatch (``time.host_bound``);
+* ``unaligned_gemm``: the LM head's three GEMMs at GPT-2's odd vocabulary (50,257) against the
+  same at the next multiple of 64, expressed as the share of the peak one of the three would run
+  at to account for the difference (``time.unaligned_head_seconds`` charges one that way); no
+  difference gives the GEMM curve itself (no penalty).
 
 Every function takes ``device``: on ``cpu`` the same code path runs at small sizes (the tests),
 so it cannot rot while no GPU is at hand.
@@ -126,6 +130,28 @@ def kernel_launch_seconds(device: str, kernels: int = 2000, budget: float = 0.3)
     return _timed(chain, device, budget) / kernels
 
 
+def unaligned_gemm_share(device: str, peak: float, curve, tokens: int = 16384, hidden: int = 768, vocab: int = 50257,
+                         dtype=None, budget: float = 0.2) -> float:
+    """Share of ``peak`` at which one head GEMM (2·tokens·hidden·vocab FLOPs) would have to run,
+    the other two on the GEMM curve (``curve(flops)``), to take the time the three head GEMMs
+    (logits, input gradient, weight gradient) take at the odd ``vocab`` beyond the same GEMMs at
+    the next multiple of 64 (scaled to the same width); ``curve(flops)`` when nothing is lost."""
+    import torch
+
+    dtype = dtype or torch.bfloat16
+    aligned = -(-vocab // 64) * 64
+
+    def head_seconds(v: int) -> float:
+        x = torch.randn(tokens, hidden, device=device, dtype=dtype)
+        w = torch.randn(v, hidden, device=device, dtype=dtype)
+        g = torch.randn(tokens, v, device=device, dtype=dtype)
+        return sum(_timed(f, device, budget) for f in (lambda: x @ w.t(), lambda: g @ w, lambda: g.t() @ x))
+
+    extra = max(0.0, head_seconds(vocab) - head_seconds(aligned) * vocab / aligned)
+    flops = 2.0 * tokens * hidden * vocab
+    return min(1.0, flops / (peak * (flops / (peak * curve(flops)) + extra)))
+
+
 def probe_device(device: str = "cuda", base: str = "dgx-h100", scale: float = 1.0, budget: float = 0.2) -> dict:
     """A profile of ``base`` with the efficiencies measured on ``device``. ``scale`` < 1 shrinks
     every buffer and GEMM (the tests run it on ``cpu`` at 1e-3); sizes are those of the planner."""
@@ -151,6 +177,11 @@ def probe_device(device: str = "cuda", base: str = "dgx-h100", scale: float = 1.
     eff["elementwise_traffic"] = gelu_traffic(device, big, hbm, budget)
     eff["hbm_efficiency"] = 1.0
     eff["kernel_launch_s"] = kernel_launch_seconds(device, 2000 if scale >= 1 else 200, budget)
+    log_sizes = [math.log(x) for x in sizes]
+    log_eff = [math.log(max(e, 1e-6)) for e in eff["matmul"]]
+    head = dict(tokens=16384, hidden=768, vocab=50257) if scale >= 1 else dict(tokens=256, hidden=64, vocab=1001)
+    eff["unaligned_gemm"] = unaligned_gemm_share(device, peak, lambda f: math.exp(_interp(math.log(f), log_sizes, log_eff)),
+                                                 budget=budget, **head)
     raw.update(name=f"{base}-probed", description=f"{raw['description']}; efficiencies probed on {device}",
                hbm_bandwidth=hbm, efficiency=eff)
     link = host_link_bandwidth(device, big, budget)

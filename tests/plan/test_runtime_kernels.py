@@ -97,6 +97,7 @@ def test_device_probe_runs_on_cpu_and_yields_a_profile():
     assert 0 < eff["attention_matmul"] <= 1 and eff["attention_fa3_speedup"] == 1.0
     assert eff["elementwise_traffic"] > 0 and system.hbm_bandwidth > 0 and system.host_link_bandwidth > 0
     assert eff["kernel_launch_s"] > 0
+    assert 0 < eff["unaligned_gemm"] <= 1
     assert system.peak("bf16") == load_system("dgx-h100").peak("bf16")  # datasheet figures kept
     assert attention_flops(1, 1, 2, 1) == 3.5 * 4 * 4 / 2
 
@@ -187,3 +188,27 @@ def test_an_unaligned_vocabulary_costs_one_head_gemm_on_the_generic_kernel():
     assert float(plan_time.unaligned_head_seconds(a100, g, tokens, peak)) == 0.0
     with pytest.raises(Exception, match="--pad-vocab"):
         Problem(gpt2, h100, 1, 1024, 8, pads_vocab="yes")
+
+
+def test_unaligned_gemm_share_is_the_curve_when_nothing_is_lost_and_lower_when_time_is(monkeypatch):
+    """The probe's figure charges one head GEMM the measured difference between the odd and the
+    aligned vocabulary: equal per-column times give the curve (no penalty in the planner); a
+    measured extra second gives the share at which one GEMM takes that second more."""
+    from luban.plan import probe_device as pd
+
+    tokens, hidden, vocab = 16, 8, 1001
+    flops = 2.0 * tokens * hidden * vocab
+    per_column = {1001: 1.0, 1024: 1.0 * 1024 / 1001}  # seconds of the three GEMMs, by width
+    calls = []
+
+    def fake_timed(fn, device, budget):
+        calls.append(1)
+        width = len(calls) <= 3 and vocab or 1024
+        return per_column[width] / 3
+    monkeypatch.setattr(pd, "_timed", fake_timed)
+    curve = lambda f: 0.5  # noqa: E731
+    assert pd.unaligned_gemm_share("cpu", 1e9, curve, tokens, hidden, vocab) == pytest.approx(0.5)
+    calls.clear()
+    per_column[1001] = 1.0 + 1.0  # one second more at the odd width
+    share = pd.unaligned_gemm_share("cpu", 1e9, curve, tokens, hidden, vocab)
+    assert flops / (1e9 * share) - flops / (1e9 * 0.5) == pytest.approx(1.0)
