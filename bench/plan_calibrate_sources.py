@@ -30,7 +30,7 @@ def before():
     """The per-runtime kernel model switched off (main 3457f4b's mechanisms)."""
     saved = {}
     patches = [(runtimes.Runtime, "traffic_scale", lambda self, problem, head=False: 1.0),
-               (runtimes.Runtime, "gather_bytes", lambda self, wb, precision: wb),
+               (runtimes.Runtime, "gather_bytes", lambda self, wb, precision, problem=None: wb),
                (runtimes.FSDP2, "selective_redo", runtimes.Runtime.selective_redo),
                (runtimes.Luban, "skips_causal", lambda self, problem: False)]
     for cls, name, value in patches:

@@ -109,6 +109,7 @@ class Runtime:
     eager_kernels = False
     compiled_default = False  # torch.compile on when the problem does not say (``Problem.compiled``)
     gather_half = False  # ZeRO-3/FSDP all-gathers weights in the 16-bit compute dtype (param_dtype), not wb
+    fp8_gather = False  # fp8 runs all-gather the linear layers' weights in fp8 (gather_bytes)
     # the LM head's GEMMs run on a vocabulary padded to an aligned width (Megatron-LM's
     # --make-vocab-size-divisible-by 128, luban.model.head_loss.VOCAB_MULTIPLE); otherwise an odd
     # vocabulary (GPT-2's 50,257) meets the profile's ``unaligned_gemm`` (time.unaligned_head_seconds)
@@ -140,10 +141,18 @@ class Runtime:
             return 1.0
         return EAGER_TRAFFIC
 
-    def gather_bytes(self, wb, precision):
+    def gather_bytes(self, wb, precision, problem=None):
         """Bytes per parameter a weight all-gather moves: 2 where weights are gathered in the 16-bit
-        compute dtype (FSDP's ``param_dtype``), else the stored weight bytes."""
-        return np.where(self.gather_half & (precision != FP32), 2.0, wb) if self.gather_half else wb
+        compute dtype (FSDP's ``param_dtype``), else the stored weight bytes; with ``fp8_gather``
+        an fp8 run gathers the transformer layers' linear weights in fp8 (1 byte) and the rest
+        (embedding, output layer, norms) in the 16-bit dtype."""
+        out = np.where(self.gather_half & (precision != FP32), 2.0, wb) if self.gather_half else wb
+        if not self.fp8_gather or problem is None:
+            return out
+        from luban.model import flops
+
+        linear = problem.model.layers * problem.derived["layer_matmul_weights"] / flops.param_count(problem.model)
+        return np.where(precision == FP8, linear * 1.0 + (1 - linear) * 2.0, out)
 
     # --- byte accounting -------------------------------------------------------------------
     def param_bytes(self, states: int, precision) -> tuple:
@@ -292,6 +301,10 @@ class FSDP2(Runtime):
     # backward keeps the bf16 inputs and re-quantises them; no persistent fp8 weights (the fp8
     # all-gather's copies are transient); one amax pass and one cast pass per tensor
     fp8_cast_passes = 2
+    # ``--float8.enable_fsdp_float8_all_gather``: torchao casts each Float8Linear weight shard before
+    # FSDP2's all-gather (the output layer stays bf16: torchtitan's float8 converter skips "output");
+    # torchtitan's float8 docs recommend it and the Trainy H200 rows ran it
+    fp8_gather = True
 
     def selective_redo(self, problem, g, mm, attn, elementwise, korthikanti):
         """torchtitan's op-level selective checkpointing (``selective_ac_option = "op"``,
@@ -346,6 +359,7 @@ class Luban(FSDP2):
         return super().pads_vocab(problem, g) & (g.tp == 1) & (g.pp == 1)
     compiled_default = True  # ``[train] compile = "auto"``: on for CUDA (CPU profiles: traffic_scale is 1)
     gather_half = False  # luban's FSDP2 groups gather the fp32 weights (as measured)
+    fp8_gather = False  # no fp8 (check_layout rejects it)
     causal_skip = False  # as measured on CPU (math path) and as the planner's CPU terms were fitted
     precisions = LUBAN_RULES.precisions  # no fp8 GEMMs yet (check_layout rejects it)
     offloads = LUBAN_RULES.offloads  # what luban's runtime runs
@@ -417,6 +431,7 @@ class ComposerFSDP(FSDP2):
     name = "composer-fsdp"
     eager_kernels = True
     gather_half = True
+    fp8_gather = False  # torchao's fp8 all-gather is torchtitan's; Composer's rows here are bf16
     selective_redo = Runtime.selective_redo
 
 

@@ -286,7 +286,7 @@ def step_time(problem: Problem, g: Grid, mem: dict) -> dict:
         """(weight all-gathers, gradient reductions) of ``nbytes_params`` parameters over ``ranks``."""
         intra = t * c * ranks <= s.nvlink_domain
         grads = nbytes_params * gb
-        gather = np.where(g.zero == 0, 0.0, gathers * collective(problem, nbytes_params * rt.gather_bytes(wb, g.precision) / groups,
+        gather = np.where(g.zero == 0, 0.0, gathers * collective(problem, nbytes_params * rt.gather_bytes(wb, g.precision, problem) / groups,
                                                                    ranks, intra, GATHER))
         reduce = np.where(g.zero == 0, collective(problem, grads, ranks, intra, ALL_REDUCE),
                           reductions * collective(problem, grads / groups, ranks, intra, GATHER))

@@ -55,6 +55,34 @@ def test_fsdp_gathers_16_bit_weights_but_luban_gathers_fp32():
     assert a.time_breakdown_s["dp_comm"] + a.dp_hidden_s < b.time_breakdown_s["dp_comm"] + b.dp_hidden_s
 
 
+def test_torchtitan_fp8_gathers_the_linear_weights_in_fp8():
+    """torchtitan's ``--float8.enable_fsdp_float8_all_gather`` (the Trainy rows ran it): an fp8 run's
+    all-gathers move 1 byte per linear-layer weight and 2 for the rest (embedding, output, norms);
+    bf16 runs and the runtimes without torchao's fp8 all-gather keep 2 bytes (luban: its 4)."""
+    from luban.model import flops
+    from luban.plan.grid import BF16, FP8
+
+    cfg = get_preset("llama-8b")
+    problem = Problem(cfg, load_system("hgx-h200"), 32, 8192, 64, runtime="fsdp2")
+    linear = cfg.layers * problem.derived["layer_matmul_weights"] / flops.param_count(cfg)
+    assert 0.8 < linear < 0.95  # Llama 3.1 8B: 7.0 of 8.0 B parameters are the layers' linear weights
+    fsdp2 = runtimes.get("fsdp2")
+    assert float(fsdp2.gather_bytes(4.0, np.array(FP8), problem)) == pytest.approx(linear + 2 * (1 - linear))
+    assert float(fsdp2.gather_bytes(4.0, np.array(BF16), problem)) == 2.0
+    for name, expected in (("composer-fsdp", 2.0), ("luban", 4.0)):
+        assert float(runtimes.get(name).gather_bytes(4.0, np.array(FP8), problem)) == expected
+    # fewer bytes, less exposed communication at 32 GPUs over the network
+    g = Grid.from_layout(ParallelLayout(dp=32, zero=3, precision="fp8", micro_batch=2, recompute="selective"))
+    fp8 = Estimate.from_results(problem, g, evaluate(problem, g))
+    saved = runtimes.FSDP2.fp8_gather
+    try:
+        runtimes.FSDP2.fp8_gather = False
+        bf16_gathers = Estimate.from_results(problem, g, evaluate(problem, g))
+    finally:
+        runtimes.FSDP2.fp8_gather = saved
+    assert fp8.step_time_s < bf16_gathers.step_time_s
+
+
 def test_torchtitan_selective_recomputes_every_other_matmul():
     """Op-level SAC (fsdp2) recomputes the 2nd, 4th and 6th of a Llama block's seven GEMMs; Korthikanti's
     selective (megatron-core) only the attention core: fsdp2's selective costs more."""
