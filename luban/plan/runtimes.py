@@ -355,8 +355,9 @@ class Luban(FSDP2):
     def pads_vocab(self, problem, g):
         """Only the fused head and loss (``luban.model.head_loss``: one stage, no tensor parallel)
         runs on the padded vocabulary; the vocab-parallel head and a pipeline's last stage keep
-        the model's width."""
-        return super().pads_vocab(problem, g) & (g.tp == 1) & (g.pp == 1)
+        the model's width. ``Problem.pads_vocab`` (``--pad-vocab``), when set, decides alone."""
+        padded = super().pads_vocab(problem, g)
+        return padded if problem.pads_vocab is not None else padded & (g.tp == 1) & (g.pp == 1)
     compiled_default = True  # ``[train] compile = "auto"``: on for CUDA (CPU profiles: traffic_scale is 1)
     gather_half = False  # luban's FSDP2 groups gather the fp32 weights (as measured)
     fp8_gather = False  # no fp8 (check_layout rejects it)

@@ -208,6 +208,8 @@ def test_an_unaligned_vocabulary_costs_one_head_gemm_on_the_generic_kernel():
     pp2 = Grid.from_layout(ParallelLayout(pp=2, precision="bf16", micro_batch=8))
     assert float(plan_time.unaligned_head_seconds(luban, tp2, tokens, peak)) > 0
     assert float(plan_time.unaligned_head_seconds(luban, pp2, tokens, peak)) == pytest.approx(expected)
+    what_if = Problem(gpt2, h100, 2, 1024, 8, runtime="luban", compiled=False, pads_vocab=True)  # --pad-vocab on
+    assert float(plan_time.unaligned_head_seconds(what_if, pp2, tokens, peak)) == 0.0
     # fp32 GEMMs and profiles without the measured figure: nothing added
     fp32 = Grid.from_layout(ParallelLayout(precision="fp32", micro_batch=8))
     problem = Problem(gpt2, h100, 1, 1024, 8, runtime="pytorch", compiled=False)
