@@ -333,12 +333,12 @@ def plan_table(setup: Setup, plan_rows) -> list:
         probed, probe_error = None, one_line(err)
     rows = []
     for name, measured, cfg in plan_rows:
-        row = [name, ms(measured["step_s"])]
-        for plan in (planned(setup, cfg), planned(setup, cfg, probed) if probed else {"error": "probe: " + probe_error}):
+        row, builtin = [name, ms(measured["step_s"])], planned(setup, cfg)
+        for plan in (builtin, planned(setup, cfg, probed) if probed else {"error": "probe: " + probe_error}):
             step = plan.get("step_s")
             row += ([ms(step), f"{(step / measured['step_s'] - 1) * 100:+.0f}%"] if step
                     else ["not planned: " + plan.get("error", ""), ""])
-        mem = planned(setup, cfg).get("peak_bytes")
+        mem = builtin.get("peak_bytes")
         rows.append(row + [gib(measured["peak_gib"]), gib(mem / 2**30) if mem else ""])
     return rows
 

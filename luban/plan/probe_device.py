@@ -167,21 +167,22 @@ def probe_device(device: str = "cuda", base: str = "dgx-h100", scale: float = 1.
         from luban.plan.probe import measure_matmul_peak
         peak = measure_matmul_peak(0.2)
     eff["matmul"] = gemm_efficiency(device, peak, sizes, budget=budget, cap=16384 if scale >= 1 else 256)
+    log_sizes, log_eff = [math.log(x) for x in sizes], [math.log(max(e, 1e-6)) for e in eff["matmul"]]
+
+    def curve(flops: float) -> float:
+        """The measured GEMM curve at ``flops`` (log-log interpolation, as the planner reads it)."""
+        return math.exp(_interp(math.log(flops), log_sizes, log_eff))
     seq = 8192 if scale >= 1 else 128
     heads, head_dim, batch = (16, 128, 1) if scale >= 1 else (2, 32, 1)
     flops = attention_flops(batch, heads, seq, head_dim)
     achieved = flops / attention_seconds(device, batch, heads, seq, head_dim, budget=budget)
-    curve = math.exp(_interp(math.log(flops), [math.log(s) for s in sizes], [math.log(max(e, 1e-6)) for e in eff["matmul"]]))
-    eff["attention_matmul"] = min(1.0, achieved / peak / curve)
+    eff["attention_matmul"] = min(1.0, achieved / peak / curve(flops))
     eff["attention_fa3_speedup"] = 1.0
     eff["elementwise_traffic"] = gelu_traffic(device, big, hbm, budget)
     eff["hbm_efficiency"] = 1.0
     eff["kernel_launch_s"] = kernel_launch_seconds(device, 2000 if scale >= 1 else 200, budget)
-    log_sizes = [math.log(x) for x in sizes]
-    log_eff = [math.log(max(e, 1e-6)) for e in eff["matmul"]]
     head = dict(tokens=16384, hidden=768, vocab=50257) if scale >= 1 else dict(tokens=256, hidden=64, vocab=1001)
-    eff["unaligned_gemm"] = unaligned_gemm_share(device, peak, lambda f: math.exp(_interp(math.log(f), log_sizes, log_eff)),
-                                                 budget=budget, **head)
+    eff["unaligned_gemm"] = unaligned_gemm_share(device, peak, curve, budget=budget, **head)
     raw.update(name=f"{base}-probed", description=f"{raw['description']}; efficiencies probed on {device}",
                hbm_bandwidth=hbm, efficiency=eff)
     link = host_link_bandwidth(device, big, budget)

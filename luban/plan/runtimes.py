@@ -351,13 +351,6 @@ class Luban(FSDP2):
         planner's CPU terms were fitted so)."""
         return not problem.system.cpu
     pads_vocab_default = True  # luban.model.head_loss.VOCAB_MULTIPLE (since issue #22; 3457f4b did not)
-
-    def pads_vocab(self, problem, g):
-        """Only the fused head and loss (``luban.model.head_loss``: one stage, no tensor parallel)
-        runs on the padded vocabulary; the vocab-parallel head and a pipeline's last stage keep
-        the model's width. ``Problem.pads_vocab`` (``--pad-vocab``), when set, decides alone."""
-        padded = super().pads_vocab(problem, g)
-        return padded if problem.pads_vocab is not None else padded & (g.tp == 1) & (g.pp == 1)
     compiled_default = True  # ``[train] compile = "auto"``: on for CUDA (CPU profiles: traffic_scale is 1)
     gather_half = False  # luban's FSDP2 groups gather the fp32 weights (as measured)
     fp8_gather = False  # no fp8 (check_layout rejects it)
@@ -374,6 +367,13 @@ class Luban(FSDP2):
     # cache keeps each weight's half-precision copy for every micro-batch (measured: the sweep in
     # tests/train/test_auto.py; per micro-batch it counted the copies 8 times at pp 2, mb 1)
     pipeline_fixed_once = True
+
+    def pads_vocab(self, problem, g):
+        """Only the fused head and loss (``luban.model.head_loss``: one stage, no tensor parallel)
+        runs on the padded vocabulary; the vocab-parallel head and a pipeline's last stage keep
+        the model's width. ``Problem.pads_vocab`` (``--pad-vocab``), when set, decides alone."""
+        padded = super().pads_vocab(problem, g)
+        return padded if problem.pads_vocab is not None else padded & (g.tp == 1) & (g.pp == 1)
 
     def layer_activations(self, problem, g):
         return luban_layer(problem, g)
