@@ -62,6 +62,10 @@ def register(sub) -> None:
                         help="the LM head's GEMMs on a vocabulary padded to an aligned width: auto (the runtime's "
                              "default: megatron and luban pad), on, off (an odd vocabulary such as GPT-2's 50,257 "
                              "then runs one head GEMM on a generic kernel: the profile's efficiency.unaligned_gemm)")
+    common.add_argument("--tp-overlap", choices=("auto", "on", "off"), default="auto",
+                        help="tensor-parallel collectives pipelined with the adjacent GEMMs (needs --sp): auto "
+                             "(the runtime's default: megatron-core's --tp-comm-overlap on, others off), on "
+                             "(torchtitan: async TP), off")
     common.add_argument("--json", action="store_true", help="one JSON object on stdout")
 
     est = cmds.add_parser("estimate", parents=[common], help="memory, time, MFU and cost of one layout")
@@ -143,9 +147,11 @@ def _problem(args):
     system = load_system(args.system, args.system_set)
     runtime = args.runtime if args.runtime is not None else ("luban" if system.cpu else "megatron")
     compiled = {"auto": None, "on": True, "off": False, "blocks": "blocks"}[getattr(args, "compile", "auto")]
-    pads_vocab = {"auto": None, "on": True, "off": False}[getattr(args, "pad_vocab", "auto")]
+    switch = {"auto": None, "on": True, "off": False}
     return Problem(model, system, args.gpus, seq, args.global_batch, runtime, args.optimizer, args.expert_imbalance,
-                   args.attention_kernel, compiled, args.dispatcher, args.ep_overlap, pads_vocab=pads_vocab)
+                   args.attention_kernel, compiled, args.dispatcher, args.ep_overlap,
+                   pads_vocab=switch[getattr(args, "pad_vocab", "auto")],
+                   tp_overlap=switch[getattr(args, "tp_overlap", "auto")])
 
 
 def _layout(args, gpus: int, rules=None):

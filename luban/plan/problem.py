@@ -45,6 +45,9 @@ class Problem:
     dispatcher: str = "alltoall"  # MoE token dispatch: alltoall (one copy per routed expert) or deepep (one per node)
     ep_overlap: bool = False  # the MoE all-to-alls overlapped with another micro-batch's compute (1F1B A2A overlap)
     pads_vocab: bool | None = None  # the head's GEMMs on a padded (aligned) vocabulary; None: the runtime's default
+    # tensor-parallel collectives pipelined with the adjacent GEMMs (Megatron-Core --tp-comm-overlap, torchtitan's
+    # async TP); None: the runtime's default (Runtime.tp_overlap)
+    tp_overlap: bool | None = None
     derived: dict = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -59,6 +62,8 @@ class Problem:
             raise bad_value("--compile", self.compiled, "on, off, blocks or auto (the runtime's default)")
         if self.pads_vocab is not None and not isinstance(self.pads_vocab, bool):
             raise bad_value("--pad-vocab", self.pads_vocab, "on, off or auto (the runtime's default)")
+        if self.tp_overlap is not None and not isinstance(self.tp_overlap, bool):
+            raise bad_value("--tp-overlap", self.tp_overlap, "on, off or auto (the runtime's default)")
         if not isinstance(self.ep_overlap, bool):
             raise bad_value("--ep-overlap", self.ep_overlap, "true or false")
         if self.dispatcher not in DISPATCHERS:

@@ -114,6 +114,14 @@ class Runtime:
     # --make-vocab-size-divisible-by 128, luban.model.head_loss.VOCAB_MULTIPLE); otherwise an odd
     # vocabulary (GPT-2's 50,257) meets the profile's ``unaligned_gemm`` (time.unaligned_head_seconds)
     pads_vocab_default = False
+    # tensor-parallel all-gathers/reduce-scatters split into chunks pipelined with the adjacent GEMMs
+    # (``tp_exposed``): Megatron-Core's ``--tp-comm-overlap`` (TransformerEngine userbuffers), torchtitan's
+    # async TP (``parallelism.enable_async_tensor_parallel``, off by default); both need sequence parallel
+    tp_overlap_default = False
+
+    def tp_overlap(self, problem) -> bool:
+        """``Problem.tp_overlap`` (``--tp-overlap``), or the runtime's default (``tp_overlap_default``)."""
+        return self.tp_overlap_default if problem.tp_overlap is None else problem.tp_overlap
 
     def pads_vocab(self, problem, g):
         """Per layout: ``Problem.pads_vocab``, or the runtime's default (``pads_vocab_default``)."""
@@ -209,9 +217,13 @@ class Runtime:
         return korthikanti
 
     # --- overlap per mechanism -------------------------------------------------------------
-    def tp_exposed(self, g, comm, gemm):
-        """Seconds of TP communication ``comm`` left exposed beside ``gemm`` seconds of GEMMs."""
-        return comm
+    def tp_exposed(self, g, comm, gemm, overlap: bool = False):
+        """Seconds of TP communication ``comm`` left exposed beside ``gemm`` seconds of GEMMs. With
+        ``overlap`` (``tp_overlap``) and sequence parallel, each all-gather/reduce-scatter is split into
+        chunks pipelined with the adjacent GEMM: hidden up to the GEMM time; otherwise all exposed."""
+        if not overlap:
+            return comm
+        return np.where(g.sp, np.maximum(0.0, comm - gemm), comm)
 
     def pp_exposed(self, g, transfer, transfers, chunk):
         """Exposed p2p seconds of ``transfers`` sends/receives of ``transfer`` seconds each;
@@ -259,6 +271,7 @@ class MegatronCore(Megatron):
     fp8_weight_copy_bytes = 2.0
     fp8_amax_history = 1024
     fp8_cast_passes = 1
+    tp_overlap_default = True  # --tp-comm-overlap: the Megatron-Bridge performance recipes set it with tp > 1
 
     def param_bytes(self, states, precision):
         """As ``megatron`` but bf16 accumulates and reduces fp32 main gradients (Megatron-LM
@@ -266,12 +279,6 @@ class MegatronCore(Megatron):
         trains bf16 parameters (``--fp8-format`` with ``--bf16``): the same bytes."""
         wb, gb, ob = super().param_bytes(states, precision)
         return wb, np.where((precision == BF16) | (precision == FP8), 4.0, gb), ob
-
-    def tp_exposed(self, g, comm, gemm):
-        """``--tp-comm-overlap`` (TransformerEngine userbuffers, needs sequence parallel) splits
-        each all-gather/reduce-scatter into chunks pipelined with the adjacent GEMM: hidden up
-        to the GEMM time."""
-        return np.where(g.sp, np.maximum(0.0, comm - gemm), comm)
 
     def pp_exposed(self, g, transfer, transfers, chunk):
         """``--overlap-p2p-communication`` (interleaved schedule only): each transfer runs

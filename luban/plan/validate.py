@@ -151,37 +151,67 @@ def _moe_model(r: dict) -> ModelConfig:
 
 # The token dispatcher and all-to-all overlap each Megatron-Bridge MoE row ran with (not in the published
 # table): the H100 performance recipe of that release, NVIDIA-NeMo/Megatron-Bridge scripts/performance/
-# configs (git history). Qwen3-30B-A3B: 25.11 alltoall with --moe-a2a-overlap (qwen3/workload_base_configs.py
-# @dd84b9e4, 2025-11); 26.02 DeepEP flex dispatcher + a2a overlap (qwen/qwen3_workload_base_configs.py
-# @c4cc63ba, 2026-02-13: pp2 vp12 ep8, gbs 1024, the published layout); 26.04 on HybridEP (per-node
-# deduplicated dispatch, as DeepEP: --dispatcher deepep) without overlap (@4a645075, 2026-02-23: ep16 pp1,
-# unchanged to @01b2977e). GPT-OSS-120B: alltoall, no overlap in every release (gpt_oss recipes).
-_QWEN3 = "Qwen3_30B_a3B"
-BRIDGE_MOE_RECIPES = {(_QWEN3, "25.11"): ("alltoall", True), (_QWEN3, "26.02"): ("deepep", True),
+# configs at the release's tag (25.11 = v0.2.0, 26.02 = v0.3.0, 26.04 = v0.4.0, 26.04.01 = v0.4.1;
+# 26.06 = v0.5.0), where the published layout agrees with it.
+# - Qwen3-30B-A3B: 25.11 alltoall with --moe-a2a-overlap (qwen3/workload_base_configs.py @v0.2.0);
+#   26.02 and 26.02.01: pp2 vp12 ep8 (the published layout) with DeepEP + overlap (qwen/
+#   qwen3_workload_base_configs.py @v0.3.0), except that the 26.02 container had no DeepEP
+#   (docs/releases/known-issues.md, 26.02: "DeepEP is not supported in the current NeMo framework 26.02
+#   container ... reduced DSv3 performance ... on H100"): 26.02 ran the alltoall dispatcher (its 5,113
+#   tokens/s/GPU against 26.02.01's 9,058 on the same layout); 26.02.01 prints v0.3.0's layout, not
+#   v0.3.1's (ep16 HybridEP), so it ran v0.3.0's configs; 26.04-26.06 HybridEP (per-node deduplicated
+#   dispatch, as DeepEP: --dispatcher deepep) without overlap, ep16 pp1 (@v0.4.0-v0.5.0).
+# - Qwen3-235B-A22B (tp2 pp8 vp4 ep32, every release): --moe-a2a-overlap and no flex backend, i.e. the
+#   alltoall dispatcher: BASE_QWEN3_235B_A22B_CONFIG has none @v0.2.0, @v0.3.0 and from @v0.4.0, where
+#   commit e1088f62 (2026-04-02) sets moe_token_dispatcher_type = "alltoall" when no backend is given;
+#   26.02.01 ran v0.3.0's configs (above; v0.3.1's base asks DeepEP).
+#   Its H100 config also turns TransformerEngine's TP overlap off (``CommOverlapConfig(tp_comm_overlap=False)``
+#   in qwen3_llm_pretrain.py's H100 function @v0.2.0-v0.4.1): planned with ``tp_overlap=False``
+#   (``BRIDGE_TP_OVERLAP_OFF``).
+# - GPT-OSS-120B: alltoall, no overlap in every release (gpt_oss recipes).
+_QWEN3, _QWEN3_235B = "Qwen3_30B_a3B", "Qwen3_235B_a22B"
+BRIDGE_MOE_RECIPES = {(_QWEN3, "25.11"): ("alltoall", True), (_QWEN3, "26.02"): ("alltoall", True),
                       (_QWEN3, "26.02.01"): ("deepep", True), (_QWEN3, "26.04"): ("deepep", False),
-                      (_QWEN3, "26.04.01"): ("deepep", False), (_QWEN3, "26.06"): ("deepep", False)}
+                      (_QWEN3, "26.04.01"): ("deepep", False), (_QWEN3, "26.06"): ("deepep", False),
+                      **{(_QWEN3_235B, c): ("alltoall", True) for c in ("25.11", "26.02", "26.02.01", "26.04", "26.04.01")}}
+BRIDGE_TP_OVERLAP_OFF = {_QWEN3_235B}  # models whose H100 recipe sets tp_comm_overlap=False (the others run tp 1)
+MOE_235B_TABLE = "megatron_bridge_h100_moe_qwen3_235b.csv"  # the same source's Qwen3-235B-A22B rows
+
+
+def _bridge_moe_row(container: str, model_name: str, model: ModelConfig, system, precision: str, gpus: int, tp: int,
+                    pp: int, cp: int, vp: int, ep: int, micro_batch: int, seq: int, batch: int, tokens: float) -> dict:
+    """One Megatron-Bridge MoE row planned at its layout (zero 1, sequence parallel with tp > 1) with
+    its release's dispatcher and overlap (``BRIDGE_MOE_RECIPES``, ``BRIDGE_TP_OVERLAP_OFF``)."""
+    fp8 = precision.startswith("FP8")
+    layout = ParallelLayout(dp=gpus // (tp * pp * cp), tp=tp, sp=tp > 1, pp=pp, cp=cp, ep=ep, zero=1,
+                            precision="fp8" if fp8 else "bf16", schedule="interleaved-1f1b" if vp > 1 else "1f1b",
+                            virtual_stages=vp, micro_batch=micro_batch)
+    dispatcher, overlap = BRIDGE_MOE_RECIPES.get((model_name, container), ("alltoall", False))
+    name = (f"{container} {model_name} {precision} tp{tp} pp{pp} vp{vp} ep{ep}"
+            + (f" {dispatcher}" if dispatcher != "alltoall" else "") + (" a2a-overlap" if overlap else ""))
+    return _tokens_row("megatron-bridge-h100-moe", name, model, system, layout, gpus, seq, batch, RUNTIME_MOE, tokens,
+                       attention_kernel=BRIDGE_ATTENTION, dispatcher=dispatcher, ep_overlap=overlap,
+                       tp_overlap=False if model_name in BRIDGE_TP_OVERLAP_OFF else None, fp8=fp8)
 
 
 def megatron_bridge_moe(system="dgx-h100") -> list[dict]:
-    """Tokens/s per GPU of the Megatron-Bridge MoE rows (module docstring: what is not modelled)."""
+    """Tokens/s per GPU of the Megatron-Bridge MoE rows (module docstring: what is not modelled): the
+    shared selection (GPT-OSS-120B, Qwen3-30B-A3B) and every Qwen3-235B-A22B H100 row."""
     system = load_system(system)
     rows = []
     for r in read_table(MOE_TABLE):
         if r["model_as_published"].startswith("Nemotron") or "tokendrop" in r["moe_token_policy"]:
             continue
-        gpus, tp, pp, cp, ep = (int(r[k]) for k in ("num_gpus", "tp", "pp", "cp", "ep"))
-        vp = int(r["vp"] or 1)
-        fp8 = r["precision_as_published"].startswith("FP8")
-        layout = ParallelLayout(dp=gpus // (tp * pp * cp), tp=tp, pp=pp, cp=cp, ep=ep, zero=1, precision="fp8" if fp8 else "bf16",
-                                schedule="interleaved-1f1b" if vp > 1 else "1f1b", virtual_stages=vp,
-                                micro_batch=int(r["micro_batch_size_seqs"]))
-        dispatcher, overlap = BRIDGE_MOE_RECIPES.get((r["model_as_published"], r["container"]), ("alltoall", False))
-        rows.append(_tokens_row("megatron-bridge-h100-moe", f"{r['container']} {r['model_as_published']} "
-                                f"{r['precision_as_published']} tp{tp} pp{pp} vp{vp} ep{ep}"
-                                + (f" {dispatcher}" if dispatcher != "alltoall" else "") + (" a2a-overlap" if overlap else ""),
-                                _moe_model(r), system, layout, gpus, int(r["seq_len_tokens"]),
-                                int(r["global_batch_size_seqs"]), RUNTIME_MOE, float(r["tokens_per_s_per_gpu"]),
-                                attention_kernel=BRIDGE_ATTENTION, dispatcher=dispatcher, ep_overlap=overlap, fp8=fp8))
+        rows.append(_bridge_moe_row(r["container"], r["model_as_published"], _moe_model(r), system,
+                                    r["precision_as_published"], *(int(r[k]) for k in ("num_gpus", "tp", "pp", "cp")),
+                                    int(r["vp"] or 1), int(r["ep"]), int(r["micro_batch_size_seqs"]),
+                                    int(r["seq_len_tokens"]), int(r["global_batch_size_seqs"]),
+                                    float(r["tokens_per_s_per_gpu"])))
+    for r in read_source_table(MOE_235B_TABLE):
+        seq = int(r["seq"])
+        rows.append(_bridge_moe_row(r["container"], r["model"], QWEN3_235B.replace(seq_len=seq), system, r["precision"],
+                                    *(int(r[k]) for k in ("gpus", "tp", "pp", "cp", "vp", "ep", "micro_batch")), seq,
+                                    int(r["global_batch"]), float(r["tokens_per_s_per_gpu"])))
     return rows
 
 
@@ -236,9 +266,9 @@ def _llama(r: dict, seq: int, vocab_key: str = "vocab", head_dim_key: str = "hea
 
 def _tokens_row(table: str, name: str, model: ModelConfig, system, layout: ParallelLayout, gpus: int, seq: int,
                 batch: int, runtime: str, ref_tokens: float, attention_kernel: str = "fa3", compiled=None,
-                dispatcher: str = "alltoall", ep_overlap: bool = False, **extra) -> dict:
+                dispatcher: str = "alltoall", ep_overlap: bool = False, tp_overlap: bool | None = None, **extra) -> dict:
     problem = Problem(model, system, gpus, seq, batch, runtime=runtime, attention_kernel=attention_kernel,
-                      compiled=compiled, dispatcher=dispatcher, ep_overlap=ep_overlap)
+                      compiled=compiled, dispatcher=dispatcher, ep_overlap=ep_overlap, tp_overlap=tp_overlap)
     g = Grid.from_layout(layout)
     est = Estimate.from_results(problem, g, evaluate(problem, g))
     predicted = est.tokens_per_s / gpus

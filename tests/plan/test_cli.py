@@ -115,3 +115,23 @@ def test_pad_vocab_and_ep_overlap_reach_the_plan(capsys):
     assert main(["plan", "estimate", *gpt2, "--pad-vocab", "maybe"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("luban: error:") and "--pad-vocab" in err[0], err
+
+
+def test_tp_overlap_hides_tensor_parallel_collectives_only_where_asked(capsys):
+    """--tp-overlap: megatron-core overlaps its sequence-parallel TP collectives by default (the
+    Megatron-Bridge recipes' --tp-comm-overlap) and ``off`` exposes them; fsdp2 (torchtitan) exposes
+    them by default and ``on`` is its async TP; without sequence parallel nothing hides."""
+    def plan(*flags):
+        assert main(["plan", "estimate", "--system", "dgx-h100", "--gpus", "8", "--json", "--model", "llama-8b",
+                     "--global-batch", "64", "--seq", "4096", "--precision", "bf16", "--tp", "8", "--dp", "1",
+                     "--micro-batch", "1", "--zero", "1", *flags]) == 0
+        out = json.loads(capsys.readouterr().out)
+        return out["time_breakdown_s"]["tp_comm"], out["step_time_s"]
+
+    core = ("--runtime", "megatron-core", "--sp")
+    assert plan(*core)[0] < plan(*core, "--tp-overlap", "off")[0]
+    assert plan(*core) == plan(*core, "--tp-overlap", "on")
+    titan = ("--runtime", "fsdp2", "--sp")
+    assert plan(*titan) == plan(*titan, "--tp-overlap", "off")
+    assert plan(*titan, "--tp-overlap", "on")[1] < plan(*titan)[1]
+    assert plan("--runtime", "megatron-core") == plan("--runtime", "megatron-core", "--tp-overlap", "on")  # no --sp

@@ -102,24 +102,49 @@ def test_megatron_bridge_moe_rows():
     bf16 peak. The published layouts ran, so they must fit (all but 25.11 GPT-OSS at micro-batch
     4, over-estimated); the error bound only guards against regressions of the current model."""
     rows = validate.megatron_bridge_moe()
-    assert len(rows) == 11 and {r["fp8"] for r in rows} == {True, False}
+    assert len(rows) == 16 and {r["fp8"] for r in rows} == {True, False}
     bf16 = [abs(r["error"]) for r in rows if not r["fp8"]]
     assert len(bf16) == 5 and np.mean(bf16) < 0.65
     assert all(np.isfinite(r["predicted"]) and r["predicted"] > 0 for r in rows)
-    assert [r["row"] for r in rows if not r["estimate"].fits] == ["25.11 GPT OSS 120B BF16 tp1 pp4 vp1 ep8"]
+    over = [r for r in rows if not r["estimate"].fits]
+    assert [r["row"] for r in over if "235B" not in r["row"]] == ["25.11 GPT OSS 120B BF16 tp1 pp4 vp1 ep8"]
+    # Qwen3-235B-A22B: the planner keeps megatron-core's fp32 main gradients, the H100 perf recipes set
+    # grad_reduce_in_fp32 = False (bf16 gradients, qwen3_llm_pretrain.py set_qwen3_common_configs): with
+    # that half of the gradient bytes the published layout fits
+    for r in over:
+        if "235B" in r["row"]:
+            est = r["estimate"]
+            assert est.memory_bytes["total"] - est.grad_bytes / 2 <= est.hbm_bytes, r["row"]
 
 
 def test_megatron_bridge_moe_rows_run_their_recipes_dispatcher_and_overlap():
     """Each row is planned with the dispatcher and all-to-all overlap of its release's H100 recipe
-    (validate.BRIDGE_MOE_RECIPES, cited from Megatron-Bridge's git history): Qwen3-30B-A3B 25.11
-    alltoall + overlap, 26.02 DeepEP + overlap, 26.04 on HybridEP (deduplicated per node) without;
-    GPT-OSS alltoall without overlap."""
-    rows = {r["row"].split(" tp1")[0]: r["row"] for r in validate.megatron_bridge_moe()}
+    (validate.BRIDGE_MOE_RECIPES, cited from Megatron-Bridge's tags): Qwen3-30B-A3B 25.11 alltoall +
+    overlap, 26.02 the same (its container had no DeepEP: the release's known issues), 26.02.01
+    DeepEP + overlap, 26.04 on HybridEP (deduplicated per node) without; Qwen3-235B-A22B alltoall +
+    overlap in every release; GPT-OSS alltoall without overlap."""
+    rows = {r["row"].split(" tp")[0]: r["row"] for r in validate.megatron_bridge_moe()}
     assert rows["25.11 Qwen3_30B_a3B FP8-CS"].endswith("ep8 a2a-overlap")
-    assert rows["26.02 Qwen3_30B_a3B FP8"].endswith("ep8 deepep a2a-overlap")
+    assert rows["26.02 Qwen3_30B_a3B FP8"].endswith("ep8 a2a-overlap")
+    assert rows["26.02.01 Qwen3_30B_a3B FP8"].endswith("ep8 deepep a2a-overlap")
     assert rows["26.06 Qwen3_30B_a3B FP8"].endswith("ep16 deepep")
+    big = [name for key, name in rows.items() if "235B" in key]
+    assert len(big) == 5 and all(name.endswith("tp2 pp8 vp4 ep32 a2a-overlap") for name in big)
     assert all(name.endswith("ep8") for key, name in rows.items() if "GPT OSS" in key)
     assert set(validate.BRIDGE_MOE_RECIPES.values()) <= {(d, o) for d in ("alltoall", "deepep") for o in (True, False)}
+
+
+def test_bridge_qwen3_235b_rows_are_planned_like_the_modelzoo_rows():
+    """Every DGX-H100 Qwen3-235B-A22B row of the Megatron-Bridge archive (tp2 pp8 vp4 ep32 on 256
+    GPUs, sequence parallel, fp8): the same model the Megatron-Core MoE team's rows measure, with its
+    published global batch (2048 in 25.11, 8192 after) and its recipe's TP overlap off (exposed TP
+    collectives); a guard on the current model's error there (docs/planner.md: within 25% where the
+    experts are large, far off for the fine-grained models)."""
+    rows = [r for r in validate.megatron_bridge_moe() if "235B" in r["row"]]
+    assert [r["estimate"].global_batch for r in rows] == [8192, 8192, 8192, 8192, 2048]
+    assert all(r["estimate"].time_breakdown_s["tp_comm"] > 0 for r in rows)
+    assert all(r["estimate"].layout.sp and r["fp8"] for r in rows)
+    assert np.mean([abs(r["error"]) for r in rows]) < 0.25
 
 
 def test_deepep_sends_each_token_once_per_node_and_overlap_hides_the_all_to_all():
