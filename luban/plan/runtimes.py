@@ -192,10 +192,22 @@ class Runtime:
         return np.where(g.precision == FP8, layers * (weights + scaling), 0.0)
 
     def fp8_cast_bytes(self, problem, g):
-        """HBM bytes per token per layer that quantising the GEMM inputs moves (read bf16, write
-        fp8: 3 bytes per element per pass) in forward; the output gradients in backward double it."""
+        """HBM bytes per token per layer (the average layer) that quantising the GEMM inputs moves
+        (read bf16, write fp8: 3 bytes per element per pass) in forward; the output gradients in
+        backward double it. Inputs: QKV and fc1 (h each), projection and fc2 (q/tp, ffn/tp); in a
+        MoE layer the fc1 and fc2 inputs of every routed copy and shared expert (k + shared copies
+        of h and f_e): split by tp inside the experts (``expert_tp``), or, folded, each rank
+        quantising its sequence-parallel 1/tp of the tokens (``ep_folding``)."""
         cfg = problem.model
-        inputs = 2 * cfg.hidden + (cfg.q_dim + cfg.ffn_hidden) / g.tp  # QKV, fc1 inputs; proj, fc2 inputs
+        attention = cfg.hidden + cfg.q_dim / g.tp
+        dense = cfg.hidden + cfg.ffn_hidden / g.tp
+        copies = cfg.experts_per_token + cfg.shared_experts if cfg.moe else 0
+        if self.ep_folding:
+            moe = copies * (cfg.hidden + cfg.expert_ffn_hidden) / g.tp
+        else:
+            moe = copies * (cfg.hidden + cfg.expert_ffn_hidden / (g.tp if self.expert_tp else 1))
+        share = problem.derived["moe_share"]
+        inputs = attention + (1 - share) * dense + share * moe
         return np.where(g.precision == FP8, 3.0 * self.fp8_cast_passes * inputs, 0.0)
 
     def dp_collective_counts(self, problem, g, m, n) -> tuple:

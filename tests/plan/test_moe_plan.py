@@ -192,3 +192,24 @@ def test_megatron_moe_modelzoo_rows():
     rows = validate.megatron_moe_modelzoo()
     assert len(rows) == 5 and all(r["unit"] == "s" and np.isfinite(r["predicted"]) for r in rows)
     assert np.mean([abs(r["error"]) for r in rows]) < 0.25
+
+
+def test_fp8_casts_count_every_routed_copy_of_a_moe_layer():
+    """TransformerEngine quantises each expert GEMM's input after dispatch: per token of a MoE layer
+    the fc1 and fc2 inputs of its k routed copies (k·(h + f_e) elements, 3 bytes a pass), not one
+    dense MLP's; folded (megatron-core) each rank quantises its sequence-parallel 1/tp share, split
+    by tp inside the experts (megatron) only the f_e side divides."""
+    from luban.plan import runtimes
+
+    cfg = QWEN  # every layer MoE: 48 of 48
+    h, q, k, fe = cfg.hidden, cfg.q_dim, cfg.experts_per_token, cfg.expert_ffn_hidden
+    for tp in (1, 2):
+        g = Grid.from_layout(ParallelLayout(dp=16 // tp, tp=tp, sp=tp > 1, zero=1, precision="fp8"))
+        core = float(runtimes.get("megatron-core").fp8_cast_bytes(problem(runtime="megatron-core"), g))
+        assert core == pytest.approx(3 * 1 * (h + q / tp + k * (h + fe) / tp))
+        mega = runtimes.get("megatron")
+        assert mega.fp8_cast_passes == 0  # the papers' runtime plans no fp8 casts
+    dense = get_preset("llama-8b")
+    g = Grid.from_layout(ParallelLayout(dp=8, zero=1, precision="fp8"))
+    p = Problem(dense, load_system("dgx-h100"), 8, 4096, 64, "megatron-core")
+    assert float(runtimes.get("megatron-core").fp8_cast_bytes(p, g)) == 3 * (2 * dense.hidden + dense.q_dim + dense.ffn_hidden)
