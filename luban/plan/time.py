@@ -331,16 +331,24 @@ def step_time(problem: Problem, g: Grid, mem: dict) -> dict:
 PERMUTE_PASSES = 4  # permute (gather into expert order) + unpermute (weighted scatter back): each reads and writes the k copies
 
 
+# the router past its h x E GEMM (whose FLOPs the layer's GEMMs count), per token and expert: the
+# logits read in the GEMM's output dtype (2 bytes), fp32 probabilities written (4) and the boolean
+# routing map (1) -- Megatron-Core's TopKRouter returns both as [tokens, experts] tensors (softmax and
+# top-k fused with --moe-router-fusion)
+ROUTER_BYTES_PER_EXPERT = 2 + 4 + 1
+
+
 def moe_permutation_bytes(problem: Problem, e):
     """HBM bytes per token (average layer, forward) of routing a MoE layer's tokens to its experts
-    and back: the dropless token dispatcher (Megatron-Core ``moe_utils.permute``/``unpermute``)
-    copies each token's k routed copies into expert order and scatters the weighted outputs back,
-    each a read and a write of k·h elements (``PERMUTE_PASSES``); the router's h x E GEMM and
-    top-k are FLOP-light and not counted. Backward: 2x, with the layer's other terms."""
+    and back: the router's scores over the E experts (``ROUTER_BYTES_PER_EXPERT``), then the
+    dropless token dispatcher (Megatron-Core ``moe_utils.permute``/``unpermute``) copies each
+    token's k routed copies into expert order and scatters the weighted outputs back, each a read
+    and a write of k·h elements (``PERMUTE_PASSES``). Backward: 2x, with the layer's other terms."""
     cfg = problem.model
     if not cfg.moe:
         return 0.0
-    return problem.derived["moe_share"] * PERMUTE_PASSES * cfg.experts_per_token * cfg.hidden * e
+    router = ROUTER_BYTES_PER_EXPERT * cfg.experts
+    return problem.derived["moe_share"] * (PERMUTE_PASSES * cfg.experts_per_token * cfg.hidden * e + router)
 
 
 def host_bound(problem: Problem, n, busy):

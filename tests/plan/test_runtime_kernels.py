@@ -155,13 +155,15 @@ def test_a_probed_kernel_launch_cost_paces_eager_runtimes_only():
 
 def test_moe_token_permutation_is_charged_per_routed_copy(monkeypatch):
     """Dropless dispatch copies each token's k routed copies into expert order and back
-    (``time.moe_permutation_bytes``): k·h·e bytes x 4 passes per MoE layer; nothing for a dense model."""
+    (``time.moe_permutation_bytes``): k·h·e bytes x 4 passes per MoE layer, after the router's
+    scores (7 bytes per expert: logits read, fp32 probabilities and the routing map written);
+    nothing for a dense model."""
     from luban.plan import time as plan_time
 
     moe = Problem(get_preset("tiny-moe"), load_system("dgx-h100"), 1, 128, 8, runtime="megatron-core")
     cfg = moe.model
     assert plan_time.moe_permutation_bytes(moe, 2.0) == pytest.approx(
-        moe.derived["moe_share"] * 4 * cfg.experts_per_token * cfg.hidden * 2.0)
+        moe.derived["moe_share"] * (4 * cfg.experts_per_token * cfg.hidden * 2.0 + 7 * cfg.experts))
     dense = Problem(get_preset("tiny-llama"), load_system("dgx-h100"), 1, 128, 8, runtime="megatron-core")
     assert plan_time.moe_permutation_bytes(dense, 2.0) == 0.0
     g = Grid.from_layout(ParallelLayout(precision="bf16", micro_batch=8))
