@@ -42,20 +42,30 @@ def collective(problem: Problem, nbytes, n, intra, kind: str):
     return np.where(n > 1, seconds, 0.0)
 
 
+# DeepEP's normal (training) kernels' measured link use, deepseek-ai/DeepEP docs/legacy.md "Performance"
+# @dd758ca (H800, DeepSeek-V3 shapes): intranode dispatch 153 GB/s of ~160 GB/s NVLink; internode 43 GB/s
+# of a ~50 GB/s CX7 400 Gb/s NIC at EP 16 (its EP 32/64 rows print 58 and 51 GB/s, more than the NIC
+# carries: logical bytes, so the EP 16 figure is taken)
+DEEPEP_NVLINK_EFFICIENCY = 153 / 160
+DEEPEP_NETWORK_EFFICIENCY = 43 / 50
+
+
 def all_to_all(problem: Problem, nbytes, n, stride, dedup_nodes: bool = False):
     """Seconds for an all-to-all of ``nbytes`` per rank over ``n`` ranks at ``stride``: each rank
     sends M/n to every peer in n−1 pairwise steps; the peers inside its NVLink domain
     (domain/stride of them) over NVLink, the others over the network, both at once (NCCL
-    runs the pairs concurrently), so the slower of the two paces it. ``dedup_nodes``: the
-    network part is a MoE dispatch that sends each token once per destination node
-    (``deepep_network_share``)."""
+    runs the pairs concurrently), so the slower of the two paces it, each link at the profile's
+    collective efficiency. ``dedup_nodes``: a MoE dispatch by DeepEP's kernels, which send each
+    token once per destination node (``deepep_network_share``) and use the links at their
+    measured ``DEEPEP_NVLINK_EFFICIENCY`` and ``DEEPEP_NETWORK_EFFICIENCY``."""
     s = problem.system
     local = np.clip(s.nvlink_domain // stride, 1, n)
     stall = cpu_stall(problem)
-    near = ((local - 1) * (s.nvlink_latency + stall)
-            + (local - 1) / n * nbytes / (s.nvlink_bandwidth * s.collective_efficiency(nbytes)))
+    curve = s.collective_efficiency(nbytes)
+    near_eff, far_eff = (DEEPEP_NVLINK_EFFICIENCY, DEEPEP_NETWORK_EFFICIENCY) if dedup_nodes else (curve, curve)
+    near = (local - 1) * (s.nvlink_latency + stall) + (local - 1) / n * nbytes / (s.nvlink_bandwidth * near_eff)
     network = (n - local) / n * nbytes * (deepep_network_share(problem, n, local) if dedup_nodes else 1.0)
-    far = (n - local) * (s.internode_latency + stall) + network / (s.internode_bandwidth * s.collective_efficiency(nbytes))
+    far = (n - local) * (s.internode_latency + stall) + network / (s.internode_bandwidth * far_eff)
     return np.where(n > 1, np.maximum(near, far), 0.0)
 
 
