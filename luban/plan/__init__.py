@@ -7,5 +7,8 @@ ATTENTION_KERNELS = ("fa2", "fa3")
 
 # MoE token dispatchers (``Problem.dispatcher``): ``alltoall`` sends one copy of a token per routed
 # expert (Megatron-Core's alltoall dispatcher, luban); ``deepep`` one per destination node, then
-# forwards over NVLink (DeepEP, Megatron-Core's flex dispatcher)
-DISPATCHERS = ("alltoall", "deepep")
+# forwards over NVLink (DeepEP, Megatron-Core's flex dispatcher, at DeepEP's measured link rates);
+# ``hybridep`` deduplicates per node as DeepEP does (NVIDIA's HybridEP, the flex dispatcher's other
+# backend) with the links at the profile's collective curve: it publishes no link figures of its own
+DISPATCHERS = ("alltoall", "deepep", "hybridep")
+DEDUPLICATING = ("deepep", "hybridep")  # dispatchers that send a token once per destination node

@@ -50,8 +50,9 @@ def register(sub) -> None:
                         help="fused attention generation: fa3 (Hopper's FA3 class: TE/cuDNN, FlashAttention-3; "
                              "as fa2 on GPUs without one) or fa2 (FlashAttention-2 class)")
     common.add_argument("--dispatcher", type=schema.choice(*DISPATCHERS), default="alltoall",
-                        help="MoE token dispatch: alltoall (a copy per routed expert) or deepep (a copy per "
-                             "destination node, then NVLink)")
+                        help="MoE token dispatch: alltoall (a copy per routed expert), deepep (a copy per "
+                             "destination node, then NVLink, at DeepEP's measured link rates) or hybridep (the same "
+                             "deduplication at the profile's collective efficiency)")
     common.add_argument("--ep-overlap", action="store_true",
                         help="MoE: the all-to-alls overlap another micro-batch's compute (Megatron-Core's 1F1B "
                              "A2A overlap; planned as an upper bound)")
@@ -91,8 +92,10 @@ def register(sub) -> None:
     val = cmds.add_parser("validate", help="reproduce the published tables")
     val.add_argument("--system", default="dgx-a100-80g")
     val.add_argument("--json", action="store_true")
-    val.add_argument("--grid", choices=("full", "small", "none"), default="full",
-                     help="leave-one-source-out refit grid (luban.plan.loso): full (default), small, or none to skip it")
+    val.add_argument("--grid", choices=("full", "small", "fine", "none"), default="full",
+                     help="leave-one-source-out refit grid (luban.plan.loso): full (default, 81 combinations), "
+                          "small, fine (1,050 combinations, minutes: how much the headline depends on the grid), "
+                          "or none to skip it")
     val.set_defaults(func=cmd_validate)
 
     study = cmds.add_parser("study", help="rerun a published planning study and compare (charts + table)")
@@ -271,7 +274,7 @@ def cmd_validate(args) -> int:
     from luban.plan import loso
 
     tables = validate_all(args.system)
-    by_source = None if args.grid == "none" else loso.fit(loso.FULL_GRID if args.grid == "full" else loso.SMALL_GRID)
+    by_source = None if args.grid == "none" else loso.fit(loso.GRIDS[args.grid])
     if args.json:
         out = {name: {"summary": t["summary"], "rows": [{k: v for k, v in r.items() if k != "estimate"} for r in t["rows"]]}
                for name, t in tables.items()}

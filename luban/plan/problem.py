@@ -42,7 +42,7 @@ class Problem:
     expert_imbalance: float = 1.0
     attention_kernel: str = "fa3"  # fused attention generation: fa2 (FlashAttention-2 class) or fa3 (Hopper's FA3 class)
     compiled: bool | str | None = None  # torch.compile: True (model, head, loss), "blocks" (blocks only), False; None: the runtime's default
-    dispatcher: str = "alltoall"  # MoE token dispatch: alltoall (one copy per routed expert) or deepep (one per node)
+    dispatcher: str = "alltoall"  # MoE token dispatch: alltoall (a copy per routed expert), deepep or hybridep (one per node)
     ep_overlap: bool = False  # the MoE all-to-alls overlapped with another micro-batch's compute (1F1B A2A overlap)
     pads_vocab: bool | None = None  # the head's GEMMs on a padded (aligned) vocabulary; None: the runtime's default
     # tensor-parallel collectives pipelined with the adjacent GEMMs (Megatron-Core --tp-comm-overlap, torchtitan's

@@ -19,6 +19,7 @@ import numpy as np
 
 from luban.parallel.layout import PRECISIONS
 from luban.parallel import schedules
+from luban.plan import DEDUPLICATING
 from luban.plan.grid import BLOCKS_OFFLOAD, FP32, FULL, PARAMS_OFFLOAD, SELECTIVE, Grid
 from luban.plan.memory import (activation_bytes, activations_in_tier, all_to_all_bytes, expert_split, expert_zero_shards,
                                host_state_offload, rank_layers, recomputed_share, zero_shards)
@@ -50,20 +51,22 @@ DEEPEP_NVLINK_EFFICIENCY = 153 / 160
 DEEPEP_NETWORK_EFFICIENCY = 43 / 50
 
 
-def all_to_all(problem: Problem, nbytes, n, stride, dedup_nodes: bool = False):
+def all_to_all(problem: Problem, nbytes, n, stride, dispatcher: str = "alltoall"):
     """Seconds for an all-to-all of ``nbytes`` per rank over ``n`` ranks at ``stride``: each rank
     sends M/n to every peer in n−1 pairwise steps; the peers inside its NVLink domain
     (domain/stride of them) over NVLink, the others over the network, both at once (NCCL
     runs the pairs concurrently), so the slower of the two paces it, each link at the profile's
-    collective efficiency. ``dedup_nodes``: a MoE dispatch by DeepEP's kernels, which send each
-    token once per destination node (``deepep_network_share``) and use the links at their
-    measured ``DEEPEP_NVLINK_EFFICIENCY`` and ``DEEPEP_NETWORK_EFFICIENCY``."""
+    collective efficiency. A MoE ``dispatcher`` that deduplicates (``DEDUPLICATING``: DeepEP,
+    HybridEP) sends each token once per destination node (``deepep_network_share``); DeepEP's
+    kernels use the links at their measured ``DEEPEP_NVLINK_EFFICIENCY`` and
+    ``DEEPEP_NETWORK_EFFICIENCY``."""
     s = problem.system
     local = np.clip(s.nvlink_domain // stride, 1, n)
     stall = cpu_stall(problem)
     curve = s.collective_efficiency(nbytes)
-    near_eff, far_eff = (DEEPEP_NVLINK_EFFICIENCY, DEEPEP_NETWORK_EFFICIENCY) if dedup_nodes else (curve, curve)
+    near_eff, far_eff = (DEEPEP_NVLINK_EFFICIENCY, DEEPEP_NETWORK_EFFICIENCY) if dispatcher == "deepep" else (curve, curve)
     near = (local - 1) * (s.nvlink_latency + stall) + (local - 1) / n * nbytes / (s.nvlink_bandwidth * near_eff)
+    dedup_nodes = dispatcher in DEDUPLICATING
     network = (n - local) / n * nbytes * (deepep_network_share(problem, n, local) if dedup_nodes else 1.0)
     far = (n - local) * (s.internode_latency + stall) + network / (s.internode_bandwidth * far_eff)
     return np.where(n > 1, np.maximum(near, far), 0.0)
@@ -259,7 +262,7 @@ def step_time(problem: Problem, g: Grid, mem: dict) -> dict:
     ep_tokens = tokens / t if folded else tokens
     ep_one = (problem.expert_imbalance * d["moe_share"] * 2
               * all_to_all(problem, ep_tokens * all_to_all_bytes(problem, g, act["e"]), g.ep, 1 if folded else t,
-                           dedup_nodes=problem.dispatcher == "deepep"))
+                           dispatcher=problem.dispatcher))
     if problem.ep_overlap:  # Megatron-Core --overlap-moe-expert-parallel-comm: in the 1F1B steady state one
         # micro-batch's forward runs beside another's backward, and each side's dispatch and combine
         # hide behind the other's compute (3 layer forwards per pair, half of it per direction); an

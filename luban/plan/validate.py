@@ -160,7 +160,7 @@ def _moe_model(r: dict) -> ModelConfig:
 #   container ... reduced DSv3 performance ... on H100"): 26.02 ran the alltoall dispatcher (its 5,113
 #   tokens/s/GPU against 26.02.01's 9,058 on the same layout); 26.02.01 prints v0.3.0's layout, not
 #   v0.3.1's (ep16 HybridEP), so it ran v0.3.0's configs; 26.04-26.06 HybridEP (per-node deduplicated
-#   dispatch, as DeepEP: --dispatcher deepep) without overlap, ep16 pp1 (@v0.4.0-v0.5.0).
+#   dispatch: --dispatcher hybridep) without overlap, ep16 pp1 (@v0.4.0-v0.5.0).
 # - Qwen3-235B-A22B (tp2 pp8 vp4 ep32, every release): --moe-a2a-overlap and no flex backend, i.e. the
 #   alltoall dispatcher: BASE_QWEN3_235B_A22B_CONFIG has none @v0.2.0, @v0.3.0 and from @v0.4.0, where
 #   commit e1088f62 (2026-04-02) sets moe_token_dispatcher_type = "alltoall" when no backend is given;
@@ -171,8 +171,8 @@ def _moe_model(r: dict) -> ModelConfig:
 # - GPT-OSS-120B: alltoall, no overlap in every release (gpt_oss recipes).
 _QWEN3, _QWEN3_235B = "Qwen3_30B_a3B", "Qwen3_235B_a22B"
 BRIDGE_MOE_RECIPES = {(_QWEN3, "25.11"): ("alltoall", True), (_QWEN3, "26.02"): ("alltoall", True),
-                      (_QWEN3, "26.02.01"): ("deepep", True), (_QWEN3, "26.04"): ("deepep", False),
-                      (_QWEN3, "26.04.01"): ("deepep", False), (_QWEN3, "26.06"): ("deepep", False),
+                      (_QWEN3, "26.02.01"): ("deepep", True), (_QWEN3, "26.04"): ("hybridep", False),
+                      (_QWEN3, "26.04.01"): ("hybridep", False), (_QWEN3, "26.06"): ("hybridep", False),
                       **{(_QWEN3_235B, c): ("alltoall", True) for c in ("25.11", "26.02", "26.02.01", "26.04", "26.04.01")}}
 BRIDGE_TP_OVERLAP_OFF = {_QWEN3_235B}  # models whose H100 recipe sets tp_comm_overlap=False (the others run tp 1)
 MOE_235B_TABLE = "megatron_bridge_h100_moe_qwen3_235b.csv"  # the same source's Qwen3-235B-A22B rows

@@ -100,3 +100,23 @@ def test_single_gpu_rows_follow_the_runners():
     with open(validate.reference_dir() / validate.SINGLE_GPU_TABLE) as f:
         runners = {(r["runner"], r["compiled"]) for r in csv.DictReader(line for line in f if not line.startswith("#"))}
     assert set(validate.SINGLE_GPU_RUNNERS) <= runners  # every mapped runner is in the file
+
+
+def test_validate_takes_each_named_grid(monkeypatch, capsys):
+    """``luban plan validate --grid NAME`` refits on ``loso.GRIDS[NAME]``: the fine grid holds the
+    shipped knobs and 1,050 combinations (the sensitivity check of docs/planner.md); an unknown name
+    is a one-line error."""
+    from luban.cli import main
+
+    fine = loso.GRIDS["fine"]
+    assert int(np.prod([len(v) for v in fine.values()])) == 1050
+    assert all(1.0 in fine[k] for k in ("mm", "attn", "fp8")) and runtimes.EAGER_TRAFFIC in fine["eager"]
+    seen = []
+    empty = {"candidates": 0, "sources": {}, "headline": 0.0, "fitted_mean": 0.0, "best_all": {}}
+    monkeypatch.setattr(loso, "fit", lambda grid: seen.append(grid) or empty)  # the tables still run, not the refit
+    for name in ("fine", "small", "full"):
+        assert main(["plan", "validate", "--grid", name, "--json"]) == 0
+        capsys.readouterr()
+    assert seen == [loso.GRIDS["fine"], loso.GRIDS["small"], loso.GRIDS["full"]]
+    assert main(["plan", "validate", "--grid", "finer"]) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1

@@ -8,7 +8,7 @@ from luban.errors import LubanError
 from luban.model import flops
 from luban.model.presets import get_preset
 from luban.parallel.layout import ParallelLayout
-from luban.plan import validate
+from luban.plan import DISPATCHERS, validate
 from luban.plan.estimate import evaluate
 from luban.plan.grid import Grid
 from luban.plan.memory import rank_experts, rank_params
@@ -121,17 +121,17 @@ def test_megatron_bridge_moe_rows_run_their_recipes_dispatcher_and_overlap():
     """Each row is planned with the dispatcher and all-to-all overlap of its release's H100 recipe
     (validate.BRIDGE_MOE_RECIPES, cited from Megatron-Bridge's tags): Qwen3-30B-A3B 25.11 alltoall +
     overlap, 26.02 the same (its container had no DeepEP: the release's known issues), 26.02.01
-    DeepEP + overlap, 26.04 on HybridEP (deduplicated per node) without; Qwen3-235B-A22B alltoall +
+    DeepEP + overlap, 26.04 on HybridEP (deduplicated per node: --dispatcher hybridep) without; Qwen3-235B-A22B alltoall +
     overlap in every release; GPT-OSS alltoall without overlap."""
     rows = {r["row"].split(" tp")[0]: r["row"] for r in validate.megatron_bridge_moe()}
     assert rows["25.11 Qwen3_30B_a3B FP8-CS"].endswith("ep8 a2a-overlap")
     assert rows["26.02 Qwen3_30B_a3B FP8"].endswith("ep8 a2a-overlap")
     assert rows["26.02.01 Qwen3_30B_a3B FP8"].endswith("ep8 deepep a2a-overlap")
-    assert rows["26.06 Qwen3_30B_a3B FP8"].endswith("ep16 deepep")
+    assert rows["26.06 Qwen3_30B_a3B FP8"].endswith("ep16 hybridep")
     big = [name for key, name in rows.items() if "235B" in key]
     assert len(big) == 5 and all(name.endswith("tp2 pp8 vp4 ep32 a2a-overlap") for name in big)
     assert all(name.endswith("ep8") for key, name in rows.items() if "GPT OSS" in key)
-    assert set(validate.BRIDGE_MOE_RECIPES.values()) <= {(d, o) for d in ("alltoall", "deepep") for o in (True, False)}
+    assert set(validate.BRIDGE_MOE_RECIPES.values()) <= {(d, o) for d in DISPATCHERS for o in (True, False)}
 
 
 def test_bridge_qwen3_235b_rows_are_planned_like_the_modelzoo_rows():
@@ -172,13 +172,18 @@ def test_deepep_sends_each_token_once_per_node_and_overlap_hides_the_all_to_all(
 
     assert 0 < float(intra[1]) < float(intra[0])
     s, nbytes = p.system, 64e6
-    assert float(all_to_all(p, nbytes, np.array(8), 1, dedup_nodes=True)) == pytest.approx(
+    assert float(all_to_all(p, nbytes, np.array(8), 1, "deepep")) == pytest.approx(
         7 * s.nvlink_latency + 7 / 8 * nbytes / (s.nvlink_bandwidth * DEEPEP_NVLINK_EFFICIENCY))
     assert float(all_to_all(p, nbytes, np.array(8), 1)) == pytest.approx(
         7 * s.nvlink_latency + 7 / 8 * nbytes / (s.nvlink_bandwidth * s.collective_efficiency(nbytes)))
     far = 24 * s.internode_latency + 24 / 32 * nbytes * expected / (s.internode_bandwidth * DEEPEP_NETWORK_EFFICIENCY)
-    assert float(all_to_all(p, nbytes, np.array(32), 1, dedup_nodes=True)) == pytest.approx(max(far, float(
+    assert float(all_to_all(p, nbytes, np.array(32), 1, "deepep")) == pytest.approx(max(far, float(
         7 * s.nvlink_latency + 7 / 32 * nbytes / (s.nvlink_bandwidth * DEEPEP_NVLINK_EFFICIENCY))))
+    # HybridEP: DeepEP's deduplication, the links at the profile's collective curve (no published rates)
+    curve = s.collective_efficiency(nbytes)
+    far = 24 * s.internode_latency + 24 / 32 * nbytes * expected / (s.internode_bandwidth * curve)
+    assert float(all_to_all(p, nbytes, np.array(32), 1, "hybridep")) == pytest.approx(max(far, float(
+        7 * s.nvlink_latency + 7 / 32 * nbytes / (s.nvlink_bandwidth * curve))))
     with pytest.raises(LubanError, match="--dispatcher"):
         problem(dispatcher="nccl")
     with pytest.raises(LubanError, match="--ep-overlap"):
