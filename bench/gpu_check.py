@@ -24,6 +24,11 @@ Sections of the report (each a table; a row that fails says why instead of stopp
     reported in metrics.jsonl and the steps while the write runs.
 (e) **Deterministic resume.** ``[train] deterministic = true``: two fresh runs, and one
     suspended and resumed half-way, compared tensor by tensor (bitwise).
+(f) **MoE layer pieces.** One rank's forward of one MoE layer at the MoE validation rows' shapes
+    (Qwen3-30B-A3B, GPT-OSS-120B, Qwen3-235B-A22B): the routed experts' GEMMs (per-expert loop,
+    ``torch._grouped_mm``, fp8 ``torch._scaled_mm``), the token permutation and the dropless
+    dispatcher's host synchronisation, each beside what the planner charges for it — where the
+    fine-grained MoE rows' missing time is (docs/planner.md, MoE).
 
 The CPU mode runs every section on tiny shapes (compile off, HF eager): its numbers mean
 nothing, it keeps the script from rotting (tests/bench/test_gpu_check.py runs it).
@@ -413,6 +418,149 @@ def deterministic_resume(setup: Setup, root: Path) -> list:
     return rows
 
 
+def moe_shapes(setup: Setup) -> list:
+    """(label, model, ep, tokens per rank, precision) of the MoE validation rows (luban/plan/validate.py:
+    Megatron-Bridge's Qwen3-30B-A3B fp8 and GPT-OSS-120B bf16 at ep 8, Qwen3-235B-A22B at ep 32 with tp 2,
+    whose sequence-parallel ranks each dispatch half of a 4096-token micro-batch)."""
+    from luban.plan import validate
+
+    if setup.cpu:
+        return [("tiny-moe ep2", get_preset("tiny-moe"), 2, 64, "fp8")]  # fp8: the planned row runs, the GEMM is n/a
+    oss = next(validate._moe_model(r) for r in validate.read_table(validate.MOE_TABLE)
+               if r["model_as_published"].startswith("GPT OSS"))
+    return [("Qwen3-30B-A3B ep8", get_preset("qwen3-30b-a3b"), 8, 4096, "fp8"),
+            ("GPT-OSS-120B ep8", oss, 8, 4096, "bf16"),
+            ("Qwen3-235B-A22B ep32", validate.QWEN3_235B, 32, 2048, "fp8")]
+
+
+def median_seconds(setup: Setup, fn, reps: int) -> float:
+    fn()
+    sync(setup)
+    times = []
+    for _ in range(reps):
+        sync(setup)
+        t0 = time.perf_counter()
+        fn()
+        sync(setup)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def moe_pieces(setup: Setup) -> list:
+    """(f) One MoE layer's pieces on one rank, forward, timed here beside what the planner charges
+    (issue #25 item 5; docs/planner.md, MoE): the routed experts' GEMMs (a loop of per-expert GEMMs,
+    ``torch._grouped_mm`` where it runs, fp8 ``torch._scaled_mm`` for the fp8 rows) against
+    ``time.expert_gemm_seconds``; token permutation (gather the k copies into expert order,
+    scatter-add them back) against ``time.moe_permutation_bytes`` at the profile's HBM rate; and the
+    dropless dispatcher's per-layer host synchronisation (the token counts read on the host in a
+    stream of small kernels), which the planner does not charge."""
+    from luban.parallel.layout import ParallelLayout
+    from luban.plan.grid import Grid
+    from luban.plan.problem import Problem
+    from luban.plan.system import load_system
+    from luban.plan.time import expert_gemm_seconds, moe_permutation_bytes, peak_flops
+
+    reps = 3 if setup.cpu else 20
+    dtype = torch.bfloat16
+    rows = []
+    for label, model, ep, tokens, precision in moe_shapes(setup):
+        h, f, k, experts = model.hidden, model.expert_ffn_hidden, model.experts_per_token, model.experts
+        local, per_expert = experts // ep, tokens * k * ep // experts
+        problem = Problem(model, load_system(builtin_system(setup)), ep, tokens, ep, runtime="megatron-core")
+        share = problem.derived["moe_share"]
+
+        def plan(prec):
+            g = Grid.from_layout(ParallelLayout(dp=ep, ep=ep, zero=1, precision=prec, micro_batch=1))
+            return float(expert_gemm_seconds(problem, g, tokens, peak_flops(problem, g, gemm=True))) / share
+
+        try:
+            x = torch.randn(local * per_expert, h, device=setup.device, dtype=dtype)
+            w1 = torch.randn(local, h, 2 * f, device=setup.device, dtype=dtype) / h ** 0.5
+            w2 = torch.randn(local, f, h, device=setup.device, dtype=dtype) / f ** 0.5
+
+            def loop():  # each expert's fc1 (gate and up) and fc2 GEMM; the activation is left out
+                for i in range(local):
+                    y = x[i * per_expert:(i + 1) * per_expert] @ w1[i]
+                    y[:, :f] @ w2[i]
+            measured = median_seconds(setup, loop, reps)
+            planned_s = plan("bf16")
+            rows.append([label, f"expert GEMMs bf16, {local} experts x {per_expert} rows (loop)", ms(measured),
+                         ms(planned_s), f"{measured / planned_s:.2f}"])
+            grouped = getattr(torch, "_grouped_mm", None)
+            if grouped is None or setup.device.type != "cuda":
+                rows.append([label, "expert GEMMs bf16 (torch._grouped_mm)", "n/a (needs CUDA and torch._grouped_mm)",
+                             ms(planned_s), ""])
+            else:
+                offs = torch.arange(1, local + 1, device=setup.device, dtype=torch.int32) * per_expert
+                # the weights column-major, as torchtitan passes them (``w.transpose(-2, -1)`` of [E, out, in])
+                w1c, w2c = (w.transpose(-2, -1).contiguous().transpose(-2, -1) for w in (w1, w2))
+
+                def grouped_fn():
+                    y = grouped(x, w1c, offs=offs)
+                    grouped(y[:, :f].contiguous(), w2c, offs=offs)
+                try:
+                    m = median_seconds(setup, grouped_fn, reps)
+                    rows.append([label, "expert GEMMs bf16 (torch._grouped_mm)", ms(m), ms(planned_s),
+                                 f"{m / planned_s:.2f}"])
+                except Exception as err:  # noqa: BLE001 - this torch/GPU has no grouped GEMM
+                    rows.append([label, "expert GEMMs bf16 (torch._grouped_mm)", "n/a: " + one_line(err),
+                                 ms(planned_s), ""])
+            if precision == "fp8":
+                piece, planned_8 = "expert GEMMs fp8 (torch._scaled_mm loop)", plan("fp8")
+                try:
+                    m = fp8_expert_loop(setup, x, w1, w2, local, per_expert, f, reps)
+                    rows.append([label, piece, ms(m), ms(planned_8), f"{m / planned_8:.2f}"])
+                except Exception as err:  # noqa: BLE001 - no fp8 GEMMs here (a CPU, an older GPU)
+                    rows.append([label, piece, "n/a: " + one_line(err), ms(planned_8), ""])
+            src = torch.randn(tokens, h, device=setup.device, dtype=dtype)
+            order = torch.randperm(tokens * k, device=setup.device) // k  # each token's k copies, in expert order
+
+            def permute():
+                copies = src.index_select(0, order)
+                torch.zeros_like(src).index_add_(0, order, copies)
+            s = problem.system
+            hbm = s.hbm_bandwidth * s.efficiency["hbm_efficiency"]
+            planned_p = moe_permutation_bytes(problem, 2.0) / share * tokens / hbm
+            m = median_seconds(setup, permute, reps)
+            rows.append([label, f"permute + unpermute ({tokens * k} copies of {h})", ms(m), ms(planned_p),
+                         f"{m / planned_p:.2f}"])
+        except Exception as err:  # noqa: BLE001 - a failing row is reported, the rest still run
+            rows.append([label, "failed", one_line(err), "", ""])
+        finally:
+            free(setup)
+    counts = torch.zeros(128, device=setup.device)
+
+    def kernels(host_sync: bool):
+        for _ in range(20):
+            for _ in range(10):
+                counts.add_(1)
+            if host_sync:
+                counts.tolist()
+    with_sync, without = median_seconds(setup, lambda: kernels(True), reps), median_seconds(setup, lambda: kernels(False), reps)
+    rows.append(["any", "host sync per layer (token counts to the host among small kernels)",
+                 f"{(with_sync - without) / 20 * 1e6:.1f} us", "0 (not charged)", ""])
+    return rows
+
+
+def fp8_expert_loop(setup: Setup, x, w1, w2, local: int, per_expert: int, f: int, reps: int) -> float:
+    """Seconds of the experts' GEMMs in fp8 (e4m3, per-tensor scales of 1, bf16 out) through
+    ``torch._scaled_mm``, inputs cast once beforehand (the planner charges the casts apart:
+    ``Runtime.fp8_cast_bytes``)."""
+    if setup.device.type != "cuda":
+        raise RuntimeError("fp8 GEMMs need CUDA")
+    e4m3, one = torch.float8_e4m3fn, torch.ones((), device=setup.device)
+    xq = x.to(e4m3)
+    w1q = [w1[i].t().contiguous().to(e4m3).t() for i in range(local)]  # column-major, as _scaled_mm wants
+    w2q = [w2[i].t().contiguous().to(e4m3).t() for i in range(local)]
+    mid = torch.randn(per_expert, f, device=setup.device).to(e4m3)
+
+    def loop():
+        for i in range(local):
+            torch._scaled_mm(xq[i * per_expert:(i + 1) * per_expert], w1q[i], one, one, out_dtype=torch.bfloat16)
+            torch._scaled_mm(mid, w2q[i], one, one, out_dtype=torch.bfloat16)
+    return median_seconds(setup, loop, reps)
+
+
 def state_of(ckpt: Path) -> dict:
     """Every tensor of a checkpoint (DCP folder), by name."""
     from torch.distributed.checkpoint import FileSystemReader
@@ -469,7 +617,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu", action="store_true", help="smoke mode: tiny shapes on the CPU")
     parser.add_argument("--out", default="bench/results/gpu.md")
-    parser.add_argument("--sections", default="abcde", help="which of (a)-(e) to run")
+    parser.add_argument("--sections", default="abcdef", help="which of (a)-(f) to run")
     args = parser.parse_args(argv)
     if not args.cpu and not torch.cuda.is_available():
         print("gpu_check: no CUDA device; run with --cpu for the smoke mode", file=sys.stderr)
@@ -494,7 +642,9 @@ def main(argv=None) -> int:
             ("c", "(c) single-GPU options through luban train", ["option", "step", "tokens/s", "MFU", "peak memory",
                                                                  "first step"]),
             ("d", "(d) checkpoint stall", ["model", "save", "stall (median)", "step", "step after a save"]),
-            ("e", "(e) deterministic resume", ["model", "comparison", "result", "tensors"])]
+            ("e", "(e) deterministic resume", ["model", "comparison", "result", "tensors"]),
+            ("f", "(f) MoE layer pieces vs the planner (one rank, forward)", ["shape", "piece", "measured",
+                                                                              "planned", "measured / planned"])]
         plan_rows: list = []
         for key, title, header in sections:
             if key not in args.sections:
@@ -508,8 +658,10 @@ def main(argv=None) -> int:
                     rows = options(setup, root)
                 elif key == "d":
                     rows = checkpoint_stall(setup, root)
-                else:
+                elif key == "e":
                     rows = deterministic_resume(setup, root)
+                else:
+                    rows = moe_pieces(setup)
             except Exception:  # noqa: BLE001 - the report says what broke
                 rows = [["section failed: " + traceback.format_exc().splitlines()[-1].replace("|", "/")]
                         + [""] * (len(header) - 1)]

@@ -94,6 +94,19 @@ def compute_seconds(problem: Problem, flops, size, precision_peak):
     return flops / (precision_peak * problem.system.matmul_efficiency(size))
 
 
+def expert_gemm_seconds(problem: Problem, g: Grid, tokens, gemm_peak):
+    """Seconds of the routed-expert GEMMs of one (average) layer on a rank, forward, for ``tokens``
+    tokens: after dispatch each local expert sees tokens·k·ep/E rows, so its GEMMs run at
+    ``matmul_efficiency`` of that size (more ep: fewer, larger GEMMs per rank); tensor parallel
+    inside an expert divides both (megatron: tp; folded or luban: none); the busiest EP rank paces
+    the layer (``expert_imbalance``). bench/gpu_check.py section (f) times the same GEMMs."""
+    d, cfg = problem.derived, problem.model
+    etp = expert_split(problem, g) / g.ep
+    flops_ = tokens * d["expert_flops"] / etp
+    size = 2 * tokens * g.ep * d["expert_share"] * cfg.hidden * cfg.expert_ffn_hidden / etp
+    return problem.expert_imbalance * compute_seconds(problem, flops_, np.maximum(size, 1.0), gemm_peak)
+
+
 def attention_share(problem: Problem) -> float:
     """Share of the GEMM curve the fused attention kernel reaches: the profile's FA2-class figure,
     times its FA3 speedup where the problem's kernel is FA3-class (1 on profiles without one)."""
@@ -231,12 +244,8 @@ def step_time(problem: Problem, g: Grid, mem: dict) -> dict:
         attn_flops = tokens * d["attention_flops"] / t
         attn = slow * compute_seconds(problem, attn_flops, attn_flops / 2, peak)
     elementwise = slow * (traffic * act["none"] + rt.fp8_cast_bytes(problem, g)) * tokens / hbm
-    # routed experts: tokens·k·ep/E rows per local expert GEMM, the busiest EP rank pacing
-    etp = expert_split(problem, g) / g.ep  # tensor parallel inside an expert (megatron: tp; luban: none)
-    expert_flops = tokens * d["expert_flops"] / etp
-    expert_gemm = 2 * tokens * g.ep * d["expert_share"] * cfg.hidden * cfg.expert_ffn_hidden / etp
-    experts = problem.expert_imbalance * slow * compute_seconds(problem, expert_flops, np.maximum(expert_gemm, 1.0), gemm_peak)
-    experts = experts + slow * moe_permutation_bytes(problem, act["e"]) * tokens / hbm
+    experts = slow * (expert_gemm_seconds(problem, g, tokens, gemm_peak)
+                      + moe_permutation_bytes(problem, act["e"]) * tokens / hbm)
     layer_fwd = mm + experts + attn + elementwise + contend * np.where(t > 1, cpu["tp_layer"], cpu["layer"]) / 3
     head_flops = tokens * d["head_flops"] / t
     head_traffic = s.efficiency["elementwise_traffic"] * rt.traffic_scale(problem, head=True)

@@ -23,10 +23,12 @@ def test_gpu_check_cpu_mode_fills_every_section(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = out.read_text()
     for title in ("(a) luban against its peers", "(b) planner vs measured", "(c) single-GPU options",
-                  "(d) checkpoint stall", "(e) deterministic resume"):
+                  "(d) checkpoint stall", "(e) deterministic resume", "(f) MoE layer pieces"):
         assert f"## {title}" in report, title
     assert "failed" not in report, report
     runners = [line for line in report.splitlines() if "| luban train |" in line or "| reference loop |" in line
                or "| Hugging Face |" in line]
     assert len(runners) == 9, report  # three models x three runners
     assert report.count("first vs second | bitwise equal") == 1 and "first vs resumed | bitwise equal" in report
+    pieces = [line for line in report.splitlines() if line.startswith("| tiny-moe ep2 |") or line.startswith("| any |")]
+    assert len(pieces) == 5 and all(" ms |" in line or " us |" in line or "n/a" in line for line in pieces), report
