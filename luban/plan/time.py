@@ -257,7 +257,8 @@ def step_time(problem: Problem, g: Grid, mem: dict) -> dict:
     tp_one = 2 * collective(problem, msg, t, t <= s.nvlink_domain, ALL_REDUCE)
     # exposed per layer, forward and backward (whose GEMMs take twice the forward's)
     overlap = rt.tp_overlap(problem)
-    tp_fwd, tp_bwd = rt.tp_exposed(g, tp_one, mm, overlap), rt.tp_exposed(g, tp_one, 2 * mm, overlap)
+    tp_fwd = rt.tp_exposed(g, tp_one, mm, overlap)
+    tp_bwd = rt.tp_exposed(g, tp_one, 2 * mm, overlap and rt.tp_overlap_backward)
     # context parallel: ring exchange of K and V chunks, hidden behind the attention core
     kv_msg = 2 * tokens * cfg.kv_dim * act["e"] / t
     cp_intra = t * c <= s.nvlink_domain

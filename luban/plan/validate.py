@@ -453,14 +453,15 @@ def source_rows(name: str, table: str, systems: dict | None = None) -> list[dict
     for r in read_source_table(name):
         gpus, tp, pp, cp, vp = (int(r[k]) for k in ("gpus", "tp", "pp", "cp", "vp"))
         precision = r["precision"]
-        layout = ParallelLayout(dp=gpus // (tp * pp * cp), tp=tp, pp=pp, cp=cp, sp=False, zero=int(r["zero"]),
+        layout = ParallelLayout(dp=gpus // (tp * pp * cp), tp=tp, pp=pp, cp=cp, sp=r.get("sp") == "yes", zero=int(r["zero"]),
                                 precision=precision, recompute=r["recompute"],
                                 schedule="interleaved-1f1b" if vp > 1 else "1f1b", virtual_stages=vp,
                                 micro_batch=int(r["micro_batch"]))
         compiled = {"yes": True, "no": False, "blocks": "blocks"}.get(r.get("compile", ""), None)
         seq, batch = int(r["seq"]), int(r["global_batch"])
+        tp_overlap = {"on": True, "off": False}.get(r.get("tp_overlap") or "", None)  # empty: the runtime's default
         problem = Problem(_source_model(r), source_system(r["system"], systems), gpus, seq, batch,
-                          runtime=r["runtime"], attention_kernel="fa2", compiled=compiled)
+                          runtime=r["runtime"], attention_kernel="fa2", compiled=compiled, tp_overlap=tp_overlap)
         g = Grid.from_layout(layout)
         est = Estimate.from_results(problem, g, evaluate(problem, g))
         ref = float(r["value"])
@@ -473,7 +474,8 @@ def source_rows(name: str, table: str, systems: dict | None = None) -> list[dict
             continue
         if r["metric"] == "tokens_per_s_per_gpu_relative":
             predicted = predicted / anchor  # (pred_i / pred_0) / (ref_i / ref_0) - 1, in ref_i's units
-        label = f"{r['model']} {r['system']} {gpus} GPUs tp{tp} pp{pp} cp{cp} zero{r['zero']} mb{r['micro_batch']} {r['recompute']}"
+        label = (f"{r['model']} {r['system']} {gpus} GPUs tp{tp}{' sp' if layout.sp else ''} pp{pp} cp{cp} zero{r['zero']} "
+                 f"mb{r['micro_batch']} {r['recompute']}" + (" async-tp" if tp_overlap else ""))
         rows.append(dict(table=table, row=label + (f" compile={r['compile']}" if r.get("compile") else ""),
                          reference=ref, predicted=predicted, error=predicted / ref - 1, unit=unit, estimate=est,
                          seq=seq, source=r["source"], citation=r["citation"]))

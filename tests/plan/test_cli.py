@@ -120,7 +120,8 @@ def test_pad_vocab_and_ep_overlap_reach_the_plan(capsys):
 def test_tp_overlap_hides_tensor_parallel_collectives_only_where_asked(capsys):
     """--tp-overlap: megatron-core overlaps its sequence-parallel TP collectives by default (the
     Megatron-Bridge recipes' --tp-comm-overlap) and ``off`` exposes them; fsdp2 (torchtitan) exposes
-    them by default and ``on`` is its async TP; without sequence parallel nothing hides."""
+    them by default and ``on`` is its async TP, which hides the forward's only; without sequence
+    parallel nothing hides."""
     def plan(*flags):
         assert main(["plan", "estimate", "--system", "dgx-h100", "--gpus", "8", "--json", "--model", "llama-8b",
                      "--global-batch", "64", "--seq", "4096", "--precision", "bf16", "--tp", "8", "--dp", "1",
@@ -134,4 +135,5 @@ def test_tp_overlap_hides_tensor_parallel_collectives_only_where_asked(capsys):
     titan = ("--runtime", "fsdp2", "--sp")
     assert plan(*titan) == plan(*titan, "--tp-overlap", "off")
     assert plan(*titan, "--tp-overlap", "on")[1] < plan(*titan)[1]
+    assert plan(*titan, "--tp-overlap", "on")[0] > plan(*core)[0]  # async TP: the forward's collectives only
     assert plan("--runtime", "megatron-core") == plan("--runtime", "megatron-core", "--tp-overlap", "on")  # no --sp
