@@ -137,3 +137,13 @@ def test_tp_overlap_hides_tensor_parallel_collectives_only_where_asked(capsys):
     assert plan(*titan, "--tp-overlap", "on")[1] < plan(*titan)[1]
     assert plan(*titan, "--tp-overlap", "on")[0] > plan(*core)[0]  # async TP: the forward's collectives only
     assert plan("--runtime", "megatron-core") == plan("--runtime", "megatron-core", "--tp-overlap", "on")  # no --sp
+
+
+def test_runtime_help_names_every_runtime(capsys):
+    """The --runtime help (written without importing the runtimes: no numpy at parse time) names
+    each entry of luban.plan.runtimes.RUNTIMES."""
+    from luban.plan.runtimes import RUNTIMES
+
+    assert main(["plan", "estimate", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split()).replace("- ", "-")  # argparse wraps at hyphens
+    assert all(name in text for name in RUNTIMES), text
