@@ -41,7 +41,7 @@ def register(sub) -> None:
     common.add_argument("--global-batch", type=COUNT, required=True, help="sequences per optimizer step")
     common.add_argument("--runtime", default=None,
                         help="whose layout rules, memory and overlap to model: megatron, megatron-core, fsdp2, luban, "
-                             "megatron-deepspeed, composer-fsdp or pytorch (luban.plan.runtimes; default: luban on a probed CPU "
+                             "megatron-deepspeed, composer-fsdp, pytorch or transformers (luban.plan.runtimes; default: luban on a probed CPU "
                              "profile, whose 'GPUs' are luban's own ranks; megatron otherwise)")
     common.add_argument("--optimizer", default="adamw", help="adamw, sgd or sgd-momentum")
     common.add_argument("--expert-imbalance", type=schema.number(1, 1 << 20), default=1.0,

@@ -17,8 +17,8 @@ while the hardware stays the same:
   the system profile (which keeps only ``zero3_overlap``, the share of compute a prefetching
   runtime achieves on that hardware).
 
-Seven models (``RUNTIMES``): the four below, and ``megatron-deepspeed``, ``composer-fsdp`` and
-``pytorch`` (their classes), which describe validation sources' frameworks:
+Eight models (``RUNTIMES``): the four below, and ``megatron-deepspeed``, ``composer-fsdp``,
+``pytorch`` and ``transformers`` (their classes), which describe validation sources' frameworks:
 
 ``megatron``
     Megatron-LM as in the 2021-22 papers (Narayanan et al. 2021, Korthikanti et al. 2022):
@@ -119,6 +119,10 @@ class Runtime:
     # async TP (``parallelism.enable_async_tensor_parallel``, off by default); both need sequence parallel
     tp_overlap_default = False
     tp_overlap_backward = True  # the overlap also covers the backward's collectives (TE userbuffers do)
+    # eager activations implemented as several kernels: model activation -> element passes (reads +
+    # writes of [tokens, ffn] tensors, forward + backward) beyond ATen's one fused kernel and its
+    # backward (``activation_extra_bytes``); ATen's F.gelu / F.silu are the baseline EAGER_TRAFFIC covers
+    activation_passes: dict = {}
 
     def tp_overlap(self, problem) -> bool:
         """``Problem.tp_overlap`` (``--tp-overlap``), or the runtime's default (``tp_overlap_default``)."""
@@ -132,6 +136,22 @@ class Runtime:
     def skips_causal(self, problem) -> bool:
         """Whether attention runs as a fused kernel that skips the masked half (``causal_skip``)."""
         return self.causal_skip
+
+    def masks_attention(self, problem) -> bool:
+        """Whether the fused attention kernel is handed an explicit causal mask tensor instead of
+        ``is_causal``: then it computes every block of the s x s scores, none skipped
+        (``Transformers`` under torch.compile)."""
+        return False
+
+    def activation_extra_bytes(self, problem, g, e):
+        """HBM bytes per token per layer (forward; backward is charged 2x with the rest) that the
+        runtime's own implementation of the model's activation moves beyond ATen's single fused
+        kernel, when the layers run eager (``activation_passes``: element passes over the MLP's
+        inner width, forward and backward, counted from the code); 0 when they are compiled."""
+        passes = self.activation_passes.get(problem.model.activation, 0)
+        if not passes or self.traffic_scale(problem) == 1.0:
+            return 0.0
+        return passes / 3 * problem.model.ffn_hidden / g.tp * e
 
     def compiled(self, problem):
         """``Problem.compiled``, or the runtime's default: False, True (the whole model with its
@@ -442,6 +462,31 @@ class PlainPyTorch(FSDP2):
     selective_redo = Runtime.selective_redo
 
 
+# Hugging Face GPT-2's ``activation_function = "gelu_new"`` is transformers.activations.NewGELUActivation,
+# ``0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x**3)))`` in Python: 8 eager kernels forward and
+# 13 in its autograd backward that read and write 46 [tokens, ffn] tensors where ATen's
+# F.gelu(approximate="tanh") and gelu_backward move 5 (counted with a TorchDispatchMode on the CPU:
+# tests/plan/test_runtimes.py::test_gelu_new_passes_are_counted_from_transformers_code)
+GELU_NEW_EXTRA_PASSES = 46 - 5
+
+
+class Transformers(PlainPyTorch):
+    """Hugging Face ``transformers`` model classes (``GPT2LMHeadModel``, ``LlamaForCausalLM``) in a
+    plain single-process loop with SDPA attention. What differs from a hand-written loop
+    (``pytorch``): GPT-2's activation is eager Python (``GELU_NEW_EXTRA_PASSES``), and under
+    torch.compile the causal mask is materialised and handed to SDPA (``masks_attention``)."""
+    name = "transformers"
+    activation_passes = {"gelu": GELU_NEW_EXTRA_PASSES}
+
+    def masks_attention(self, problem) -> bool:
+        """transformers 5.17 (the version of the measured rows) ``masking_utils._ignore_causal_mask_sdpa``
+        returns False whenever ``is_tracing()`` (dynamo compiling), so ``create_causal_mask`` builds
+        the [b, 1, s, s] mask and ``sdpa_attention_forward`` calls SDPA with it and ``is_causal=False``,
+        which rules out the flash kernel (transformers 5.24 notes that only torch >= 2.14 lets it skip
+        the mask while compiling). Eager, the mask is skipped and SDPA gets ``is_causal=True``."""
+        return self.compiled(problem) is not False
+
+
 class MegatronDeepSpeed(Megatron):
     """Megatron-DeepSpeed as BigScience (BLOOM) and Microsoft + NVIDIA (MT-NLG) ran it in 2021-22:
     Megatron-LM's layers and fused kernels (``megatron``'s accounting, no overlap), DeepSpeed's
@@ -467,7 +512,8 @@ class ComposerFSDP(FSDP2):
 EAGER_TRAFFIC = 3.5
 
 
-RUNTIMES = {r.name: r for r in (Megatron(), MegatronCore(), FSDP2(), Luban(), MegatronDeepSpeed(), ComposerFSDP(), PlainPyTorch())}
+RUNTIMES = {r.name: r for r in (Megatron(), MegatronCore(), FSDP2(), Luban(), MegatronDeepSpeed(), ComposerFSDP(), PlainPyTorch(),
+                                 Transformers())}
 
 
 def get(name: str) -> Runtime:

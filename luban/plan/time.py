@@ -237,13 +237,15 @@ def step_time(problem: Problem, g: Grid, mem: dict) -> dict:
     # overhead is counted here (the backward's 2x carries the rest)
     mm_flops = tokens * d["layer_matmul_flops"] / t
     mm = slow * compute_seconds(problem, mm_flops, mm_flops / 4, gemm_peak)
-    if rt.skips_causal(problem):  # a fused kernel skips the masked half, at its own share of the GEMM curve
-        attn_flops = tokens * d["causal_attention_flops"] / t
+    if rt.skips_causal(problem):  # a fused kernel skips the masked half, at its own share of the GEMM curve;
+        # handed an explicit mask tensor (``Runtime.masks_attention``) it computes every block
+        attn_flops = tokens * d["attention_flops" if rt.masks_attention(problem) else "causal_attention_flops"] / t
         attn = slow * compute_seconds(problem, attn_flops, attn_flops / 2, peak * attention_share(problem))
     else:
         attn_flops = tokens * d["attention_flops"] / t
         attn = slow * compute_seconds(problem, attn_flops, attn_flops / 2, peak)
-    elementwise = slow * (traffic * act["none"] + rt.fp8_cast_bytes(problem, g)) * tokens / hbm
+    elementwise = slow * (traffic * act["none"] + rt.fp8_cast_bytes(problem, g) + rt.activation_extra_bytes(problem, g, act["e"])
+                          ) * tokens / hbm
     experts = slow * (expert_gemm_seconds(problem, g, tokens, gemm_peak)
                       + moe_permutation_bytes(problem, act["e"]) * tokens / hbm)
     layer_fwd = mm + experts + attn + elementwise + contend * np.where(t > 1, cpu["tp_layer"], cpu["layer"]) / 3

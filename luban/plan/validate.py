@@ -485,14 +485,15 @@ def source_rows(name: str, table: str, systems: dict | None = None) -> list[dict
 SINGLE_GPU_TABLE = "h100_single_gpu_measured.csv"
 # runner of the single-GPU file -> (runtime, Problem.compiled): luban's Engine at 3457f4b compiled
 # the model parts with the loss outside (issue 22's profile: an fp32 logits copy and an eager
-# log-softmax), i.e. "blocks"; Hugging Face and the reference loop are plain single-process loops
-# (their losses sit inside the compiled forward: True)
+# log-softmax), i.e. "blocks"; Hugging Face (``transformers``: its own activation and attention mask)
+# and the reference loop are plain single-process loops (their losses sit inside the compiled forward: True)
 SINGLE_GPU_RUNNERS = {("luban Engine", "no"): ("luban", False), ("luban train (metrics.jsonl time_step_s)", "no"): ("luban", False),
                       ("luban Engine", "yes"): ("luban", "blocks"), ("luban Engine (rope mended)", "no"): ("luban", False),
                       ("luban Engine (rope mended)", "yes"): ("luban", "blocks"),
-                      ("HF GPT2LMHeadModel (sdpa)", "no"): ("pytorch", False), ("HF GPT2LMHeadModel (sdpa)", "yes"): ("pytorch", True),
-                      ("HF LlamaForCausalLM (sdpa)", "yes"): ("pytorch", True),
-                      ("HF LlamaForCausalLM (sdpa) second machine", "yes"): ("pytorch", True),
+                      ("HF GPT2LMHeadModel (sdpa)", "no"): ("transformers", False),
+                      ("HF GPT2LMHeadModel (sdpa)", "yes"): ("transformers", True),
+                      ("HF LlamaForCausalLM (sdpa)", "yes"): ("transformers", True),
+                      ("HF LlamaForCausalLM (sdpa) second machine", "yes"): ("transformers", True),
                       ("reference", "yes"): ("pytorch", True)}
 
 

@@ -115,6 +115,13 @@ def test_single_gpu_rows_follow_the_runners():
     with open(validate.reference_dir() / validate.SINGLE_GPU_TABLE) as f:
         runners = {(r["runner"], r["compiled"]) for r in csv.DictReader(line for line in f if not line.startswith("#"))}
     assert set(validate.SINGLE_GPU_RUNNERS) <= runners  # every mapped runner is in the file
+    # Hugging Face compiled hands SDPA a causal mask (transformers 5.17 under dynamo): every block of
+    # the scores; HF eager (mask skipped, is_causal) and the reference loop skip the causal half
+    # Hugging Face rows run the ``transformers`` runtime (GPT-2's eager gelu_new; compiled, a causal
+    # mask handed to SDPA): slower than the reference loop's same FLOPs, compiled and eager alike
+    assert {row for row, r in by.items() if r["estimate"].runtime == "transformers"} == {row for row in by if " HF " in row}
+    hf = by["gpt2-124m b16 HF GPT2LMHeadModel (sdpa) compiled=yes"]["predicted"]
+    assert hf > reference and by["gpt2-124m b16 HF GPT2LMHeadModel (sdpa) compiled=no"]["predicted"] > eager
 
 
 def test_validate_takes_each_named_grid(monkeypatch, capsys):

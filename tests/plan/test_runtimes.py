@@ -3,6 +3,7 @@
 import json
 
 import numpy as np
+import torch
 import pytest
 
 from luban.cli import main
@@ -32,7 +33,7 @@ def test_megatron_ddp_with_tp_is_accepted_and_fsdp_runtimes_refuse_it(capsys):
     assert main(["plan", "estimate", *NARAYANAN, "--runtime", "deepspeed"]) == 2
     err = capsys.readouterr().err.strip()
     assert err == ("luban: error: --runtime = 'deepspeed': one of megatron, megatron-core, fsdp2, luban, "
-                   "megatron-deepspeed, composer-fsdp, pytorch")
+                   "megatron-deepspeed, composer-fsdp, pytorch, transformers")
     assert main(["plan", "estimate", *NARAYANAN, "--runtime", ""]) == 2  # empty is not the default
     assert capsys.readouterr().err.startswith("luban: error: --runtime = '':")
 
@@ -222,7 +223,7 @@ def test_attention_matmul_applies_only_to_causal_skipping_runtimes():
             assert steps[rt, 0.5] == steps[rt, 1.0]
     # luban: SDPA's flash kernel on a GPU profile (its CPU math path never skips: causal_skip False)
     assert {rt for rt in runtimes.RUNTIMES if runtimes.get(rt).skips_causal(problem)} == {
-        "megatron-core", "fsdp2", "luban", "composer-fsdp", "pytorch"}
+        "megatron-core", "fsdp2", "luban", "composer-fsdp", "pytorch", "transformers"}
 
 
 def test_fa3_attention_speeds_up_only_causal_kernels_on_hopper():
@@ -245,3 +246,66 @@ def test_fa3_attention_speeds_up_only_causal_kernels_on_hopper():
         skips = runtimes.get(rt).skips_causal(problem)
         assert (forward["dgx-h100", rt, "fa3"] < forward["dgx-h100", rt, "fa2"]) == skips, rt
         assert forward["dgx-a100-80g", rt, "fa3"] == forward["dgx-a100-80g", rt, "fa2"], rt
+
+
+
+def test_transformers_under_compile_computes_every_block_of_the_scores():
+    """``transformers`` compiled hands SDPA an explicit causal mask (``masks_attention``): a fused
+    kernel that skips nothing, so its attention costs the full s x s FLOPs at the FA2-class share:
+    the causal kernel's attention time once more, forward and backward; eager (is_causal) and the
+    plain ``pytorch`` loop compiled skip the masked half."""
+    from luban.plan import time as ptime
+
+    g = _grid(dp=1, tp=1, pp=1, zero=0, micro_batch=8)
+    steps = {}
+    for rt in ("pytorch", "transformers"):
+        for compiled in (False, True):
+            problem = make_problem("llama-1b", gpus=1, seq=4096, batch=8, runtime=rt, system="dgx-h100")
+            problem.attention_kernel, problem.compiled = "fa2", compiled
+            steps[rt, compiled] = float(step_time(problem, g, memory(problem, g))["step"])
+            assert runtimes.get(rt).masks_attention(problem) == (rt == "transformers" and compiled)
+    d, eff = problem.derived, problem.system.efficiency
+    causal = 8 * 4096 * d["causal_attention_flops"]  # one micro-batch, forward
+    assert d["attention_flops"] == pytest.approx(2 * d["causal_attention_flops"], rel=0.01)
+    one = ptime.compute_seconds(problem, causal, causal / 2, problem.system.peak("bf16") * eff["attention_matmul"])
+    # forward + backward (2x) of every layer: the scores' other half once more
+    assert steps["transformers", True] - steps["pytorch", True] == pytest.approx(3 * problem.model.layers * one, rel=0.02)
+    assert steps["transformers", False] == steps["pytorch", False]  # Llama: SiLU, no extra kernels
+
+
+def test_gelu_new_passes_are_counted_from_transformers_code():
+    """``GELU_NEW_EXTRA_PASSES`` is what transformers' NewGELUActivation (GPT-2's ``gelu_new``) moves
+    forward + backward beyond ATen's fused GELU, counted op by op (bytes read and written over one
+    [tokens, ffn] tensor's); the planner charges it to eager GPT-2 under ``transformers`` only."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+    from transformers.activations import NewGELUActivation
+
+    class Traffic(TorchDispatchMode):
+        moved = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func not in (torch.ops.aten.detach.default, torch.ops.aten.ones_like.default):  # views, the seed
+                tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor) and t.numel() > 1]
+                self.moved += sum(t.numel() * t.element_size() for t in tensors)
+            return out
+
+    passes = {}
+    for name, fn in (("gelu_new", NewGELUActivation()), ("aten", lambda x: torch.nn.functional.gelu(x, approximate="tanh"))):
+        x = torch.randn(256, 64, dtype=torch.bfloat16, requires_grad=True)
+        with Traffic() as t:
+            fn(x).backward(torch.ones_like(x))
+        passes[name] = t.moved / (x.numel() * x.element_size())
+    assert passes["gelu_new"] - passes["aten"] == runtimes.GELU_NEW_EXTRA_PASSES == 41
+    g = _grid(dp=1, tp=1, pp=1, zero=0, micro_batch=16)
+    steps = {}
+    for rt in ("pytorch", "transformers"):
+        for compiled in (False, True):
+            problem = make_problem("gpt2-124m", gpus=1, seq=1024, batch=16, runtime=rt, system="dgx-h100")
+            problem.compiled = compiled
+            steps[rt, compiled] = float(step_time(problem, g, memory(problem, g))["step"])
+    cfg, s = problem.model, problem.system
+    extra = 41 * cfg.layers * 16 * 1024 * cfg.ffn_hidden * 2 / (s.hbm_bandwidth * s.efficiency["hbm_efficiency"])
+    assert steps["transformers", False] - steps["pytorch", False] == pytest.approx(extra, rel=0.01)
+    assert steps["transformers", True] > steps["pytorch", True]  # compiled: the GELU fuses, the mask stays
