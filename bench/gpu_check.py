@@ -13,7 +13,9 @@ Sections of the report (each a table; a row that fails says why instead of stopp
     reference loop written below (same shapes, same FLOPs: one compiled module with the loss
     inside, fused AdamW, bf16 autocast — the nanoGPT recipe). Step time (median after the
     warm-up steps, which include compiling), tokens/s, MFU (``luban.model.flops``, the
-    device's dense bf16 peak) and peak memory.
+    device's dense bf16 peak) and peak memory. Hugging Face runs twice: as shipped, and with
+    its causal mask skipped while compiling (``causal_mask_skipped``); the difference beside
+    what the planner's ``transformers`` runtime charges for the mask (``masks_attention``).
 (b) **Planner vs measured.** ``luban plan``'s prediction for each luban row (runtime
     ``luban``) next to the measurement: with the built-in profile of this device, and with a
     profile ``luban plan probe --device cuda`` measures here first (``probe_device``: GEMM curve,
@@ -37,6 +39,7 @@ nothing, it keeps the script from rotting (tests/bench/test_gpu_check.py runs it
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import platform
@@ -270,14 +273,15 @@ def peers(setup: Setup, root: Path) -> tuple[list, list]:
         cfg = model.replace(seq_len=max(model.seq_len, setup.seq))
         fpt = flops.flops_per_token(cfg, setup.seq)
         result = {}
-        for runner in ("luban train", "Hugging Face", "reference loop"):
+        for runner in ("luban train", "Hugging Face", HF_NO_MASK, "reference loop"):
             try:
                 if runner == "luban train":
                     r = luban_train(setup, cfg, root / f"peer-{len(rows)}")
                     plan_rows.append((name, r, r["cfg"]))
-                elif runner == "Hugging Face":
+                elif runner in ("Hugging Face", HF_NO_MASK):
                     m = hf_model(cfg).to(setup.device)
-                    r = timed_loop(setup, m, maybe_compile(setup, hf_forward_loss(m)))
+                    with causal_mask_skipped(runner == HF_NO_MASK):
+                        r = timed_loop(setup, m, maybe_compile(setup, hf_forward_loss(m)))
                 else:
                     m = RefModel(cfg).to(setup.device)
                     r = timed_loop(setup, m, maybe_compile(setup, m))
@@ -294,7 +298,50 @@ def peers(setup: Setup, root: Path) -> tuple[list, list]:
         if "luban train" in result and "Hugging Face" in result:
             ratio = result["Hugging Face"]["step_s"] / result["luban train"]["step_s"]
             rows.append([name, "luban / Hugging Face (tokens/s)", f"{ratio:.2f}x", "", "", ""])
+        if "Hugging Face" in result and HF_NO_MASK in result:  # the planner's runtime transformers, masks_attention
+            cost = result["Hugging Face"]["step_s"] - result[HF_NO_MASK]["step_s"]
+            rows.append([name, "HF's causal mask: measured / planned", f"{ms(cost)} / {ms(planned_mask_cost(setup, cfg))}",
+                         "", "", ""])
     return rows, plan_rows
+
+
+HF_NO_MASK = "Hugging Face, causal mask skipped"
+
+
+@contextlib.contextmanager
+def causal_mask_skipped(skip: bool):
+    """transformers (5.17-5.24 with torch < 2.14) never skips the causal mask while compiling
+    (``masking_utils._ignore_causal_mask_sdpa`` returns False under ``is_tracing``), so SDPA gets
+    an explicit mask and no flash kernel; ``skip`` makes it take ``is_causal`` as it does eager
+    (these rows have no padding). The difference is what the planner's ``transformers`` runtime
+    charges as ``masks_attention``."""
+    from transformers import masking_utils
+
+    original = masking_utils._ignore_causal_mask_sdpa
+    if skip:
+        masking_utils._ignore_causal_mask_sdpa = lambda padding_mask, *args, **kwargs: padding_mask is None
+    try:
+        yield
+    finally:
+        masking_utils._ignore_causal_mask_sdpa = original
+
+
+def planned_mask_cost(setup: Setup, cfg) -> float:
+    """Seconds a step the planner charges for the mask: runtime ``transformers`` minus ``pytorch``,
+    both compiled, the layers' elementwise work excepted (``activation_extra_bytes`` is 0 compiled)."""
+    from luban.parallel.layout import ParallelLayout
+    from luban.plan.estimate import Estimate, evaluate
+    from luban.plan.grid import Grid
+    from luban.plan.problem import Problem
+    from luban.plan.system import load_system
+
+    g = Grid.from_layout(ParallelLayout(precision="bf16", micro_batch=setup.batch))
+    steps = []
+    for rt in ("transformers", "pytorch"):  # SDPA's flash kernel is FA2-class (validate.h100_single_gpu)
+        problem = Problem(cfg, load_system(builtin_system(setup)), 1, setup.seq, setup.batch, runtime=rt,
+                          attention_kernel="fa2", compiled=True)
+        steps.append(Estimate.from_results(problem, g, evaluate(problem, g)).step_time_s)
+    return steps[0] - steps[1]
 
 
 # the planner's profile of each device this is run on (luban/plan/systems/); the CPU mode

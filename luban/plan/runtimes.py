@@ -149,9 +149,9 @@ class Runtime:
         kernel, when the layers run eager (``activation_passes``: element passes over the MLP's
         inner width, forward and backward, counted from the code); 0 when they are compiled."""
         passes = self.activation_passes.get(problem.model.activation, 0)
-        if not passes or self.traffic_scale(problem) == 1.0:
+        if not passes or not self.runs_eager(problem):
             return 0.0
-        return passes / 3 * problem.model.ffn_hidden / g.tp * e
+        return passes / 3 * problem.model.ffn_hidden / g.tp * e  # the dense MLP (no model class here has a GELU MoE)
 
     def compiled(self, problem):
         """``Problem.compiled``, or the runtime's default: False, True (the whole model with its
@@ -164,11 +164,15 @@ class Runtime:
         runtime (the profile's ``elementwise_traffic`` is a fused runtime's: Megatron's, on which
         it was calibrated). CPU profiles: 1 (their ``elementwise_traffic`` is probed on luban's own
         eager kernels)."""
+        return EAGER_TRAFFIC if self.runs_eager(problem, head) else 1.0
+
+    def runs_eager(self, problem, head: bool = False) -> bool:
+        """Whether the layers' (``head``: the head's and loss's) elementwise work runs as separate
+        eager kernels on a GPU: an eager runtime not compiled there (CPU profiles: False, their
+        traffic is probed on luban's own eager kernels)."""
         compiled = self.compiled(problem)
         fused = compiled is True or (compiled == "blocks" and not head)
-        if problem.system.cpu or not self.eager_kernels or fused:
-            return 1.0
-        return EAGER_TRAFFIC
+        return not (problem.system.cpu or not self.eager_kernels or fused)
 
     def gather_bytes(self, wb, precision, problem=None):
         """Bytes per parameter a weight all-gather moves: 2 where weights are gathered in the 16-bit
@@ -455,8 +459,8 @@ class Luban(FSDP2):
 
 
 class PlainPyTorch(FSDP2):
-    """One process, no sharding: a plain PyTorch training loop (Hugging Face ``transformers``
-    models, nanoGPT-style scripts) with fp32 weights under bf16 autocast and SDPA attention;
+    """One process, no sharding: a plain PyTorch training loop (nanoGPT-style scripts; Hugging Face
+    model classes: ``transformers``) with fp32 weights under bf16 autocast and SDPA attention;
     eager unless compiled (``Problem.compiled``: the whole model with its loss)."""
     name = "pytorch"
     selective_redo = Runtime.selective_redo

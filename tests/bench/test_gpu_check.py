@@ -29,6 +29,9 @@ def test_gpu_check_cpu_mode_fills_every_section(tmp_path):
     runners = [line for line in report.splitlines() if "| luban train |" in line or "| reference loop |" in line
                or "| Hugging Face |" in line]
     assert len(runners) == 9, report  # three models x three runners
+    assert report.count("| Hugging Face, causal mask skipped |") == 3, report
+    masks = [line for line in report.splitlines() if "| HF's causal mask: measured / planned |" in line]
+    assert len(masks) == 3 and all(line.count(" ms") == 2 for line in masks), report
     assert report.count("first vs second | bitwise equal") == 1 and "first vs resumed | bitwise equal" in report
     pieces = [line for line in report.splitlines() if line.startswith("| tiny-moe ep2 |") or line.startswith("| any |")]
     assert len(pieces) == 5 and all(" ms |" in line or " us |" in line or "n/a" in line for line in pieces), report
