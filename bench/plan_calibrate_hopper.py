@@ -46,7 +46,7 @@ def split(system) -> tuple[list, list]:
 def main() -> None:
     base = load_system("dgx-h100")
     scored = []  # base: the profile's curve, the A100 one (scaled by mm below)
-    for mm, fp8, attn in itertools.product((0.96, 1.0, 1.04), np.arange(0.46, 0.63, 0.04), np.arange(0.25, 0.51, 0.05)):
+    for mm, fp8, attn in itertools.product((0.96, 1.0, 1.04), np.arange(0.46, 0.83, 0.02), np.arange(0.25, 0.56, 0.05)):
         fitted, held = split(candidate(base, float(mm), float(fp8), float(attn)))
         scored.append((summary(fitted)["mean_abs_error"], float(mm), float(fp8), float(attn), summary(fitted),
                        summary(held)))

@@ -78,13 +78,15 @@ class ModelConfig:
     ffn_hidden: int = 0  # 0: 4*hidden (gelu) or the Llama rule (swiglu)
     vocab: int = 50257
     seq_len: int = 1024
-    tie_embeddings: bool = True
-    norm: str = "layernorm"
+    # the arch's parts (ARCH_DEFAULTS) unless given: None is filled in by __post_init__, so that
+    # ModelConfig(arch="llama", ...) is a Llama (SwiGLU, RMSNorm, RoPE, no biases, untied), not GPT-2's parts
+    tie_embeddings: bool = None
+    norm: str = None
     norm_eps: float = 1e-5
-    activation: str = "gelu"
-    position: str = "learned"
+    activation: str = None
+    position: str = None
     rope_theta: float = 10000.0
-    bias: bool = True
+    bias: bool = None
     dropout: float = 0.0
     init_std: float = 0.02
     qk_norm: bool = False
@@ -100,6 +102,9 @@ class ModelConfig:
     name: str = field(default="custom", compare=False)
 
     def __post_init__(self):
+        for key, value in ARCH_DEFAULTS.get(self.arch, ARCH_DEFAULTS["gpt2"]).items():
+            if getattr(self, key) is None:
+                object.__setattr__(self, key, value)
         if self.head_dim == 0 and self.heads > 0 and self.hidden % self.heads:
             raise bad_value("model.heads", self.heads, f"must divide hidden = {self.hidden}")
         if self.kv_heads == 0:

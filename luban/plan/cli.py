@@ -67,6 +67,10 @@ def register(sub) -> None:
                         help="tensor-parallel collectives pipelined with the adjacent GEMMs (needs --sp): auto "
                              "(the runtime's default: megatron-core's --tp-comm-overlap on, others off), on "
                              "(torchtitan: async TP), off")
+    common.add_argument("--grad-reduce-in-fp32", choices=("auto", "on", "off"), default="auto",
+                        help="megatron-core: main gradients kept and reduced in fp32 (auto: on, Megatron-LM's "
+                             "default under bf16) or in the 16-bit compute dtype (off: the Megatron-Bridge "
+                             "performance recipes' grad_reduce_in_fp32 = False)")
     common.add_argument("--json", action="store_true", help="one JSON object on stdout")
 
     est = cmds.add_parser("estimate", parents=[common], help="memory, time, MFU and cost of one layout")
@@ -154,7 +158,8 @@ def _problem(args):
     return Problem(model, system, args.gpus, seq, args.global_batch, runtime, args.optimizer, args.expert_imbalance,
                    args.attention_kernel, compiled, args.dispatcher, args.ep_overlap,
                    pads_vocab=switch[getattr(args, "pad_vocab", "auto")],
-                   tp_overlap=switch[getattr(args, "tp_overlap", "auto")])
+                   tp_overlap=switch[getattr(args, "tp_overlap", "auto")],
+                   grad_reduce_fp32=switch[getattr(args, "grad_reduce_in_fp32", "auto")])
 
 
 def _layout(args, gpus: int, rules=None):

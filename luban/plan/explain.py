@@ -74,7 +74,7 @@ def explain(est: Estimate, problem: Problem) -> str:
     lay = est.layout
     g = Grid.from_layout(lay)
     cfg = problem.model
-    wb, gb, ob = (float(x) for x in param_bytes(problem.runtime, problem.optimizer_states, g.precision))
+    wb, gb, ob = (float(x) for x in param_bytes(problem.runtime, problem.optimizer_states, g.precision, problem))
     shards = int(zero_shards(problem, g))
     fsdp = problem.runtime_model.fsdp  # ZeRO >= 1 as FSDP2: weights and gradients sharded at rest
     act = activation_bytes(problem, g)

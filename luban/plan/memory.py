@@ -23,10 +23,10 @@ from luban.plan.grid import (ACTIVATIONS_OFFLOAD, BLOCKS_OFFLOAD, FULL, NO_RECOM
 from luban.plan.problem import Problem
 
 
-def param_bytes(runtime: str, states: int, precision) -> tuple:
+def param_bytes(runtime: str, states: int, precision, problem=None) -> tuple:
     """Bytes per parameter of (weights, gradients, optimizer state) before sharding: the
-    runtime model's accounting (``luban.plan.runtimes``)."""
-    return runtimes.get(runtime).param_bytes(states, precision)
+    runtime model's accounting (``luban.plan.runtimes``; ``problem``: its per-problem switches)."""
+    return runtimes.get(runtime).param_bytes(states, precision, problem)
 
 
 def model_state_bytes(params, weight_b, grad_b, optim_b, zero, shards, fsdp: bool = False) -> tuple:
@@ -199,7 +199,7 @@ def memory(problem: Problem, g: Grid) -> dict:
     tokens = g.micro_batch * problem.seq / g.cp
     fsdp = problem.runtime_model.fsdp
     shards = zero_shards(problem, g)
-    wb, gb, ob = problem.runtime_model.param_bytes(problem.optimizer_states, g.precision)
+    wb, gb, ob = problem.runtime_model.param_bytes(problem.optimizer_states, g.precision, problem)
     act = activation_bytes(problem, g)
     (f_tok, f_fix), (l_tok, l_fix) = extra_activation_bytes(problem, g, act["e"])
     layers_first, layers_last, _ = rank_layers(problem, g)

@@ -48,6 +48,10 @@ class Problem:
     # tensor-parallel collectives pipelined with the adjacent GEMMs (Megatron-Core --tp-comm-overlap, torchtitan's
     # async TP); None: the runtime's default (Runtime.tp_overlap)
     tp_overlap: bool | None = None
+    # megatron-core's main-gradient buffer and its reduction in fp32 (Megatron-Bridge's
+    # ``grad_reduce_in_fp32``; Megatron-LM's default under --bf16); False: in the 16-bit compute dtype,
+    # as the Megatron-Bridge performance recipes set it; None: the runtime's default
+    grad_reduce_fp32: bool | None = None
     derived: dict = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -64,6 +68,10 @@ class Problem:
             raise bad_value("--pad-vocab", self.pads_vocab, "on, off or auto (the runtime's default)")
         if self.tp_overlap is not None and not isinstance(self.tp_overlap, bool):
             raise bad_value("--tp-overlap", self.tp_overlap, "on, off or auto (the runtime's default)")
+        if self.grad_reduce_fp32 is not None and (not isinstance(self.grad_reduce_fp32, bool)
+                                                  or not self.runtime_model.grad_reduce_switch):
+            allowed = "on, off or auto" if self.runtime_model.grad_reduce_switch else "auto (only megatron-core has the switch)"
+            raise bad_value("--grad-reduce-in-fp32", self.grad_reduce_fp32, allowed)
         if not isinstance(self.ep_overlap, bool):
             raise bad_value("--ep-overlap", self.ep_overlap, "true or false")
         if self.dispatcher not in DISPATCHERS:

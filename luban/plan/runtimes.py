@@ -119,6 +119,7 @@ class Runtime:
     # async TP (``parallelism.enable_async_tensor_parallel``, off by default); both need sequence parallel
     tp_overlap_default = False
     tp_overlap_backward = True  # the overlap also covers the backward's collectives (TE userbuffers do)
+    grad_reduce_switch = False  # ``Problem.grad_reduce_fp32`` applies (megatron-core's main-gradient dtype)
     # eager activations implemented as several kernels: model activation -> element passes (reads +
     # writes of [tokens, ffn] tensors, forward + backward) beyond ATen's one fused kernel and its
     # backward (``activation_extra_bytes``); ATen's F.gelu / F.silu are the baseline EAGER_TRAFFIC covers
@@ -188,8 +189,9 @@ class Runtime:
         return np.where(precision == FP8, linear * 1.0 + (1 - linear) * 2.0, out)
 
     # --- byte accounting -------------------------------------------------------------------
-    def param_bytes(self, states: int, precision) -> tuple:
-        """Bytes per parameter of (weights, gradients, optimizer state) before sharding."""
+    def param_bytes(self, states: int, precision, problem=None) -> tuple:
+        """Bytes per parameter of (weights, gradients, optimizer state) before sharding (``problem``:
+        its per-problem switches, e.g. ``grad_reduce_fp32``)."""
         raise NotImplementedError
 
     def layer_activations(self, problem, g) -> dict:
@@ -284,7 +286,7 @@ class Megatron(Runtime):
     pads_vocab_default = True  # --make-vocab-size-divisible-by (default 128) x tp
     expert_tp = True  # Megatron's expert_tensor_parallel_size defaults to tp
 
-    def param_bytes(self, states, precision):
+    def param_bytes(self, states, precision, problem=None):
         """Half precision: 2-byte weights and gradients, K = 4 + 4·states bytes of fp32 master
         weights and optimizer states (ZeRO Sec. 3.1: K = 12 for Adam); fp32: 4 + 4 + 4·states."""
         state_b = 4.0 * states
@@ -310,12 +312,17 @@ class MegatronCore(Megatron):
     fp8_cast_passes = 1
     tp_overlap_default = True  # --tp-comm-overlap: the Megatron-Bridge performance recipes set it with tp > 1
 
-    def param_bytes(self, states, precision):
+    grad_reduce_switch = True
+
+    def param_bytes(self, states, precision, problem=None):
         """As ``megatron`` but bf16 accumulates and reduces fp32 main gradients (Megatron-LM
         ``arguments.py``: ``accumulate_allreduce_grads_in_fp32 = True`` under ``--bf16``); fp8
-        trains bf16 parameters (``--fp8-format`` with ``--bf16``): the same bytes."""
+        trains bf16 parameters (``--fp8-format`` with ``--bf16``): the same bytes. With
+        ``Problem.grad_reduce_fp32`` False (Megatron-Bridge's ``grad_reduce_in_fp32 = False``, which
+        its H100 performance recipes set) the main gradients are 16-bit: 2 bytes."""
         wb, gb, ob = super().param_bytes(states, precision)
-        return wb, np.where((precision == BF16) | (precision == FP8), 4.0, gb), ob
+        main = 2.0 if problem is not None and problem.grad_reduce_fp32 is False else 4.0
+        return wb, np.where((precision == BF16) | (precision == FP8), main, gb), ob
 
     def pp_exposed(self, g, transfer, transfers, chunk):
         """``--overlap-p2p-communication`` (interleaved schedule only): each transfer runs
@@ -365,7 +372,7 @@ class FSDP2(Runtime):
         share = (h * kv + q * h + h * f) / (h * q + 2 * h * kv + q * h + 3 * h * f)
         return share * mm + elementwise
 
-    def param_bytes(self, states, precision):
+    def param_bytes(self, states, precision, problem=None):
         """fp32 sharded weights and gradients (``reduce_dtype=fp32``) and optimizer state; the
         bf16 gathered copies are transient (``memory.fsdp_transients``)."""
         ones = np.ones_like(precision, dtype=float)
@@ -513,7 +520,8 @@ class ComposerFSDP(FSDP2):
 # constant for every eager runtime, fitted across sources by bench/plan_calibrate_sources.py
 # (leave-one-source-out in ``luban plan validate``). An eager RMSNorm alone is ~6 fp32 passes
 # (upcast, square, mean, rsqrt, two multiplies) where a fused kernel reads and writes once.
-EAGER_TRAFFIC = 3.5
+# 3.0 since 2026-11-26 (3.5 before, chosen when the Llama-shaped rows were planned as GELU MLPs)
+EAGER_TRAFFIC = 3.0
 
 
 RUNTIMES = {r.name: r for r in (Megatron(), MegatronCore(), FSDP2(), Luban(), MegatronDeepSpeed(), ComposerFSDP(), PlainPyTorch(),

@@ -304,7 +304,7 @@ def step_time(problem: Problem, g: Grid, mem: dict) -> dict:
     pp_comm = np.where(p > 1, rt.pp_exposed(g, transfer, 2 * (m * v + p - 1), fwd / v), 0.0)
 
     # data parallel (ZeRO Sec. 7: stages 0-2 move 2Ψ per step, stage 3 3Ψ per micro-batch pass)
-    wb, gb, ob = rt.param_bytes(problem.optimizer_states, g.precision)
+    wb, gb, ob = rt.param_bytes(problem.optimizer_states, g.precision, problem)
     params = mem["params"]
     gathers, reductions, groups = dp_collective_counts(problem, g, m, n)
 

@@ -178,6 +178,18 @@ BRIDGE_TP_OVERLAP_OFF = {_QWEN3_235B}  # models whose H100 recipe sets tp_comm_o
 MOE_235B_TABLE = "megatron_bridge_h100_moe_qwen3_235b.csv"  # the same source's Qwen3-235B-A22B rows
 
 
+# Megatron-Bridge's H100 performance recipes keep and reduce the main gradients in bf16 since its
+# v0.2.0 tag (the 25.11 container): scripts/performance/configs/{llama3,qwen3,gpt_oss}/*_llm_pretrain.py
+# @v0.2.0 (and llama/, qwen/ at v0.3.0-v0.4.x) set ``cfg.mixed_precision.grad_reduce_in_fp32 = False`` and
+# ``cfg.ddp.grad_reduce_in_fp32 = False``; the 25.09 rows have no such recipe in the repository (default kept)
+BRIDGE_BF16_GRADS_SINCE = "25.11"
+
+
+def bridge_grad_reduce_fp32(container: str) -> bool | None:
+    """``Problem.grad_reduce_fp32`` of a Megatron-Bridge row: False from ``BRIDGE_BF16_GRADS_SINCE`` on."""
+    return False if container >= BRIDGE_BF16_GRADS_SINCE else None
+
+
 def _bridge_moe_row(container: str, model_name: str, model: ModelConfig, system, precision: str, gpus: int, tp: int,
                     pp: int, cp: int, vp: int, ep: int, micro_batch: int, seq: int, batch: int, tokens: float) -> dict:
     """One Megatron-Bridge MoE row planned at its layout (zero 1, sequence parallel with tp > 1) with
@@ -191,7 +203,8 @@ def _bridge_moe_row(container: str, model_name: str, model: ModelConfig, system,
             + (f" {dispatcher}" if dispatcher != "alltoall" else "") + (" a2a-overlap" if overlap else ""))
     return _tokens_row("megatron-bridge-h100-moe", name, model, system, layout, gpus, seq, batch, RUNTIME_MOE, tokens,
                        attention_kernel=BRIDGE_ATTENTION, dispatcher=dispatcher, ep_overlap=overlap,
-                       tp_overlap=False if model_name in BRIDGE_TP_OVERLAP_OFF else None, fp8=fp8)
+                       tp_overlap=False if model_name in BRIDGE_TP_OVERLAP_OFF else None,
+                       grad_reduce_fp32=bridge_grad_reduce_fp32(container), fp8=fp8)
 
 
 def megatron_bridge_moe(system="dgx-h100") -> list[dict]:
@@ -266,9 +279,11 @@ def _llama(r: dict, seq: int, vocab_key: str = "vocab", head_dim_key: str = "hea
 
 def _tokens_row(table: str, name: str, model: ModelConfig, system, layout: ParallelLayout, gpus: int, seq: int,
                 batch: int, runtime: str, ref_tokens: float, attention_kernel: str = "fa3", compiled=None,
-                dispatcher: str = "alltoall", ep_overlap: bool = False, tp_overlap: bool | None = None, **extra) -> dict:
+                dispatcher: str = "alltoall", ep_overlap: bool = False, tp_overlap: bool | None = None,
+                grad_reduce_fp32: bool | None = None, **extra) -> dict:
     problem = Problem(model, system, gpus, seq, batch, runtime=runtime, attention_kernel=attention_kernel,
-                      compiled=compiled, dispatcher=dispatcher, ep_overlap=ep_overlap, tp_overlap=tp_overlap)
+                      compiled=compiled, dispatcher=dispatcher, ep_overlap=ep_overlap, tp_overlap=tp_overlap,
+                      grad_reduce_fp32=grad_reduce_fp32)
     g = Grid.from_layout(layout)
     est = Estimate.from_results(problem, g, evaluate(problem, g))
     predicted = est.tokens_per_s / gpus
@@ -296,7 +311,8 @@ def megatron_bridge_dense(system="dgx-h100") -> list[dict]:
         rows.append(_tokens_row("megatron-bridge-h100-dense", f"{r['container']} {r['model_as_published']} "
                                 f"{r['precision_as_published'] or 'FP8?'} tp{tp} pp{pp} cp{cp} vp{vp}", _llama(r, seq),
                                 system, layout, gpus, seq, int(r["global_batch_size_seqs"]), "megatron-core",
-                                float(r["tokens_per_s_per_gpu"]), attention_kernel=BRIDGE_ATTENTION))
+                                float(r["tokens_per_s_per_gpu"]), attention_kernel=BRIDGE_ATTENTION,
+                                grad_reduce_fp32=bridge_grad_reduce_fp32(r["container"])))
     return rows
 
 
@@ -431,7 +447,7 @@ def read_source_table(name: str) -> list[dict]:
 
 
 def _source_model(r: dict) -> ModelConfig:
-    """The row's shape: ``llama`` (SwiGLU, RMSNorm, RoPE, untied), ``mpt`` (GELU, LayerNorm, no
+    """The row's shape: ``llama`` (SwiGLU, RMSNorm, RoPE; untied unless ``tie_embeddings`` = yes), ``mpt`` (GELU, LayerNorm, no
     biases, tied; ALiBi charged as a learned position table: ``seq·h`` parameters, no FLOPs) or
     ``bloom`` (Megatron GPT: GELU, LayerNorm, biases, tied; ALiBi likewise)."""
     arch = r["arch"]
@@ -439,7 +455,7 @@ def _source_model(r: dict) -> ModelConfig:
                   kv_heads=int(r["kv_heads"]), ffn_hidden=int(r["ffn_hidden"]), vocab=int(r["vocab"]),
                   seq_len=int(r["seq"]), dropout=float(r.get("dropout") or 0.0))
     if arch == "llama":
-        return ModelConfig(arch="llama", **common)
+        return ModelConfig(arch="llama", tie_embeddings=r.get("tie_embeddings") == "yes", **common)
     return ModelConfig(arch="gpt2", bias=arch == "bloom", **common)
 
 
