@@ -56,7 +56,7 @@ def main(argv=None) -> int:
     parser.add_argument("--runtimes", nargs="+", default=["megatron-core", "megatron", "fsdp2"])
     args = parser.parse_args(argv)
     rows = read_source_table(TABLE)
-    print(f"| cell | layout | MFU | tokens/s/GPU | " + " | ".join(args.runtimes) + " |")
+    print("| cell | layout | MFU | tokens/s/GPU | " + " | ".join(args.runtimes) + " |")
     print("|---|---|---:|---:|" + "---:|" * len(args.runtimes))
     errors = {rt: [] for rt in args.runtimes}
     for r in rows:

@@ -71,7 +71,8 @@ class Problem:
         if self.grad_reduce_fp32 is not None and (not isinstance(self.grad_reduce_fp32, bool)
                                                   or not self.runtime_model.grad_reduce_switch):
             allowed = "on, off or auto" if self.runtime_model.grad_reduce_switch else "auto (only megatron-core has the switch)"
-            raise bad_value("--grad-reduce-in-fp32", self.grad_reduce_fp32, allowed)
+            shown = {True: "on", False: "off"}.get(self.grad_reduce_fp32, self.grad_reduce_fp32)  # as typed
+            raise bad_value("--grad-reduce-in-fp32", shown, allowed)
         if not isinstance(self.ep_overlap, bool):
             raise bad_value("--ep-overlap", self.ep_overlap, "true or false")
         if self.dispatcher not in DISPATCHERS:

@@ -139,6 +139,32 @@ def test_tp_overlap_hides_tensor_parallel_collectives_only_where_asked(capsys):
     assert plan("--runtime", "megatron-core") == plan("--runtime", "megatron-core", "--tp-overlap", "on")  # no --sp
 
 
+def test_grad_reduce_in_fp32_halves_megatron_core_main_gradients_only(capsys):
+    """--grad-reduce-in-fp32 off (the Megatron-Bridge recipes' grad_reduce_in_fp32 = False): megatron-core
+    keeps and reduces 2-byte main gradients instead of fp32 ones (memory and the data-parallel
+    reduction both halve); auto and on are Megatron-LM's fp32 default; any other runtime, or a value
+    that is not a switch, is a one-line error."""
+    def plan(*flags):
+        code = main(["plan", "estimate", "--system", "dgx-h100", "--gpus", "16", "--json", "--model", "llama-8b",
+                     "--global-batch", "64", "--seq", "4096", "--precision", "bf16", "--dp", "16", "--zero", "1",
+                     "--micro-batch", "1", *flags])
+        captured = capsys.readouterr()
+        return code, (json.loads(captured.out) if code == 0 else captured.err)
+
+    core = ("--runtime", "megatron-core")
+    _, default = plan(*core)
+    _, fp32 = plan(*core, "--grad-reduce-in-fp32", "on")
+    _, bf16 = plan(*core, "--grad-reduce-in-fp32", "off")
+    assert default == fp32
+    assert bf16["memory_bytes"]["gradients"] == pytest.approx(fp32["memory_bytes"]["gradients"] / 2)
+    assert bf16["step_time_s"] <= fp32["step_time_s"]
+    code, err = plan("--runtime", "fsdp2", "--grad-reduce-in-fp32", "off")
+    assert code == 2 and err.strip() == ("luban: error: --grad-reduce-in-fp32 = 'off': auto (only megatron-core "
+                                         "has the switch)")
+    code, err = plan(*core, "--grad-reduce-in-fp32", "1")
+    assert code == 2 and "--grad-reduce-in-fp32" in err and "Traceback" not in err
+
+
 def test_runtime_help_names_every_runtime(capsys):
     """The --runtime help (written without importing the runtimes: no numpy at parse time) names
     each entry of luban.plan.runtimes.RUNTIMES."""

@@ -1,11 +1,14 @@
 """Validation by source (luban.plan.loso) and the independent sources' tables (luban.plan.validate)."""
 
 import csv
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from luban.plan import loso, runtimes, validate
+
+ROOT = Path(__file__).resolve().parents[2]
 
 NEW_SOURCES = {"mosaicml-composer", "torchtitan", "trainy-torchtitan", "bigscience-megatron-deepspeed",
                "msft-nvidia-megatron-deepspeed"}
@@ -143,3 +146,20 @@ def test_validate_takes_each_named_grid(monkeypatch, capsys):
     assert seen == [loso.GRIDS["fine"], loso.GRIDS["small"], loso.GRIDS["full"]]
     assert main(["plan", "validate", "--grid", "finer"]) == 2
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_nanotron_candidate_table_runs_under_existing_runtimes(capsys):
+    """nanotron's H100 scaling table (a candidate source, not in the headline: docs/planner.md): 26
+    cells, each global batch 256 x 4096 tokens; nanotron's own FLOPs count reproduces the note in its
+    scaling script (3.57B shape: 363.66 TFLOP/s at 14,167.25 tokens/s/GPU); the bench script plans
+    every row under each runtime model and prints their means."""
+    import runpy
+
+    rows = validate.read_source_table("nanotron_scaling_h100.csv")
+    assert len(rows) == 26 and all(int(r["global_batch"]) == 256 and r["citation"] for r in rows)
+    bench = runpy.run_path(str(ROOT / "bench" / "plan_nanotron_check.py"))
+    three = next(r for r in rows if r["model"] == "nanotron-3.57b")
+    assert bench["nanotron_flops_per_token"](three) * 14167.25 == pytest.approx(363.66e12, rel=1e-3)
+    assert bench["main"]([]) == 0
+    out = capsys.readouterr().out
+    assert out.count(" nodes nanotron-") == 26 and out.count("(26 rows)") == 3
