@@ -68,6 +68,8 @@ def test_train_file_and_flag_cases(capsys, tmp_path):
     (["--ep-overlap"], "--ep-overlap = True: only for a mixture-of-experts model"),
     (["--pad-vocab", "yes"], "--pad-vocab"),
     (["--tp-overlap", "1"], "--tp-overlap"),
+    (["--grad-reduce-in-fp32", "off"], "--grad-reduce-in-fp32 = 'off': auto (only megatron-core has the switch)"),
+    (["--grad-reduce-in-fp32", "fp16"], "--grad-reduce-in-fp32"),
 ])
 def test_planner_flag_cases(capsys, extra, words):
     code, err = run(capsys, PLAN + extra)
@@ -121,7 +123,7 @@ def test_fuzzed_config_values_are_one_line_errors_or_valid(pairs):
 
 
 FLAGS = ["--seq", "--train-tokens", "--price-per-gpu-hour", "--gpus", "--global-batch", "--tp", "--pp", "--dp", "--dispatcher",
-         "--micro-batch", "--zero", "--pad-vocab", "--compile", "--tp-overlap"]
+         "--micro-batch", "--zero", "--pad-vocab", "--compile", "--tp-overlap", "--grad-reduce-in-fp32"]
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow,
