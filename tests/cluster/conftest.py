@@ -156,10 +156,40 @@ def service(tmp_path):
         kill_jobs(svc.state)
 
 
-def kill_jobs(state: Path) -> None:
-    """Kill any job process groups a test left behind (pgid files the launcher wrote)."""
-    for pgid_file in state.glob("runs/*/rank*.pgid"):
+def kill_jobs(state: Path, settle: float = 5.0) -> None:
+    """Kill every job process a test left behind: the ranks' process groups (the pgid files the
+    launcher writes) and the launchers themselves (their command line names this state folder's
+    runs). A launcher the stopping service started a moment before may write its pgid file after a
+    first pass (CI once kept a ``sleep 600`` job alive after the suite that way), so passes repeat
+    until one finds no launcher, for at most ``settle`` seconds."""
+    deadline = time.monotonic() + settle
+    while True:
+        for pgid_file in state.glob("runs/*/rank*.pgid"):
+            try:
+                os.killpg(int(pgid_file.read_text()), signal.SIGKILL)
+            except (ProcessLookupError, ValueError, PermissionError):
+                pass
+        launchers = _launchers(state)
+        for pid in launchers:
+            try:
+                os.killpg(pid, signal.SIGKILL)  # each launcher leads its own session and group
+            except (ProcessLookupError, PermissionError):
+                pass
+        if not launchers or time.monotonic() > deadline:
+            return
+        time.sleep(0.2)
+
+
+def _launchers(state: Path) -> list[int]:
+    """Pids of live ``luban.cluster.launcher`` processes whose ``--run-dir`` is under ``state``
+    (read from /proc; an empty list where there is none)."""
+    runs = os.fsencode(str(state / "runs")) + b"/"
+    found = []
+    for entry in Path("/proc").glob("[0-9]*"):
         try:
-            os.killpg(int(pgid_file.read_text()), signal.SIGKILL)
-        except (ProcessLookupError, ValueError, PermissionError):
-            pass
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"luban.cluster.launcher" in argv and any(arg.startswith(runs) for arg in argv):
+            found.append(int(entry.name))
+    return found
