@@ -28,19 +28,16 @@ def _megatron(name, hidden, layers, heads, head_dim=0, ffn=0, seq=2048):
 
 def _llama(name, hidden, layers, heads, ffn, vocab=128256, tie=False, kv_heads=8):
     return ModelConfig(name=name, arch="llama", hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads,
-                       ffn_hidden=ffn, vocab=vocab, seq_len=8192, norm="rmsnorm", activation="swiglu",
-                       position="rope", bias=False, tie_embeddings=tie, rope_theta=500000.0)
+                       ffn_hidden=ffn, vocab=vocab, seq_len=8192, tie_embeddings=tie, rope_theta=500000.0)
 
 
 _PRESETS = [
     # demo models that train in minutes on a CPU (byte-level vocabulary: 256 bytes + end-of-document)
     ModelConfig(name="tiny", arch="gpt2", hidden=128, layers=4, heads=4, vocab=257, seq_len=128),
     ModelConfig(name="tiny-llama", arch="llama", hidden=128, layers=4, heads=4, kv_heads=2, ffn_hidden=352,
-                vocab=257, seq_len=128, norm="rmsnorm", activation="swiglu", position="rope", bias=False,
-                tie_embeddings=False),
+                vocab=257, seq_len=128),
     ModelConfig(name="tiny-moe", arch="llama", hidden=128, layers=4, heads=4, kv_heads=2, ffn_hidden=352,
-                vocab=257, seq_len=128, norm="rmsnorm", activation="swiglu", position="rope", bias=False,
-                tie_embeddings=False, experts=8, experts_per_token=2, expert_ffn_hidden=64,
+                vocab=257, seq_len=128, experts=8, experts_per_token=2, expert_ffn_hidden=64,
                 shared_experts=1, dense_layers=1, router="sigmoid"),
     _gpt2("gpt2-124m", 768, 12, 12),
     _gpt2("gpt2-355m", 1024, 24, 16),

@@ -173,7 +173,7 @@ class Runtime:
         traffic is probed on luban's own eager kernels)."""
         compiled = self.compiled(problem)
         fused = compiled is True or (compiled == "blocks" and not head)
-        return not (problem.system.cpu or not self.eager_kernels or fused)
+        return self.eager_kernels and not fused and not problem.system.cpu
 
     def gather_bytes(self, wb, precision, problem=None):
         """Bytes per parameter a weight all-gather moves: 2 where weights are gathered in the 16-bit

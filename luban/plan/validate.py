@@ -143,7 +143,7 @@ def _moe_model(r: dict) -> ModelConfig:
     expert = int(r["expert_ffn_hidden"])
     return ModelConfig(name=r["model_as_published"], arch="llama", hidden=int(r["hidden"]), layers=int(r["layers"]),
                        heads=int(r["heads"]), kv_heads=int(r["kv_heads"]), head_dim=int(r["head_dim"]),
-                       vocab=int(r["vocab"]), seq_len=int(r["seq_len_tokens"]), tie_embeddings=False,
+                       vocab=int(r["vocab"]), seq_len=int(r["seq_len_tokens"]),
                        ffn_hidden=int(r["dense_ffn_hidden"] or expert), experts=int(r["num_experts"]),
                        experts_per_token=int(r["top_k"]), expert_ffn_hidden=expert,
                        shared_experts=int(r["num_shared_experts"] or 0), dense_layers=int(r["num_dense_layers"] or 0))
@@ -231,7 +231,7 @@ def megatron_bridge_moe(system="dgx-h100") -> list[dict]:
 MODELZOO_TABLE = "megatron_moe_modelzoo_qwen3_h100.csv"
 # Qwen3-235B-A22B (the CSV's citation lines: Qwen3 report Table 2, Hugging Face config.json)
 QWEN3_235B = ModelConfig(name="qwen3-235b-a22b", arch="llama", hidden=4096, layers=94, heads=64, kv_heads=4, head_dim=128,
-                         vocab=151936, seq_len=4096, tie_embeddings=False, ffn_hidden=1536, experts=128,
+                         vocab=151936, seq_len=4096, ffn_hidden=1536, experts=128,
                          experts_per_token=8, expert_ffn_hidden=1536, qk_norm=True)
 
 
@@ -274,7 +274,7 @@ def _llama(r: dict, seq: int, vocab_key: str = "vocab", head_dim_key: str = "hea
     return ModelConfig(name=r.get("model_as_published") or r.get("model", "llama"), arch="llama", hidden=int(r["hidden"]),
                        layers=int(r["layers"]), heads=int(r["heads"]), kv_heads=int(r["kv_heads"]),
                        head_dim=int(r[head_dim_key]), ffn_hidden=int(r["ffn_hidden"]), vocab=int(r[vocab_key]),
-                       seq_len=seq, tie_embeddings=False)
+                       seq_len=seq)
 
 
 def _tokens_row(table: str, name: str, model: ModelConfig, system, layout: ParallelLayout, gpus: int, seq: int,
