@@ -14,6 +14,10 @@ reading alone; 2026-11-25 (session 6) added the micro-batch-1 reading and chose 
 of those values and traffic 1.5 (T5 2.41%, T1 2.24%, T1 at mb 1 4.50%; was 2.54/3.11/5.49%).
 Rerun on the chosen profile, the grid's best (matmul x1.02, collective x0.9: score 2.831, T1 at
 mb 1 4.98%) ties with it (x1.0, x1.0: 2.834); the chosen one keeps a margin on #11's 5% goal.
+2026-11-26 (session 14): rings across nodes share the node's NICs (luban/plan/time.py ``collective``);
+the data-parallel all-reduces of the Narayanan rows (dp 32 over 4 nodes, 8/tp ranks per node) got up to 8x
+faster and the grid chose matmul x1.02, collective x1.1, traffic 2.0 of the 2026-11-25 values (score 2.586:
+T5 2.38%, T1 2.52%, T1 at mb 1 4.17%; the 2026-11-25 values scored 3.183 under the new collectives).
 
     .venv/bin/python bench/plan_calibrate.py
 """

@@ -40,10 +40,10 @@ from luban.plan.system import System, load_system
 # FULL for `luban plan validate`, SMALL for tests
 FULL_GRID = {"mm": (0.96, 1.0, 1.04), "attn": (0.8, 1.0, 1.25), "fp8": (0.9, 1.0, 1.1),
              "eager": (runtimes.EAGER_TRAFFIC - 1, runtimes.EAGER_TRAFFIC, runtimes.EAGER_TRAFFIC + 1)}
-SMALL_GRID = {"mm": (0.96, 1.0), "attn": (1.0,), "fp8": (1.0,), "eager": (2.0, runtimes.EAGER_TRAFFIC)}
+SMALL_GRID = {"mm": (0.96, 1.0), "attn": (1.0,), "fp8": (1.0,), "eager": (runtimes.EAGER_TRAFFIC - 1, runtimes.EAGER_TRAFFIC)}
 # a finer grid (1,050 combinations, ~4 minutes): how much the headline depends on the grid (docs/planner.md)
 FINE_GRID = {"mm": (0.94, 0.96, 0.98, 1.0, 1.02, 1.04, 1.06), "attn": (0.8, 0.9, 1.0, 1.1, 1.25),
-             "fp8": (0.85, 0.9, 0.95, 1.0, 1.05, 1.1), "eager": (2.5, 3.0, 3.5, 4.0, 4.5)}
+             "fp8": (0.85, 0.9, 0.95, 1.0, 1.05, 1.1), "eager": (1.0, 1.5, 2.0, 2.5, 3.0)}
 GRIDS = {"full": FULL_GRID, "small": SMALL_GRID, "fine": FINE_GRID}
 PROFILES = ("dgx-a100-80g", "dgx-a100-40g", "dgx-h100", "hgx-h200")
 

@@ -521,7 +521,7 @@ class ComposerFSDP(FSDP2):
 # (leave-one-source-out in ``luban plan validate``). An eager RMSNorm alone is ~6 fp32 passes
 # (upcast, square, mean, rsqrt, two multiplies) where a fused kernel reads and writes once.
 # 3.0 since 2026-11-26 (3.5 before, chosen when the Llama-shaped rows were planned as GELU MLPs)
-EAGER_TRAFFIC = 3.0
+EAGER_TRAFFIC = 2.0
 
 
 RUNTIMES = {r.name: r for r in (Megatron(), MegatronCore(), FSDP2(), Luban(), MegatronDeepSpeed(), ComposerFSDP(), PlainPyTorch(),

@@ -28,16 +28,28 @@ from luban.plan.problem import Problem
 ALL_REDUCE, GATHER, P2P = "all-reduce", "all-gather", "p2p"
 
 
-def collective(problem: Problem, nbytes, n, intra, kind: str):
+def collective(problem: Problem, nbytes, n, intra, kind: str, local=1):
     """Seconds for a ring collective over ``n`` ranks of a ``nbytes`` buffer.
 
     Ring all-reduce moves 2(n−1)/n·M per rank in 2(n−1) steps; all-gather and reduce-scatter
     (n−1)/n·M in n−1 steps; a point-to-point send M in 1 step (Thakur et al. 2005; NCCL docs).
+
+    A group that spans nodes with ``local`` of its ranks in each node (a data-parallel group at
+    stride tp·cp: nvlink_domain/(tp·cp) of them) does not push its ring through one NIC: NCCL runs
+    one ring per channel, each leaving the node once, through the NIC next to the GPU it leaves
+    from, so the node's ``local`` NICs share the traffic and the ring's bus bandwidth is ``local``
+    × the per-GPU network rate (capped by NVLink, which carries the rest of the ring). Measured:
+    NVIDIA's NCCL team, DGX A100 with 8×200 Gb/s HDR, multi-node ring all-reduce 192 GB/s bus
+    bandwidth (NVIDIA/nccl#812, 2023-03-31), i.e. 7.7× one 25 GB/s NIC; DGX-2 nodes with 1, 2 and 4
+    GPUs (and NICs) per node all-reducing 1.6 GB in 363, 173 and 132 ms (NVIDIA/nccl#569); H100 with
+    8×400 Gb/s, reduce-scatter 360 GB/s bus bandwidth on 4 nodes (NVIDIA/nccl#1229). ``local`` = 1 (one
+    rank per node, or point-to-point) is one NIC per rank, as before.
     """
     s = problem.system
     factor, steps = {ALL_REDUCE: (2 * (n - 1) / n, 2 * (n - 1)), GATHER: ((n - 1) / n, n - 1),
                      P2P: (np.ones_like(n, dtype=float), np.ones_like(n))}[kind]
-    bandwidth = np.where(intra, s.nvlink_bandwidth, s.internode_bandwidth)
+    network = np.minimum(s.internode_bandwidth * np.maximum(local, 1), s.nvlink_bandwidth)
+    bandwidth = np.where(intra, s.nvlink_bandwidth, network)
     latency = np.where(intra, s.nvlink_latency, s.internode_latency) + cpu_stall(problem)
     seconds = steps * latency + factor * nbytes / (bandwidth * s.collective_efficiency(nbytes))
     return np.where(n > 1, seconds, 0.0)
@@ -256,7 +268,7 @@ def step_time(problem: Problem, g: Grid, mem: dict) -> dict:
 
     # tensor (+ sequence) parallel: 2 all-reduces (or all-gather + reduce-scatter pairs) each way
     msg = tokens * cfg.hidden * act["e"]
-    tp_one = 2 * collective(problem, msg, t, t <= s.nvlink_domain, ALL_REDUCE)
+    tp_one = 2 * collective(problem, msg, t, t <= s.nvlink_domain, ALL_REDUCE, np.minimum(t, s.nvlink_domain))
     # exposed per layer, forward and backward (whose GEMMs take twice the forward's)
     overlap = rt.tp_overlap(problem)
     tp_fwd = rt.tp_exposed(g, tp_one, mm, overlap)
@@ -308,21 +320,25 @@ def step_time(problem: Problem, g: Grid, mem: dict) -> dict:
     params = mem["params"]
     gathers, reductions, groups = dp_collective_counts(problem, g, m, n)
 
-    def data_parallel_sync(nbytes_params, ranks):
-        """(weight all-gathers, gradient reductions) of ``nbytes_params`` parameters over ``ranks``."""
-        intra = t * c * ranks <= s.nvlink_domain
+    def data_parallel_sync(nbytes_params, ranks, stride):
+        """(weight all-gathers, gradient reductions) of ``nbytes_params`` parameters over ``ranks``
+        at ``stride``."""
+        intra = stride * ranks <= s.nvlink_domain
+        local = np.clip(s.nvlink_domain // stride, 1, ranks)  # the group's ranks (and NICs) per node
         grads = nbytes_params * gb
         gather = np.where(g.zero == 0, 0.0, gathers * collective(problem, nbytes_params * rt.gather_bytes(wb, g.precision, problem) / groups,
-                                                                   ranks, intra, GATHER))
-        reduce = np.where(g.zero == 0, collective(problem, grads, ranks, intra, ALL_REDUCE),
-                          reductions * collective(problem, grads / groups, ranks, intra, GATHER))
+                                                                   ranks, intra, GATHER, local))
+        reduce = np.where(g.zero == 0, collective(problem, grads, ranks, intra, ALL_REDUCE, local),
+                          reductions * collective(problem, grads / groups, ranks, intra, GATHER, local))
         return gather, reduce
 
     # the routed experts reduce over the expert-data-parallel group (dp / ep ranks)
     hooks = np.where((dp > 1) & (g.zero > 0), cpu["contend"] * m * groups * cpu["fsdp_group"], 0.0)  # FSDP2 on a CPU
-    gather, reduce = data_parallel_sync(params - mem["expert_params"], dp)
-    if cfg.moe:
-        expert_gather, expert_reduce = data_parallel_sync(mem["expert_params"], np.maximum(dp // g.ep, 1))
+    gather, reduce = data_parallel_sync(params - mem["expert_params"], dp, t * c)
+    if cfg.moe:  # expert data parallel: every ep-th data-parallel rank (folded: Megatron-Core's expert ranks
+        # are ordered tp-ep-dp-pp with expert-TP 1, parallel_state.py, so the ep ranks are consecutive)
+        expert_stride = g.ep if folded else t * c * g.ep
+        expert_gather, expert_reduce = data_parallel_sync(mem["expert_params"], np.maximum(dp // g.ep, 1), expert_stride)
         gather, reduce = gather + expert_gather, reduce + expert_reduce
     dp_total = gather + reduce + hooks
     busy = m * (F + B)

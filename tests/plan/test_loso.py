@@ -51,11 +51,12 @@ def test_leave_one_source_out_headline(small):
     """Issue #25's goal is a held-out mean <= 8% over the dense sources; what this grid reaches is
     pinned here (docs/planner.md gives the per-source table) so that a regression fails."""
     _, result = small
-    assert result["headline"] <= 0.11, result
+    # (2026-11-26, session 14: rings across nodes share the node's NICs, refitted: 6.81% on this grid,
+    # NeMo 6.3%, torchtitan 5.5%, MosaicML 7.7%, Trainy 1.8%, Megatron-LM 2.6%; 10.3% before)
+    assert result["headline"] <= 0.075, result
     held = {s: v["held_out"] for s, v in result["sources"].items()}
-    # (2026-11-26, Llama rows with their real SwiGLU shapes and the profile refitted to them: NeMo 6.3%)
-    assert held["nvidia-megatron-lm"] <= 0.05 and held["nvidia-nemo-megatron-core"] <= 0.07
-    assert held["torchtitan"] <= 0.10 and held["mosaicml-composer"] <= 0.15
+    assert held["nvidia-megatron-lm"] <= 0.04 and held["nvidia-nemo-megatron-core"] <= 0.07
+    assert held["torchtitan"] <= 0.07 and held["mosaicml-composer"] <= 0.09 and held["trainy-torchtitan"] <= 0.04
 
 
 def test_new_source_tables_cite_every_row():

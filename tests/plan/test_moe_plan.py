@@ -104,7 +104,7 @@ def test_megatron_bridge_moe_rows():
     rows = validate.megatron_bridge_moe()
     assert len(rows) == 16 and {r["fp8"] for r in rows} == {True, False}
     bf16 = [abs(r["error"]) for r in rows if not r["fp8"]]
-    assert len(bf16) == 5 and np.mean(bf16) < 0.65
+    assert len(bf16) == 5 and np.mean(bf16) < 0.30  # GPT-OSS: 26% (2026-11-26)
     assert all(np.isfinite(r["predicted"]) and r["predicted"] > 0 for r in rows)
     # every row keeps its recipe's bf16 main gradients (grad_reduce_in_fp32 = False since v0.2.0 / 25.11)
     assert all(r["estimate"].grad_bytes > 0 for r in rows)
@@ -142,7 +142,7 @@ def test_bridge_qwen3_235b_rows_are_planned_like_the_modelzoo_rows():
     assert [r["estimate"].global_batch for r in rows] == [8192, 8192, 8192, 8192, 2048]
     assert all(r["estimate"].time_breakdown_s["tp_comm"] > 0 for r in rows)
     assert all(r["estimate"].layout.sp and r["fp8"] for r in rows)
-    assert np.mean([abs(r["error"]) for r in rows]) < 0.25
+    assert np.mean([abs(r["error"]) for r in rows]) < 0.15  # 12.2% (2026-11-26)
 
 
 def test_deepep_sends_each_token_once_per_node_and_overlap_hides_the_all_to_all():
@@ -206,8 +206,9 @@ def test_megatron_moe_modelzoo_rows():
     at its layout, dispatcher and overlap; the bound only guards against regressions (docs/planner.md)."""
     rows = validate.megatron_moe_modelzoo()
     assert len(rows) == 5 and all(r["unit"] == "s" and np.isfinite(r["predicted"]) for r in rows)
-    # 19% while Qwen3's experts were planned as two-matrix GELU MLPs; 32% with their SwiGLU shape (2026-11-26)
-    assert np.mean([abs(r["error"]) for r in rows]) < 0.35
+    # 19% while Qwen3's experts were planned as two-matrix GELU MLPs; 32% with their SwiGLU shape; 27.5% since
+    # rings across nodes share the node's NICs (2026-11-26)
+    assert np.mean([abs(r["error"]) for r in rows]) < 0.30
 
 
 def test_fp8_casts_count_every_routed_copy_of_a_moe_layer():

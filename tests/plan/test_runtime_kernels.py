@@ -71,7 +71,8 @@ def test_torchtitan_fp8_gathers_the_linear_weights_in_fp8():
     assert float(fsdp2.gather_bytes(4.0, np.array(BF16), problem)) == 2.0
     for name, expected in (("composer-fsdp", 2.0), ("luban", 4.0)):
         assert float(runtimes.get(name).gather_bytes(4.0, np.array(FP8), problem)) == expected
-    # fewer bytes, less exposed communication at 32 GPUs over the network
+    # fewer bytes, less communication at 32 GPUs over the network (whether any is exposed depends on
+    # the compute that hides it)
     g = Grid.from_layout(ParallelLayout(dp=32, zero=3, precision="fp8", micro_batch=2, recompute="selective"))
     fp8 = Estimate.from_results(problem, g, evaluate(problem, g))
     saved = runtimes.FSDP2.fp8_gather
@@ -80,7 +81,11 @@ def test_torchtitan_fp8_gathers_the_linear_weights_in_fp8():
         bf16_gathers = Estimate.from_results(problem, g, evaluate(problem, g))
     finally:
         runtimes.FSDP2.fp8_gather = saved
-    assert fp8.step_time_s < bf16_gathers.step_time_s
+    def communication(e):
+        return e.time_breakdown_s["dp_comm"] + e.dp_hidden_s
+
+    assert communication(fp8) < communication(bf16_gathers)
+    assert fp8.step_time_s <= bf16_gathers.step_time_s
 
 
 def test_torchtitan_selective_recomputes_every_other_matmul():

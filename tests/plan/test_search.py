@@ -14,7 +14,9 @@ def test_single_gpu_small_model_prefers_big_microbatches_without_recompute():
     assert best.recompute == "none" and best.micro_batch == 8 and best.offload == "none"
 
 
-def test_175b_on_64_a100_keeps_tp_in_node_and_pipelines():
+def test_175b_on_64_a100_keeps_tp_in_node_and_splits_the_weights():
+    """175B cannot sit replicated on a GPU: every layout the search keeps pipelines or shards the
+    weights (ZeRO-3), and tensor parallel stays inside the NVLink domain."""
     problem = make_problem("gpt3-175b", gpus=64, batch=64)
     result = search(problem, top=5)
     assert result.valid > 0 and len(result.best) == 5
@@ -22,7 +24,7 @@ def test_175b_on_64_a100_keeps_tp_in_node_and_pipelines():
     speeds = [e.tokens_per_s for e in result.best]
     assert speeds == sorted(speeds, reverse=True)
     for est in result.best:
-        assert est.fits and est.layout.tp <= 8 and est.layout.pp > 1
+        assert est.fits and est.layout.tp <= 8 and (est.layout.pp > 1 or est.layout.zero == 3)
         check_layout(est.layout, problem.model, 64, 64, 2048)  # every reported layout is valid
     assert result.rejected["does not fit in GPU memory"] > 0
 

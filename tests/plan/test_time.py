@@ -50,6 +50,42 @@ def test_ring_all_reduce_is_2_n_minus_1_over_n():
     assert float(collective(problem, m, np.array(1), np.array(True), ALL_REDUCE)) == 0.0
 
 
+
+def test_a_ring_across_nodes_shares_the_nodes_nics():
+    """A group with k ranks in each node leaves every node through k NICs (NCCL: one ring per
+    channel, each leaving the node from a different GPU): k × the per-GPU network rate, capped by
+    NVLink; one rank per node (or point-to-point) is one NIC."""
+    problem = make_problem()  # dgx-a100-80g: 8 GPUs per node, one 25 GB/s NIC each, NVLink 300 GB/s
+    s = problem.system
+    m, n, far = 1e9, np.array(32), np.array(False)
+
+    def bandwidth_part(local):
+        return float(collective(problem, m, n, far, ALL_REDUCE, local)) - 2 * 31 * s.internode_latency
+
+    one_nic = 2 * 31 / 32 * m / (s.internode_bandwidth * s.collective_efficiency(m))
+    assert bandwidth_part(1) == pytest.approx(one_nic)
+    assert bandwidth_part(4) == pytest.approx(one_nic / 4)
+    assert s.internode_bandwidth * 8 < s.nvlink_bandwidth and bandwidth_part(8) == pytest.approx(one_nic / 8)
+    assert bandwidth_part(64) == pytest.approx(2 * 31 / 32 * m / (s.nvlink_bandwidth * s.collective_efficiency(m)))
+
+
+@pytest.mark.parametrize("runtime", ["fsdp2", "megatron-core"])
+def test_data_parallel_over_two_full_nodes_runs_near_nvlink_speed(runtime):
+    """The step applies it: FSDP's (ZeRO-3) traffic over 2 full nodes (8 ranks, 8 NICs per node:
+    400 GB/s on H100) takes about what it takes inside one node's NVLink (450 GB/s), not 9× more as a
+    ring through one 50 GB/s NIC would; at tp 8 each data-parallel group has one rank per node: one NIC."""
+    from luban.model.presets import get_preset
+
+    cfg = get_preset("llama-1b")
+    comm = {}
+    for gpus, tp in ((8, 1), (16, 1), (16, 8)):
+        layout = ParallelLayout(dp=gpus // tp, tp=tp, zero=3, micro_batch=1)
+        est = estimate(cfg, "dgx-h100", layout, global_batch=gpus, seq=2048, runtime=runtime)
+        comm[gpus, tp] = est.time_breakdown_s["dp_comm"] + est.dp_hidden_s
+    assert comm[16, 1] < 1.5 * comm[8, 1]
+    assert comm[16, 8] * 8 > 4 * comm[16, 1]  # per byte (tp 8 holds 1/8 of the weights): one NIC per ring
+
+
 def test_mfu_hfu_and_cost_definitions():
     problem = make_problem("megatron-22b", gpus=8, batch=4)
     layout = ParallelLayout(tp=8, micro_batch=4, recompute="full", precision="fp16")
