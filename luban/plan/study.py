@@ -420,8 +420,10 @@ def findings(res: dict) -> list[dict]:
             f"(beyond compute: {_top_costs(s8.get(top, {}))}). dp must divide both the batch and the GPU count: "
             + ", ".join(f"{g} GPUs: dp <= {math.gcd(BATCH, g)}" for g in sorted(b8))
             + f", so at {top} GPUs tp·pp·cp >= {top // math.gcd(BATCH, top)}; without cp and with pp dividing the "
-            "blocks that forces tp beyond the NVLink domain or a deeper pipeline. luban models no SM cost of "
-            "overlapped TP communication (the seed's reason 4)")
+            "blocks that forces tp beyond the NVLink domain or a deeper pipeline. A tensor-parallel group beyond the "
+            "domain crosses the network through the NICs of its 8 ranks in each node (8 x 50 GB/s against NVLink's "
+            "450 GB/s on DGX H100: luban.plan.time.collective), so tp 16 over two nodes costs little more than inside "
+            "one domain; luban models no SM cost of overlapped TP communication (the seed's reason 4)")
         gains = []
         for space in ("luban", "seed"):
             n8 = {r["gpus"]: r for r in _b(res, 8, space)}
@@ -434,9 +436,11 @@ def findings(res: dict) -> list[dict]:
         add("NVLink 8 suffices at 12,288 GPUs; 16,384 needs NVLink 16 (Fig. 7)", "gain at 12,288 ~1.0, at 16,384 > 1",
             f"MFU NVLink16/NVLink8: {fmt(gains[0])}; in the seed's space: {fmt(gains[1])}",
             {"luban": needs16(gains[0]), "seed": needs16(gains[1])},
-            "luban's time model gives any tp·cp (or tp·cp·dp) group that fits the domain NVLink bandwidth, so in "
-            "its own space a 16-GPU domain helps at every size (tp4·cp4 instead of tp8·cp2); in the seed's space "
-            "the gain jumps at 16,384, where the 1T model must use pipeline or tensor parallelism beyond 8")
+            "luban's time model gives any tp·cp (or tp·cp·dp) group that fits the domain NVLink bandwidth, and a "
+            "group beyond it the NICs of its ranks in each node (8 x 50 GB/s on DGX H100, against NVLink's 450 GB/s), "
+            f"so a 16-GPU domain gains at most {max(list(gains[0].values()) + list(gains[1].values()) + [1.0]):.3f}x "
+            "here: tp 16 across two nodes runs near NVLink speed, where the seed finds that 16,384 GPUs need a "
+            "16-GPU domain")
     for space in ("luban", "seed"):
         pair = _c(res, space)
         if len(pair) != 2:
