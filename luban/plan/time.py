@@ -71,16 +71,20 @@ def all_to_all(problem: Problem, nbytes, n, stride, dispatcher: str = "alltoall"
     collective efficiency. A MoE ``dispatcher`` that deduplicates (``DEDUPLICATING``: DeepEP,
     HybridEP) sends each token once per destination node (``deepep_network_share``); DeepEP's
     kernels use the links at their measured ``DEEPEP_NVLINK_EFFICIENCY`` and
-    ``DEEPEP_NETWORK_EFFICIENCY``."""
+    ``DEEPEP_NETWORK_EFFICIENCY`` and pay the link latency once per all-to-all, not per peer."""
     s = problem.system
     local = np.clip(s.nvlink_domain // stride, 1, n)
     stall = cpu_stall(problem)
     curve = s.collective_efficiency(nbytes)
     near_eff, far_eff = (DEEPEP_NVLINK_EFFICIENCY, DEEPEP_NETWORK_EFFICIENCY) if dispatcher == "deepep" else (curve, curve)
-    near = (local - 1) * (s.nvlink_latency + stall) + (local - 1) / n * nbytes / (s.nvlink_bandwidth * near_eff)
+    # DeepEP's normal dispatch and combine are one kernel each whose warps serve every peer at once (RDMA
+    # senders, NVLink forwarders and receivers: csrc/kernels/internode.cu, intranode.cu), so the latency is
+    # paid once per link kind, not once per peer as in NCCL's pairwise steps
+    steps_near, steps_far = (np.minimum(local - 1, 1), np.minimum(n - local, 1)) if dispatcher == "deepep" else (local - 1, n - local)
+    near = steps_near * (s.nvlink_latency + stall) + (local - 1) / n * nbytes / (s.nvlink_bandwidth * near_eff)
     dedup_nodes = dispatcher in DEDUPLICATING
     network = (n - local) / n * nbytes * (deepep_network_share(problem, n, local) if dedup_nodes else 1.0)
-    far = (n - local) * (s.internode_latency + stall) + network / (s.internode_bandwidth * far_eff)
+    far = steps_far * (s.internode_latency + stall) + network / (s.internode_bandwidth * far_eff)
     return np.where(n > 1, np.maximum(near, far), 0.0)
 
 

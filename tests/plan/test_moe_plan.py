@@ -170,13 +170,14 @@ def test_deepep_sends_each_token_once_per_node_and_overlap_hides_the_all_to_all(
 
     assert 0 < float(intra[1]) < float(intra[0])
     s, nbytes = p.system, 64e6
+    # DeepEP's one kernel per dispatch serves every peer at once: one latency per link kind, not one per peer
     assert float(all_to_all(p, nbytes, np.array(8), 1, "deepep")) == pytest.approx(
-        7 * s.nvlink_latency + 7 / 8 * nbytes / (s.nvlink_bandwidth * DEEPEP_NVLINK_EFFICIENCY))
+        s.nvlink_latency + 7 / 8 * nbytes / (s.nvlink_bandwidth * DEEPEP_NVLINK_EFFICIENCY))
     assert float(all_to_all(p, nbytes, np.array(8), 1)) == pytest.approx(
         7 * s.nvlink_latency + 7 / 8 * nbytes / (s.nvlink_bandwidth * s.collective_efficiency(nbytes)))
-    far = 24 * s.internode_latency + 24 / 32 * nbytes * expected / (s.internode_bandwidth * DEEPEP_NETWORK_EFFICIENCY)
+    far = s.internode_latency + 24 / 32 * nbytes * expected / (s.internode_bandwidth * DEEPEP_NETWORK_EFFICIENCY)
     assert float(all_to_all(p, nbytes, np.array(32), 1, "deepep")) == pytest.approx(max(far, float(
-        7 * s.nvlink_latency + 7 / 32 * nbytes / (s.nvlink_bandwidth * DEEPEP_NVLINK_EFFICIENCY))))
+        s.nvlink_latency + 7 / 32 * nbytes / (s.nvlink_bandwidth * DEEPEP_NVLINK_EFFICIENCY))))
     # HybridEP: DeepEP's deduplication, the links at the profile's collective curve (no published rates)
     curve = s.collective_efficiency(nbytes)
     far = 24 * s.internode_latency + 24 / 32 * nbytes * expected / (s.internode_bandwidth * curve)
@@ -207,8 +208,8 @@ def test_megatron_moe_modelzoo_rows():
     rows = validate.megatron_moe_modelzoo()
     assert len(rows) == 5 and all(r["unit"] == "s" and np.isfinite(r["predicted"]) for r in rows)
     # 19% while Qwen3's experts were planned as two-matrix GELU MLPs; 32% with their SwiGLU shape; 27.5% since
-    # rings across nodes share the node's NICs (2026-11-26)
-    assert np.mean([abs(r["error"]) for r in rows]) < 0.30
+    # rings across nodes share the node's NICs; 25.3% with DeepEP's latency paid once per all-to-all (2026-11-26)
+    assert np.mean([abs(r["error"]) for r in rows]) < 0.27
 
 
 def test_fp8_casts_count_every_routed_copy_of_a_moe_layer():
