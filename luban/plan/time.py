@@ -71,16 +71,18 @@ def all_to_all(problem: Problem, nbytes, n, stride, dispatcher: str = "alltoall"
     collective efficiency. A MoE ``dispatcher`` that deduplicates (``DEDUPLICATING``: DeepEP,
     HybridEP) sends each token once per destination node (``deepep_network_share``); DeepEP's
     kernels use the links at their measured ``DEEPEP_NVLINK_EFFICIENCY`` and
-    ``DEEPEP_NETWORK_EFFICIENCY`` and pay the link latency once per all-to-all, not per peer."""
+    ``DEEPEP_NETWORK_EFFICIENCY``; both pay the link latency once per all-to-all, not per peer."""
     s = problem.system
     local = np.clip(s.nvlink_domain // stride, 1, n)
     stall = cpu_stall(problem)
     curve = s.collective_efficiency(nbytes)
     near_eff, far_eff = (DEEPEP_NVLINK_EFFICIENCY, DEEPEP_NETWORK_EFFICIENCY) if dispatcher == "deepep" else (curve, curve)
     # DeepEP's normal dispatch and combine are one kernel each whose warps serve every peer at once (RDMA
-    # senders, NVLink forwarders and receivers: csrc/kernels/internode.cu, intranode.cu), so the latency is
-    # paid once per link kind, not once per peer as in NCCL's pairwise steps
-    steps_near, steps_far = (np.minimum(local - 1, 1), np.minimum(n - local, 1)) if dispatcher == "deepep" else (local - 1, n - local)
+    # senders, NVLink forwarders and receivers: deepseek-ai/DeepEP csrc/kernels/internode.cu); HybridEP's
+    # likewise (DeepEP docs/README_Hybrid-EP.md: warp-level pipelines in one kernel, no CPU-GPU
+    # synchronisation), so the latency is paid once per link kind, not once per peer as in NCCL's pairwise steps
+    one_kernel = dispatcher in DEDUPLICATING
+    steps_near, steps_far = (np.minimum(local - 1, 1), np.minimum(n - local, 1)) if one_kernel else (local - 1, n - local)
     near = steps_near * (s.nvlink_latency + stall) + (local - 1) / n * nbytes / (s.nvlink_bandwidth * near_eff)
     dedup_nodes = dispatcher in DEDUPLICATING
     network = (n - local) / n * nbytes * (deepep_network_share(problem, n, local) if dedup_nodes else 1.0)
