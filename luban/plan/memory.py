@@ -179,7 +179,15 @@ def expert_zero_shards(problem: Problem, g: Grid):
     shards = zero_shards(problem, g)
     if problem.runtime_model.experts_replicated_with_ep:
         return np.where(g.ep > 1, 1, shards)
-    return np.maximum(shards // g.ep, 1)
+    return np.maximum(shards * folded_tp(problem, g) // g.ep, 1)
+
+
+def folded_tp(problem: Problem, g: Grid):
+    """Tensor-parallel ranks that join expert data parallel: under Megatron-Core's MoE parallel folding
+    (``Runtime.ep_folding``, expert-TP 1) the experts are whole on each rank and the expert ranks are
+    ordered tp-ep-dp-pp over the same GPUs (``parallel_state`` expert rank generator), so expert data
+    parallel is tp·dp·cp/ep; otherwise 1."""
+    return g.tp if problem.runtime_model.ep_folding else 1
 
 
 def activations_in_tier(g: Grid):

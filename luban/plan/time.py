@@ -22,7 +22,7 @@ from luban.parallel import schedules
 from luban.plan import DEDUPLICATING
 from luban.plan.grid import BLOCKS_OFFLOAD, FP32, FULL, PARAMS_OFFLOAD, SELECTIVE, Grid
 from luban.plan.memory import (activation_bytes, activations_in_tier, all_to_all_bytes, expert_split, expert_zero_shards,
-                               host_state_offload, rank_layers, recomputed_share, zero_shards)
+                               folded_tp, host_state_offload, rank_layers, recomputed_share, zero_shards)
 from luban.plan.problem import Problem
 
 ALL_REDUCE, GATHER, P2P = "all-reduce", "all-gather", "p2p"
@@ -344,7 +344,8 @@ def step_time(problem: Problem, g: Grid, mem: dict) -> dict:
     if cfg.moe:  # expert data parallel: every ep-th data-parallel rank (folded: Megatron-Core's expert ranks
         # are ordered tp-ep-dp-pp with expert-TP 1, parallel_state.py, so the ep ranks are consecutive)
         expert_stride = g.ep if folded else t * c * g.ep
-        expert_gather, expert_reduce = data_parallel_sync(mem["expert_params"], np.maximum(dp // g.ep, 1), expert_stride)
+        expert_ranks = np.maximum(dp * folded_tp(problem, g) * np.where(folded, c, 1) // g.ep, 1)
+        expert_gather, expert_reduce = data_parallel_sync(mem["expert_params"], expert_ranks, expert_stride)
         gather, reduce = gather + expert_gather, reduce + expert_reduce
     dp_total = gather + reduce + hooks
     busy = m * (F + B)

@@ -208,7 +208,8 @@ def test_megatron_moe_modelzoo_rows():
     rows = validate.megatron_moe_modelzoo()
     assert len(rows) == 5 and all(r["unit"] == "s" and np.isfinite(r["predicted"]) for r in rows)
     # 19% while Qwen3's experts were planned as two-matrix GELU MLPs; 32% with their SwiGLU shape; 27.5% since
-    # rings across nodes share the node's NICs; 25.3% with DeepEP's latency paid once per all-to-all (2026-11-26)
+    # rings across nodes share the node's NICs; 25.3% with DeepEP's latency paid once per all-to-all; 26.5% with
+    # the folded expert-data-parallel group of 32 ranks, as published (2026-11-26)
     assert np.mean([abs(r["error"]) for r in rows]) < 0.27
 
 
@@ -231,3 +232,19 @@ def test_fp8_casts_count_every_routed_copy_of_a_moe_layer():
     g = Grid.from_layout(ParallelLayout(dp=8, zero=1, precision="fp8"))
     p = Problem(dense, load_system("dgx-h100"), 8, 4096, 64, "megatron-core")
     assert float(runtimes.get("megatron-core").fp8_cast_bytes(p, g)) == 3 * (2 * dense.hidden + dense.q_dim + dense.ffn_hidden)
+
+
+def test_folded_expert_data_parallel_takes_the_tensor_parallel_ranks():
+    """Megatron-Core's MoE parallel folding (expert-TP 1): the experts are whole on each rank and the
+    expert ranks are ordered tp-ep-dp-pp over the same GPUs, so tp 2 × dp 8 on 16 GPUs with ep 8 has
+    expert data parallel 2 (the ModelZoo's FSDP row: tp 2, dp 128, ep 8 → edp 32, as published); megatron
+    (experts split by tp) keeps dp/ep = 1."""
+    from luban.plan.memory import expert_zero_shards
+
+    g = Grid.from_layout(ParallelLayout(dp=8, tp=2, sp=True, ep=8, zero=1))
+    assert int(expert_zero_shards(problem(runtime="megatron-core"), g)) == 2
+    assert int(expert_zero_shards(problem(runtime="megatron"), g)) == 1
+    rows = {r["row"]: r for r in validate.megatron_moe_modelzoo()}
+    fsdp = next(r for name, r in rows.items() if "fsdp" in name)
+    layout = fsdp["estimate"].layout
+    assert int(expert_zero_shards(problem(runtime="megatron-core", gpus=256), Grid.from_layout(layout))) == 32
