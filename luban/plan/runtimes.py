@@ -520,7 +520,8 @@ class ComposerFSDP(FSDP2):
 # constant for every eager runtime, fitted across sources by bench/plan_calibrate_sources.py
 # (leave-one-source-out in ``luban plan validate``). An eager RMSNorm alone is ~6 fp32 passes
 # (upcast, square, mean, rsqrt, two multiplies) where a fused kernel reads and writes once.
-# 3.0 since 2026-11-26 (3.5 before, chosen when the Llama-shaped rows were planned as GELU MLPs)
+# 2.0 since 2026-11-26, session 14 (with the profiles' elementwise_traffic refitted 1.5 -> 2.0 when rings across
+# nodes began to share the node's NICs: 4.0 fused bytes per stored byte, was 3.0 x 1.5 = 4.5); 3.0 and 3.5 before
 EAGER_TRAFFIC = 2.0
 
 
