@@ -459,7 +459,7 @@ def findings(res: dict) -> list[dict]:
         add(f"the 256-block model is 36% faster: MFU 75% vs 54% (Fig. 2){where}", "75% vs 54% (1.36x)",
             f"{_pct(a['mfu'])} vs {_pct(b['mfu'])}" + (f" ({speed:.2f}x)" if b["mfu"] else " (254 blocks: nothing fits)"),
             speed > 1.15,
-            f"tp must divide heads = 254 = 2·127, so tp ∈ {{1, 2}} in practice; "
+            "tp must divide heads = 254 = 2·127, so tp ∈ {1, 2} in practice; "
             + ("luban splits blocks unevenly over stages (any pp up to the block count) and adds context "
                "parallelism, so the 254-block model still finds fitting layouts: "
                if space == "luban" else "with pp dividing the blocks too (pp ∈ {1, 2, 127, 254}) no 254-block layout "
