@@ -81,11 +81,10 @@ def all_to_all(problem: Problem, nbytes, n, stride, dispatcher: str = "alltoall"
     # senders, NVLink forwarders and receivers: deepseek-ai/DeepEP csrc/kernels/internode.cu); HybridEP's
     # likewise (DeepEP docs/README_Hybrid-EP.md: warp-level pipelines in one kernel, no CPU-GPU
     # synchronisation), so the latency is paid once per link kind, not once per peer as in NCCL's pairwise steps
-    one_kernel = dispatcher in DEDUPLICATING
-    steps_near, steps_far = (np.minimum(local - 1, 1), np.minimum(n - local, 1)) if one_kernel else (local - 1, n - local)
+    dedup = dispatcher in DEDUPLICATING
+    steps_near, steps_far = (np.minimum(local - 1, 1), np.minimum(n - local, 1)) if dedup else (local - 1, n - local)
     near = steps_near * (s.nvlink_latency + stall) + (local - 1) / n * nbytes / (s.nvlink_bandwidth * near_eff)
-    dedup_nodes = dispatcher in DEDUPLICATING
-    network = (n - local) / n * nbytes * (deepep_network_share(problem, n, local) if dedup_nodes else 1.0)
+    network = (n - local) / n * nbytes * (deepep_network_share(problem, n, local) if dedup else 1.0)
     far = steps_far * (s.internode_latency + stall) + network / (s.internode_bandwidth * far_eff)
     return np.where(n > 1, np.maximum(near, far), 0.0)
 
@@ -338,7 +337,7 @@ def step_time(problem: Problem, g: Grid, mem: dict) -> dict:
                           reductions * collective(problem, grads / groups, ranks, intra, GATHER, local))
         return gather, reduce
 
-    # the routed experts reduce over the expert-data-parallel group (dp / ep ranks)
+    # the routed experts reduce over the expert-data-parallel group (dp / ep ranks; folded: tp·dp·cp / ep)
     hooks = np.where((dp > 1) & (g.zero > 0), cpu["contend"] * m * groups * cpu["fsdp_group"], 0.0)  # FSDP2 on a CPU
     gather, reduce = data_parallel_sync(params - mem["expert_params"], dp, t * c)
     if cfg.moe:  # expert data parallel: every ep-th data-parallel rank (folded: Megatron-Core's expert ranks
