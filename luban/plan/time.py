@@ -343,7 +343,7 @@ def step_time(problem: Problem, g: Grid, mem: dict) -> dict:
     if cfg.moe:  # expert data parallel: every ep-th data-parallel rank (folded: Megatron-Core's expert ranks
         # are ordered tp-ep-dp-pp with expert-TP 1, parallel_state.py, so the ep ranks are consecutive)
         expert_stride = g.ep if folded else t * c * g.ep
-        expert_ranks = np.maximum(dp * folded_tp(problem, g) * np.where(folded, c, 1) // g.ep, 1)
+        expert_ranks = np.maximum(dp * folded_tp(problem, g) * (c if folded else 1) // g.ep, 1)
         expert_gather, expert_reduce = data_parallel_sync(mem["expert_params"], expert_ranks, expert_stride)
         gather, reduce = gather + expert_gather, reduce + expert_reduce
     dp_total = gather + reduce + hooks

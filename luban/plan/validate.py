@@ -187,7 +187,10 @@ BRIDGE_BF16_GRADS_SINCE = "25.11"
 
 def bridge_grad_reduce_fp32(container: str) -> bool | None:
     """``Problem.grad_reduce_fp32`` of a Megatron-Bridge row: False from ``BRIDGE_BF16_GRADS_SINCE`` on."""
-    return False if container >= BRIDGE_BF16_GRADS_SINCE else None
+    def release(name):  # "26.02.01" -> (26, 2, 1): compared as numbers, not as text
+        return tuple(int(part) for part in name.split("."))
+
+    return False if release(container) >= release(BRIDGE_BF16_GRADS_SINCE) else None
 
 
 def _bridge_moe_row(container: str, model_name: str, model: ModelConfig, system, precision: str, gpus: int, tp: int,
