@@ -106,3 +106,21 @@ def test_recompute_costs_one_more_forward():
     full = times(problem, ParallelLayout(tp=8, micro_batch=4, recompute="full"))["parts"]
     assert float(full["recompute"]) == pytest.approx(float(full["forward"]), rel=0.05)  # all but the LM head
     assert float(full["backward"]) == pytest.approx(2 * float(full["forward"]))
+
+
+@pytest.mark.parametrize("overrides", [{"nvlink_domain": 1}, {"nvlink_domain": 3}, {"gpus_per_node": 1, "nvlink_domain": 1},
+                                       {"internode_bandwidth": float("inf")}])
+def test_odd_nvlink_domains_and_unlimited_networks_plan_finite_steps(overrides):
+    """A careless profile (a domain of 1 or one that tp does not divide, one GPU per node, an unlimited network)
+    still plans: the NICs per node are clipped to 1 … ranks and capped by NVLink; every time is finite and positive."""
+    from luban.plan.system import load_system, System
+    from luban.model.presets import get_preset
+
+    raw = load_system("dgx-h100").to_dict()
+    raw.update(overrides)
+    system = System.from_dict(raw)
+    for tp, zero in ((1, 3), (2, 1), (4, 0)):
+        est = estimate(get_preset("llama-1b"), system, ParallelLayout(dp=16 // tp, tp=tp, zero=zero, micro_batch=1),
+                       global_batch=16, seq=2048, runtime="megatron-core")
+        parts = est.time_breakdown_s
+        assert np.isfinite(est.step_time_s) and est.step_time_s > 0 and all(np.isfinite(v) and v >= 0 for v in parts.values())
