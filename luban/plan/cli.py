@@ -99,7 +99,7 @@ def register(sub) -> None:
     val.add_argument("--grid", choices=("full", "small", "fine", "none"), default="full",
                      help="leave-one-source-out refit grid (luban.plan.loso): full (default, 81 combinations), "
                           "small, fine (1,050 combinations, minutes: how much the headline depends on the grid), "
-                          "or none to skip it")
+                          "or none to skip it (and the MoE refit of moe_host)")
     val.set_defaults(func=cmd_validate)
 
     study = cmds.add_parser("study", help="rerun a published planning study and compare (charts + table)")
@@ -280,11 +280,13 @@ def cmd_validate(args) -> int:
 
     tables = validate_all(args.system)
     by_source = None if args.grid == "none" else loso.fit(loso.GRIDS[args.grid])
+    moe = None if args.grid == "none" else loso.fit_moe()
     if args.json:
         out = {name: {"summary": t["summary"], "rows": [{k: v for k, v in r.items() if k != "estimate"} for r in t["rows"]]}
                for name, t in tables.items()}
         if by_source:
             out["leave-one-source-out"] = by_source
+            out["leave-one-source-out-moe"] = moe
         print(json.dumps(out, default=float))
         return 0
     if by_source:
@@ -293,8 +295,13 @@ def cmd_validate(args) -> int:
               f"(at the shipped knobs: {by_source['fitted_mean']:.2%})")
         for name, s in by_source["sources"].items():
             knobs = " ".join(f"{k} {v:g}" for k, v in s["knobs"].items())
-            print(f"  {name:32s} {s['rows']:3d} rows  held out {s['held_out']:7.2%} (max {s['max_held_out']:6.2%})"
+            print(f"  {name:34s} {s['rows']:3d} rows  held out {s['held_out']:7.2%} (max {s['max_held_out']:6.2%})"
                   f"  shipped {s['fitted']:7.2%}  refit without it: {knobs}")
+        print(f"leave-one-source-out (MoE, {len(moe['sources'])} sources, moe_host over {moe['grid']} values, shipped "
+              f"{moe['shipped'] * 1e3:g} ms): mean |error| {moe['headline']:.2%} held out")
+        for name, s in moe["sources"].items():
+            print(f"  {name:34s} {s['rows']:3d} rows  held out {s['held_out']:7.2%} (max {s['max_held_out']:6.2%})"
+                  f"  shipped {s['fitted']:7.2%}  refit without it: moe_host {s['moe_host'] * 1e3:g} ms")
     for name, t in tables.items():
         s = t["summary"]
         print(f"{name}: {s['rows']} rows, mean |error| {s['mean_abs_error']:.2%}, max {s['max_abs_error']:.2%}")

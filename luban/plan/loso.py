@@ -16,6 +16,10 @@ cited property of a runtime):
     ``luban.plan.runtimes.EAGER_TRAFFIC``, the elementwise HBM traffic of an eager PyTorch runtime
     over a fused one.
 
+The MoE rows have one knob of their own, ``moe_host`` (``runtimes.MegatronCore.moe_layer_host_s``,
+the host time of a MoE layer's forward after its token-count wait: ``luban.plan.time.moe_host_stall``),
+fitted the same way over the two MoE sources (``fit_moe``).
+
 ``fit`` scores every knob combination of a small grid once per table (a table is evaluated only
 over the knobs it depends on: ``TABLE_KNOBS``), then for each source picks the combination with
 the lowest mean over the *other* sources of their mean |error| and scores the left-out source
@@ -161,4 +165,56 @@ def fit(grid: dict | None = None) -> dict:
     out["best_all"] = candidates[all_i]
     out["headline"] = float(np.mean([out["sources"][s]["held_out"] for s in sources]))
     out["fitted_mean"] = float(np.mean([out["sources"][s]["fitted"] for s in sources]))
+    return out
+
+
+# the MoE knob's grid: runtimes.MegatronCore.moe_layer_host_s from 0 to 10 ms in 0.25 ms steps
+MOE_HOST_GRID = tuple(round(0.25e-3 * i, 7) for i in range(41))
+
+
+@contextlib.contextmanager
+def moe_layer_host(value: float):
+    """``runtimes.MegatronCore.moe_layer_host_s`` set to ``value`` for the duration (restored after)."""
+    old = runtimes.MegatronCore.moe_layer_host_s
+    runtimes.MegatronCore.moe_layer_host_s = value
+    try:
+        yield
+    finally:
+        runtimes.MegatronCore.moe_layer_host_s = old
+
+
+def _moe_tables():
+    """(source, rows()) of the MoE sources: a team + runtime each (docs/planner.md, MoE)."""
+    from luban.plan import validate as v
+
+    return [("nvidia-megatron-bridge-moe", v.megatron_bridge_moe), ("nvidia-megatron-core-moe-modelzoo", v.megatron_moe_modelzoo)]
+
+
+def fit_moe(grid: tuple = MOE_HOST_GRID) -> dict:
+    """Leave-one-source-out over the MoE sources for ``moe_host``: per source, the value that minimises
+    the other sources' mean |error| and this source's mean |error| there; also its error at the shipped
+    value and the value fitted on all sources (the mean of the sources' means: how the shipped value was
+    chosen)."""
+    shipped = runtimes.MegatronCore.moe_layer_host_s
+    errors = {}
+    for value in grid:
+        with moe_layer_host(value):
+            for source, rows_of in _moe_tables():
+                errors.setdefault(source, []).append([abs(r["error"]) for r in rows_of()])
+    means = {s: np.array([np.mean(e) for e in per]) for s, per in errors.items()}
+    with moe_layer_host(shipped):
+        at_shipped = {s: float(np.mean([abs(r["error"]) for r in rows_of()])) for s, rows_of in _moe_tables()}
+    dist = np.abs(np.array(grid) - shipped)
+
+    def best(sources):
+        return int(np.argmin(np.round(np.mean([means[s] for s in sources], axis=0), 6) + 1e-9 * dist))
+
+    sources = sorted(means)
+    out = {"grid": len(grid), "shipped": shipped, "sources": {}}
+    for s in sources:
+        i = best([o for o in sources if o != s])
+        out["sources"][s] = {"rows": len(errors[s][0]), "held_out": float(means[s][i]), "moe_host": grid[i],
+                             "fitted": at_shipped[s], "max_held_out": float(np.max(errors[s][i]))}
+    out["best_all"] = grid[best(sources)]
+    out["headline"] = float(np.mean([out["sources"][s]["held_out"] for s in sources]))
     return out

@@ -63,6 +63,16 @@ def expert_split(problem: Problem, g: Grid):
     return g.ep * (g.tp if problem.runtime_model.expert_tp else 1)
 
 
+def expert_work_split(problem: Problem, g: Grid):
+    """Tensor-parallel ranks that share one MoE layer's expert work (GEMM FLOPs, saved activations)
+    on top of ep: tp where the experts are split by width (``Runtime.expert_tp``) and where they are
+    folded (``Runtime.ep_folding``: expert-TP 1, but each rank dispatches only its sequence-parallel
+    1/tp of the tokens, so the tp ranks' tokens reach different experts); 1 where tensor parallel
+    replicates the MoE (luban: every tp rank runs all its tokens through its experts)."""
+    rt = problem.runtime_model
+    return g.tp if rt.expert_tp or rt.ep_folding else np.ones_like(g.tp)
+
+
 def rank_experts(problem: Problem, g: Grid) -> tuple:
     """Routed-expert parameters held by the first and by the last pipeline rank."""
     first_layers, last_layers, _ = rank_layers(problem, g)
@@ -118,12 +128,13 @@ def moe_activation_bytes(problem: Problem, g: Grid, e, per_width: int, token_cop
     4 for SwiGLU, as the dense MLP), ``token_copies`` hidden-size copies of each routed token
     (the experts' input; luban also the combine's weighted output), and the routing buffers:
     fp32 router logits and probabilities (8E) and the top-k indices and weights (8k + 4k).
-    Split by tp where the experts are (megatron), not where they are replicated (luban)."""
+    Split by tp where the experts' work is (``expert_work_split``: megatron by width, megatron-core
+    folded by tokens), not where it is replicated (luban)."""
     cfg = problem.model
     if not cfg.moe:
         return 0.0
     k, fe = cfg.experts_per_token, cfg.expert_ffn_hidden
-    tp_split = expert_split(problem, g) / g.ep
+    tp_split = expert_work_split(problem, g)
     experts = ((k + cfg.shared_experts) * per_width * e * fe + token_copies * k * e * cfg.hidden) / tp_split
     routing = 8.0 * cfg.experts + 12.0 * k
     return problem.derived["moe_share"] * (experts + routing)

@@ -98,6 +98,8 @@ class Runtime:
     fp8_amax_history = 0
     fp8_cast_passes = 0
     experts_replicated_with_ep = False  # with ep > 1 expert states stay out of ZeRO (replicated over edp)
+    # host seconds to issue one MoE layer's forward after its token-count synchronisation (``time.moe_host_stall``)
+    moe_layer_host_s = 0.0
     # a pipeline step's fixed activation bytes (autocast weight copies, the rope table) are made
     # once per step and shared by its micro-batches, not once per micro-batch in flight
     pipeline_fixed_once = False
@@ -311,6 +313,16 @@ class MegatronCore(Megatron):
     fp8_amax_history = 1024
     fp8_cast_passes = 1
     tp_overlap_default = True  # --tp-comm-overlap: the Megatron-Bridge performance recipes set it with tp > 1
+    # Host seconds to issue one MoE layer's forward (its dispatch, grouped GEMMs, combine and the next
+    # layer's attention and router) after the dropless dispatcher's wait for the token counts
+    # (``time.moe_host_stall``; the waits, NVIDIA/Megatron-LM @d98e8a64 2026-08-22: the alltoall dispatcher's
+    # ``d2h_event.synchronize()`` "before_ep_alltoall", token_dispatcher.py; DeepEP's dispatch, "the CPU will
+    # wait for GPU's signal to arrive", and HybridEP's without ``num_permuted_tokens``, "causes a D2H
+    # synchronization", fused_a2a.py; the fp8 experts' ``tokens_per_expert.tolist()``, experts.py).
+    # Fitted, not measured: the value that minimises the mean of the two MoE sources' mean |error|
+    # (``luban.plan.loso.fit_moe``; each source held out of the fit lands within 25%: docs/planner.md, MoE);
+    # ``bench/gpu_check.py`` section (f) times one MoE layer on a GPU.
+    moe_layer_host_s = 5.75e-3
 
     grad_reduce_switch = True
 

@@ -21,7 +21,7 @@ from luban.parallel.layout import PRECISIONS
 from luban.parallel import schedules
 from luban.plan import DEDUPLICATING
 from luban.plan.grid import BLOCKS_OFFLOAD, FP32, FULL, PARAMS_OFFLOAD, SELECTIVE, Grid
-from luban.plan.memory import (activation_bytes, activations_in_tier, all_to_all_bytes, expert_split, expert_zero_shards,
+from luban.plan.memory import (activation_bytes, activations_in_tier, all_to_all_bytes, expert_work_split, expert_zero_shards,
                                folded_tp, host_state_offload, rank_layers, recomputed_share, zero_shards)
 from luban.plan.problem import Problem
 
@@ -115,10 +115,12 @@ def expert_gemm_seconds(problem: Problem, g: Grid, tokens, gemm_peak):
     """Seconds of the routed-expert GEMMs of one (average) layer on a rank, forward, for ``tokens``
     tokens: after dispatch each local expert sees tokens·k·ep/E rows, so its GEMMs run at
     ``matmul_efficiency`` of that size (more ep: fewer, larger GEMMs per rank); tensor parallel
-    inside an expert divides both (megatron: tp; folded or luban: none); the busiest EP rank paces
-    the layer (``expert_imbalance``). bench/gpu_check.py section (f) times the same GEMMs."""
+    inside an expert divides both (megatron: tp), as does folding, where each rank dispatches only its
+    sequence-parallel 1/tp of the tokens (``expert_work_split``; luban replicates the MoE over tp: none);
+    the busiest EP rank paces the layer (``expert_imbalance``). bench/gpu_check.py section (f) times
+    the same GEMMs."""
     d, cfg = problem.derived, problem.model
-    etp = expert_split(problem, g) / g.ep
+    etp = expert_work_split(problem, g)
     flops_ = tokens * d["expert_flops"] / etp
     size = 2 * tokens * g.ep * d["expert_share"] * cfg.hidden * cfg.expert_ffn_hidden / etp
     return problem.expert_imbalance * compute_seconds(problem, flops_, np.maximum(size, 1.0), gemm_peak)
@@ -263,8 +265,11 @@ def step_time(problem: Problem, g: Grid, mem: dict) -> dict:
         attn = slow * compute_seconds(problem, attn_flops, attn_flops / 2, peak)
     elementwise = slow * (traffic * act["none"] + rt.fp8_cast_bytes(problem, g) + rt.activation_extra_bytes(problem, g, act["e"])
                           ) * tokens / hbm
+    # folded (Megatron-Core ``ep_folding``), each rank routes only its sequence-parallel shard of the tokens
+    folded = rt.ep_folding
+    ep_tokens = tokens / t if folded else tokens
     experts = slow * (expert_gemm_seconds(problem, g, tokens, gemm_peak)
-                      + moe_permutation_bytes(problem, act["e"]) * tokens / hbm)
+                      + moe_permutation_bytes(problem, act["e"]) * ep_tokens / hbm)
     layer_fwd = mm + experts + attn + elementwise + contend * np.where(t > 1, cpu["tp_layer"], cpu["layer"]) / 3
     head_flops = tokens * d["head_flops"] / t
     head_traffic = s.efficiency["elementwise_traffic"] * rt.traffic_scale(problem, head=True)
@@ -287,8 +292,6 @@ def step_time(problem: Problem, g: Grid, mem: dict) -> dict:
     # expert parallel: dispatch + combine all-to-all per MoE layer (average layer: x moe_share);
     # the EP group's ranks sit at stride tp inside dp·cp, or (``Runtime.ep_folding``) on
     # consecutive ranks, each sending its sequence-parallel shard of the tokens
-    folded = rt.ep_folding
-    ep_tokens = tokens / t if folded else tokens
     ep_one = (problem.expert_imbalance * d["moe_share"] * 2
               * all_to_all(problem, ep_tokens * all_to_all_bytes(problem, g, act["e"]), g.ep, 1 if folded else t,
                            dispatcher=problem.dispatcher))
@@ -297,6 +300,10 @@ def step_time(problem: Problem, g: Grid, mem: dict) -> dict:
         # hide behind the other's compute (3 layer forwards per pair, half of it per direction); an
         # upper bound on what the overlap hides (not fitted)
         ep_one = np.maximum(0.0, ep_one - 1.5 * layer_fwd)
+
+    # a MoE layer whose forward waits on the device for its token counts (``moe_host_stall``) runs no
+    # faster than its host issues it
+    stall = moe_host_stall(problem, layer_fwd + tp_fwd + cp_fwd + ep_one)
 
     share = recomputed_share(problem, g)
     selective_redo = rt.selective_redo(problem, g, mm, attn, elementwise,
@@ -310,8 +317,9 @@ def step_time(problem: Problem, g: Grid, mem: dict) -> dict:
     tp_mb = n * (tp_fwd + tp_bwd + np.where(g.recompute == FULL, share * tp_fwd, 0.0))
     cp_mb = n * (cp_fwd + cp_bwd + np.where(g.recompute == FULL, share * cp_fwd, 0.0))
     ep_mb = n * (2 * ep_one + np.where(g.recompute == FULL, share * ep_one, 0.0))
-    F = fwd + n * (tp_fwd + cp_fwd + ep_one)
-    B = bwd + rc + n * (tp_bwd + cp_bwd + ep_one + comm_redo)
+    stall_redo = np.where(g.recompute == FULL, share * stall, 0.0)  # a recomputed forward waits again
+    F = fwd + n * (tp_fwd + cp_fwd + ep_one + stall)
+    B = bwd + rc + n * (tp_bwd + cp_bwd + ep_one + comm_redo + stall_redo)
     W = n * mm + head_fwd  # weight-gradient GEMMs, deferrable by zero-bubble schedules
 
     bubble = pipeline_bubble(g, F, B, W)
@@ -368,7 +376,7 @@ def step_time(problem: Problem, g: Grid, mem: dict) -> dict:
     offload = offload + tier_exposed(problem, g, mem, m, n, layer_fwd, shard, (wb, gb, ob))
 
     host = host_bound(problem, n, F + B)
-    parts = {"forward": m * fwd, "backward": m * bwd, "host": m * host, "recompute": m * rc, "tp_comm": m * tp_mb, "cp_comm": m * cp_mb, "ep_comm": m * ep_mb,
+    parts = {"forward": m * fwd, "backward": m * bwd, "host": m * (host + n * (stall + stall_redo)), "recompute": m * rc, "tp_comm": m * tp_mb, "cp_comm": m * cp_mb, "ep_comm": m * ep_mb,
              "pp_p2p": pp_comm, "pipeline_bubble": bubble, "dp_comm": dp_total - hidden, "optimizer": optimizer,
              "offload": offload}
     step = sum(parts.values())
@@ -396,6 +404,22 @@ def moe_permutation_bytes(problem: Problem, e):
         return 0.0
     router = ROUTER_BYTES_PER_EXPERT * cfg.experts
     return problem.derived["moe_share"] * (PERMUTE_PASSES * cfg.experts_per_token * cfg.hidden * e + router)
+
+
+def moe_host_stall(problem: Problem, device_fwd):
+    """Seconds per (average) layer and micro-batch that a MoE forward's host synchronisation adds:
+    the dropless dispatcher needs the token counts on the host (Megatron-Core
+    ``MoEAlltoAllTokenDispatcher``: "A synchronization is needed before expert parallel AlltoAll
+    communication to get the `input_splits` and `output_splits` CPU values", ``d2h_event.synchronize()``;
+    the fp8 experts' ``tokens_per_expert.tolist()`` before padding, ``experts.py``), so the host waits for
+    the device once per MoE layer forward and the device then has only what the host issues after it:
+    the layer takes max(device, host) instead of hiding the host behind earlier layers. ``device_fwd``:
+    the layer's forward on the device; host: ``Runtime.moe_layer_host_s`` (0: nothing added).
+    Backward keeps the splits (no wait)."""
+    host = problem.runtime_model.moe_layer_host_s
+    if not host or not problem.model.moe or problem.system.cpu:
+        return 0.0
+    return problem.derived["moe_share"] * np.maximum(0.0, host - device_fwd)
 
 
 def host_bound(problem: Problem, n, busy):

@@ -1,6 +1,8 @@
 """The planner's mixture-of-experts terms: parameters per rank, expert parallel, all-to-all,
 expert GEMM size, imbalance, the ``--ep`` search axis and the Megatron-Bridge MoE rows."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -104,7 +106,8 @@ def test_megatron_bridge_moe_rows():
     rows = validate.megatron_bridge_moe()
     assert len(rows) == 16 and {r["fp8"] for r in rows} == {True, False}
     bf16 = [abs(r["error"]) for r in rows if not r["fp8"]]
-    assert len(bf16) == 5 and np.mean(bf16) < 0.30  # GPT-OSS: 26% (2026-11-26)
+    assert len(bf16) == 5 and np.mean(bf16) < 0.12  # GPT-OSS: 26%, 7.5% with the MoE layer's host wait (2026-11-26)
+    assert np.mean([abs(r["error"]) for r in rows]) < 0.25  # the source: 53%, then 21.1% (2026-11-26)
     assert all(np.isfinite(r["predicted"]) and r["predicted"] > 0 for r in rows)
     # every row keeps its recipe's bf16 main gradients (grad_reduce_in_fp32 = False since v0.2.0 / 25.11)
     assert all(r["estimate"].grad_bytes > 0 for r in rows)
@@ -202,6 +205,80 @@ def test_megatron_core_folds_expert_parallel_over_tensor_parallel():
     assert float(core) * 4 < float(unfolded)
 
 
+def test_folded_experts_split_their_work_over_tensor_parallel():
+    """Folded (megatron-core, expert-TP 1) each rank routes only its sequence-parallel 1/tp of the
+    tokens, so the tp ranks' tokens reach different experts: a rank's expert GEMMs, token permutation
+    and saved expert activations are 1/tp of the tp-1 layout's, as under megatron's width split;
+    luban replicates the MoE over tp, so every tp rank runs all its tokens through its experts."""
+    from luban.plan.memory import expert_work_split, moe_activation_bytes
+    from luban.plan.time import expert_gemm_seconds
+
+    peak = 989e12
+    for runtime, split in (("megatron-core", 2), ("megatron", 2), ("luban", 1)):
+        p = problem(runtime=runtime)
+        one, two = (Grid.from_layout(ParallelLayout(dp=16 // tp, tp=tp, sp=tp > 1, ep=8, zero=1)) for tp in (1, 2))
+        assert int(expert_work_split(p, two)) == split and int(expert_work_split(p, one)) == 1
+        # the same FLOPs in GEMMs 1/split the size: at least 1/split of the time, less than all of it
+        t1, t2 = (float(expert_gemm_seconds(p, g, 4096.0, peak)) for g in (one, two))
+        assert t1 / split <= t2 < t1 if split > 1 else t2 == t1
+        a1, a2 = (float(moe_activation_bytes(p, g, 2, 3, 1)) for g in (one, two))
+        routing = 8.0 * QWEN.experts + 12.0 * QWEN.experts_per_token  # per token, not split
+        assert a2 - routing == pytest.approx((a1 - routing) / split)
+    # one micro-batch's forward on a rank: tp 2 about halves it (0.55, its TP collectives on top; 0.64 when
+    # the folded experts' GEMMs were charged every token of the micro-batch)
+    from luban.plan import loso
+
+    core = problem(runtime="megatron-core")
+    F = lambda p, **kw: float(run(p, ep=8, **kw)[1]["time"]["F"])  # noqa: E731
+    with loso.moe_layer_host(0.0):
+        assert F(core, dp=8, tp=2, sp=True) < 0.6 * F(core, dp=16)
+
+
+def test_a_moe_layer_forward_waits_for_its_token_counts():
+    """Megatron-Core's dropless dispatchers wait on the device for the token counts once per MoE layer
+    forward, so that layer runs no faster than its host issues it: max(device, host) per layer
+    (``time.moe_host_stall``, host ``MegatronCore.moe_layer_host_s``). Nothing for dense models, for
+    runtimes without the wait (megatron, luban), on a CPU profile, or where the device forward is
+    longer; a full recompute waits again; the stall shows as the step's ``host`` part."""
+    from luban.plan import loso, runtimes
+    from luban.plan.time import moe_host_stall
+
+    host = runtimes.MegatronCore.moe_layer_host_s
+    assert 1e-3 < host < 1e-2
+    core = problem(runtime="megatron-core")
+    assert float(moe_host_stall(core, np.array(1e-3))) == pytest.approx(host - 1e-3)  # every Qwen3 layer is MoE
+    assert float(moe_host_stall(core, np.array(2 * host))) == 0.0
+    assert moe_host_stall(problem(runtime="megatron"), np.array(1e-3)) == 0.0
+    assert moe_host_stall(problem(runtime="luban"), np.array(1e-3)) == 0.0
+    assert moe_host_stall(problem(get_preset("llama-8b"), runtime="megatron-core"), np.array(1e-3)) == 0.0
+    cpu = Problem(QWEN, dataclasses.replace(load_system("dgx-h100"), cpu={"cores": 2}), 16, 4096, 256, "megatron-core")
+    assert moe_host_stall(cpu, np.array(1e-3)) == 0.0
+    deepseek = problem(get_preset("deepseek-v3"), runtime="megatron-core")  # 3 dense layers of 61
+    share = deepseek.derived["moe_share"]
+    assert 0 < share < 1 and float(moe_host_stall(deepseek, np.array(1e-3))) == pytest.approx(share * (host - 1e-3))
+    # in the step: small per-rank layers (ep 8, tp 1, micro-batch 1) stall; the recomputed forward doubles it
+    _, plain = run(core, dp=16, ep=8)
+    _, full = run(core, dp=16, ep=8, recompute="full")
+    stall = float(plain["time"]["parts"]["host"])
+    assert stall > 0 and float(full["time"]["parts"]["host"]) == pytest.approx(2 * stall)
+    with_it = float(plain["time"]["step"])
+    with loso.moe_layer_host(0.0):
+        assert float(run(core, dp=16, ep=8)[1]["time"]["step"]) == pytest.approx(with_it - stall)
+
+
+def test_moe_host_is_held_out_by_source():
+    """``loso.fit_moe``: the MoE knob refitted without each MoE source scores that source within 25%
+    (docs/planner.md, MoE: Megatron-Bridge 21.1%, the ModelZoo 16.1% on 2026-11-26), and the shipped
+    value is the one fitted on both sources."""
+    from luban.plan import loso, runtimes
+
+    out = loso.fit_moe()
+    assert set(out["sources"]) == {"nvidia-megatron-bridge-moe", "nvidia-megatron-core-moe-modelzoo"}
+    assert all(s["held_out"] <= 0.25 for s in out["sources"].values())
+    assert out["best_all"] == pytest.approx(runtimes.MegatronCore.moe_layer_host_s)
+    assert runtimes.MegatronCore.moe_layer_host_s == out["shipped"]  # restored after the fit
+
+
 def test_megatron_moe_modelzoo_rows():
     """The second MoE source (Megatron-Core MoE team, Qwen3-235B-A22B on 256 H100): every row planned
     at its layout, dispatcher and overlap; the bound only guards against regressions (docs/planner.md)."""
@@ -210,7 +287,9 @@ def test_megatron_moe_modelzoo_rows():
     # 19% while Qwen3's experts were planned as two-matrix GELU MLPs; 32% with their SwiGLU shape; 27.5% since
     # rings across nodes share the node's NICs; 25.3% with DeepEP's latency paid once per all-to-all; 26.5% with
     # the folded expert-data-parallel group of 32 ranks, as published (2026-11-26)
-    assert np.mean([abs(r["error"]) for r in rows]) < 0.27
+    # 26.5% with the folded expert-data-parallel group of 32 ranks, as published; 15.5% since the folded
+    # experts' work splits over tp and a MoE layer's forward waits for its token counts (2026-11-26)
+    assert np.mean([abs(r["error"]) for r in rows]) < 0.17
 
 
 def test_fp8_casts_count_every_routed_copy_of_a_moe_layer():
