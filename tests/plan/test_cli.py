@@ -80,6 +80,9 @@ def test_validate_prints_per_row_errors():
     assert r.returncode == 0, r.stderr
     assert "korthikanti2022-t5: 8 rows" in r.stdout and "narayanan2021-t1: 10 rows" in r.stdout
     assert "MISMATCH" not in r.stdout
+    # both leave-one-source-out refits: the dense knobs and the MoE host time (loso.fit_moe)
+    assert "leave-one-source-out (dense, " in r.stdout and "leave-one-source-out (MoE, 2 sources" in r.stdout
+    assert "nvidia-megatron-core-moe-modelzoo" in r.stdout
 
 
 def test_estimate_on_a_probed_profile_models_luban_ranks(tmp_path):

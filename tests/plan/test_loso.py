@@ -141,6 +141,7 @@ def test_validate_takes_each_named_grid(monkeypatch, capsys):
     seen = []
     empty = {"candidates": 0, "sources": {}, "headline": 0.0, "fitted_mean": 0.0, "best_all": {}}
     monkeypatch.setattr(loso, "fit", lambda grid: seen.append(grid) or empty)  # the tables still run, not the refit
+    monkeypatch.setattr(loso, "fit_moe", lambda: {"grid": 0, "shipped": 0.0, "sources": {}, "headline": 0.0, "best_all": 0.0})
     for name in ("fine", "small", "full"):
         assert main(["plan", "validate", "--grid", name, "--json"]) == 0
         capsys.readouterr()
