@@ -129,14 +129,15 @@ def moe_activation_bytes(problem: Problem, g: Grid, e, per_width: int, token_cop
     (the experts' input; luban also the combine's weighted output), and the routing buffers:
     fp32 router logits and probabilities (8E) and the top-k indices and weights (8k + 4k).
     Split by tp where the experts' work is (``expert_work_split``: megatron by width, megatron-core
-    folded by tokens), not where it is replicated (luban)."""
+    folded by tokens; in both the router runs on the rank's sequence-parallel shard), not where it is
+    replicated (luban)."""
     cfg = problem.model
     if not cfg.moe:
         return 0.0
     k, fe = cfg.experts_per_token, cfg.expert_ffn_hidden
     tp_split = expert_work_split(problem, g)
     experts = ((k + cfg.shared_experts) * per_width * e * fe + token_copies * k * e * cfg.hidden) / tp_split
-    routing = 8.0 * cfg.experts + 12.0 * k
+    routing = (8.0 * cfg.experts + 12.0 * k) / tp_split  # the router sees the rank's sequence-parallel shard
     return problem.derived["moe_share"] * (experts + routing)
 
 

@@ -318,7 +318,8 @@ class MegatronCore(Megatron):
     # (``time.moe_host_stall``; the waits, NVIDIA/Megatron-LM @d98e8a64 2026-08-22: the alltoall dispatcher's
     # ``d2h_event.synchronize()`` "before_ep_alltoall", token_dispatcher.py; DeepEP's dispatch, "the CPU will
     # wait for GPU's signal to arrive", and HybridEP's without ``num_permuted_tokens``, "causes a D2H
-    # synchronization", fused_a2a.py; the fp8 experts' ``tokens_per_expert.tolist()``, experts.py).
+    # synchronization", fused_a2a.py; the allgather dispatcher's ``.cpu()`` of the counts, token_dispatcher.py;
+    # none of the options that remove it is a default: drop-and-pad, moe_expert_rank_capacity_factor).
     # Fitted, not measured: the value that minimises the mean of the two MoE sources' mean |error|
     # (``luban.plan.loso.fit_moe``; each source held out of the fit lands within 25%: docs/planner.md, MoE);
     # ``bench/gpu_check.py`` section (f) times one MoE layer on a GPU.

@@ -411,8 +411,9 @@ def moe_host_stall(problem: Problem, device_fwd):
     the dropless dispatcher needs the token counts on the host (Megatron-Core
     ``MoEAlltoAllTokenDispatcher``: "A synchronization is needed before expert parallel AlltoAll
     communication to get the `input_splits` and `output_splits` CPU values", ``d2h_event.synchronize()``;
-    the fp8 experts' ``tokens_per_expert.tolist()`` before padding, ``experts.py``), so the host waits for
-    the device once per MoE layer forward and the device then has only what the host issues after it:
+    the allgather dispatcher's ``.cpu()`` of the counts; DeepEP's and HybridEP's dispatch, ``fused_a2a.py``),
+    so the host waits for the device once per MoE layer forward and the device then has only what the
+    host issues after it:
     the layer takes max(device, host) instead of hiding the host behind earlier layers. ``device_fwd``:
     the layer's forward on the device; host: ``Runtime.moe_layer_host_s`` (0: nothing added).
     Backward keeps the splits (no wait)."""
