@@ -322,7 +322,7 @@ class MegatronCore(Megatron):
     # none of the options that remove it is a default: drop-and-pad, moe_expert_rank_capacity_factor).
     # Fitted, not measured: the value that minimises the mean of the two MoE sources' mean |error|
     # (``luban.plan.loso.fit_moe``; each source held out of the fit lands within 25%: docs/planner.md, MoE);
-    # ``bench/gpu_check.py`` section (f) times one MoE layer on a GPU.
+    # Measuring it needs a profile of a Megatron-Core MoE layer (``bench/gpu_check.py`` section (f) times luban's).
     moe_layer_host_s = 5.75e-3
 
     grad_reduce_switch = True
