@@ -500,7 +500,8 @@ def moe_pieces(setup: Setup) -> list:
     ``time.expert_gemm_seconds``; token permutation (gather the k copies into expert order,
     scatter-add them back) against ``time.moe_permutation_bytes`` at the profile's HBM rate; and the
     dropless dispatcher's per-layer host synchronisation (the token counts read on the host in a
-    stream of small kernels), which the planner does not charge."""
+    stream of small kernels): the planner charges what it exposes, max(0, host - device) per MoE layer
+    forward with Megatron-Core's host time fitted (``time.moe_host_stall``), not this wait itself."""
     from luban.parallel.layout import ParallelLayout
     from luban.plan.grid import Grid
     from luban.plan.problem import Problem
@@ -584,8 +585,11 @@ def moe_pieces(setup: Setup) -> list:
             if host_sync:
                 counts.tolist()
     with_sync, without = median_seconds(setup, lambda: kernels(True), reps), median_seconds(setup, lambda: kernels(False), reps)
+    from luban.plan.runtimes import MegatronCore
+
     rows.append(["any", "host sync per layer (token counts to the host among small kernels)",
-                 f"{(with_sync - without) / 20 * 1e6:.1f} us", "0 (not charged)", ""])
+                 f"{(with_sync - without) / 20 * 1e6:.1f} us",
+                 f"max(0, {MegatronCore.moe_layer_host_s * 1e3:g} ms - device) per layer (megatron-core host, fitted)", ""])
     return rows
 
 
