@@ -293,15 +293,16 @@ def cmd_validate(args) -> int:
         print(f"leave-one-source-out (dense, {len(by_source['sources'])} sources, {by_source['candidates']} knob "
               f"combinations): mean |error| {by_source['headline']:.2%} held out "
               f"(at the shipped knobs: {by_source['fitted_mean']:.2%})")
-        for name, s in by_source["sources"].items():
-            knobs = " ".join(f"{k} {v:g}" for k, v in s["knobs"].items())
+        def source_line(name, s, refit):
             print(f"  {name:34s} {s['rows']:3d} rows  held out {s['held_out']:7.2%} (max {s['max_held_out']:6.2%})"
-                  f"  shipped {s['fitted']:7.2%}  refit without it: {knobs}")
+                  f"  shipped {s['fitted']:7.2%}  refit without it: {refit}")
+
+        for name, s in by_source["sources"].items():
+            source_line(name, s, " ".join(f"{k} {v:g}" for k, v in s["knobs"].items()))
         print(f"leave-one-source-out (MoE, {len(moe['sources'])} sources, moe_host over {moe['grid']} values, shipped "
               f"{moe['shipped'] * 1e3:g} ms): mean |error| {moe['headline']:.2%} held out")
         for name, s in moe["sources"].items():
-            print(f"  {name:34s} {s['rows']:3d} rows  held out {s['held_out']:7.2%} (max {s['max_held_out']:6.2%})"
-                  f"  shipped {s['fitted']:7.2%}  refit without it: moe_host {s['moe_host'] * 1e3:g} ms")
+            source_line(name, s, f"moe_host {s['moe_host'] * 1e3:g} ms")
     for name, t in tables.items():
         s = t["summary"]
         print(f"{name}: {s['rows']} rows, mean |error| {s['mean_abs_error']:.2%}, max {s['max_abs_error']:.2%}")

@@ -67,14 +67,19 @@ def candidate_systems(mm: float = 1.0, attn: float = 1.0, fp8: float = 1.0) -> d
 
 
 @contextlib.contextmanager
-def eager_traffic(value: float):
-    """``runtimes.EAGER_TRAFFIC`` set to ``value`` for the duration (restored after)."""
-    old = runtimes.EAGER_TRAFFIC
-    runtimes.EAGER_TRAFFIC = value
+def _knob(owner, name: str, value: float):
+    """``owner.name`` (a calibrated knob) set to ``value`` for the duration (restored after)."""
+    old = getattr(owner, name)
+    setattr(owner, name, value)
     try:
         yield
     finally:
-        runtimes.EAGER_TRAFFIC = old
+        setattr(owner, name, old)
+
+
+def eager_traffic(value: float):
+    """``runtimes.EAGER_TRAFFIC`` set to ``value`` for the duration (restored after)."""
+    return _knob(runtimes, "EAGER_TRAFFIC", value)
 
 
 def _tables():
@@ -172,15 +177,9 @@ def fit(grid: dict | None = None) -> dict:
 MOE_HOST_GRID = tuple(round(0.25e-3 * i, 7) for i in range(41))
 
 
-@contextlib.contextmanager
 def moe_layer_host(value: float):
     """``runtimes.MegatronCore.moe_layer_host_s`` set to ``value`` for the duration (restored after)."""
-    old = runtimes.MegatronCore.moe_layer_host_s
-    runtimes.MegatronCore.moe_layer_host_s = value
-    try:
-        yield
-    finally:
-        runtimes.MegatronCore.moe_layer_host_s = old
+    return _knob(runtimes.MegatronCore, "moe_layer_host_s", value)
 
 
 def _moe_tables():

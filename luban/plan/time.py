@@ -413,10 +413,9 @@ def moe_host_stall(problem: Problem, device_fwd):
     communication to get the `input_splits` and `output_splits` CPU values", ``d2h_event.synchronize()``;
     the allgather dispatcher's ``.cpu()`` of the counts; DeepEP's and HybridEP's dispatch, ``fused_a2a.py``),
     so the host waits for the device once per MoE layer forward and the device then has only what the
-    host issues after it:
-    the layer takes max(device, host) instead of hiding the host behind earlier layers. ``device_fwd``:
-    the layer's forward on the device; host: ``Runtime.moe_layer_host_s`` (0: nothing added).
-    Backward keeps the splits (no wait)."""
+    host issues after it: the layer takes max(device, host) instead of hiding the host behind earlier
+    layers. ``device_fwd``: the layer's forward on the device; host: ``Runtime.moe_layer_host_s``
+    (0: nothing added). Backward keeps the splits (no wait)."""
     host = problem.runtime_model.moe_layer_host_s
     if not host or not problem.model.moe or problem.system.cpu:
         return 0.0
