@@ -326,3 +326,25 @@ def test_folded_expert_data_parallel_takes_the_tensor_parallel_ranks():
     fsdp = next(r for name, r in rows.items() if "fsdp" in name)
     layout = fsdp["estimate"].layout
     assert int(expert_zero_shards(problem(runtime="megatron-core", gpus=256), Grid.from_layout(layout))) == 32
+
+
+@pytest.mark.parametrize("overrides,kw,layout", [
+    ((), {"seq": 1}, {}),  # one token per micro-batch: host-bound, every layer stalls
+    (("peak_tflops.bf16=1e12",), {}, {}),  # an absurd peak: the device forward is ~0, the stall is the host time
+    (("hbm_gbps=0.001",), {}, {}),  # a crawling HBM: the device forward dwarfs the host, no stall
+    ((), {}, {"tp": 2, "sp": True, "dp": 8, "recompute": "full"}),
+])
+def test_the_moe_host_stall_stays_finite_on_careless_profiles(overrides, kw, layout):
+    """Attacks on the host wait (tried on the CLI too): a tiny sequence, an absurd peak, a crawling
+    HBM, folded tp with full recompute all plan a finite, non-negative step whose ``host`` part is
+    at most the host time per MoE layer forward (twice with full recompute)."""
+    from luban.plan import runtimes
+
+    system = load_system("dgx-h100", overrides)
+    p = Problem(QWEN, system, 16, kw.get("seq", 4096), 256, "megatron-core")
+    g, r = run(p, **{"dp": 16, "ep": 8, **layout})
+    parts = {k: float(v) for k, v in r["time"]["parts"].items()}
+    assert all(np.isfinite(v) and v >= 0 for v in parts.values()), parts
+    m, n = 256 // int(g.dp), QWEN.layers  # every Qwen3 layer is MoE; pp 1
+    redo = 2 if layout.get("recompute") == "full" else 1
+    assert parts["host"] <= redo * m * n * runtimes.MegatronCore.moe_layer_host_s * (1 + 1e-9)
