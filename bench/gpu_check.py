@@ -19,7 +19,9 @@ Sections of the report (each a table; a row that fails says why instead of stopp
 (b) **Planner vs measured.** ``luban plan``'s prediction for each luban row (runtime
     ``luban``) next to the measurement: with the built-in profile of this device, and with a
     profile ``luban plan probe --device cuda`` measures here first (``probe_device``: GEMM curve,
-    attention, HBM, elementwise traffic, launch cost, unaligned GEMM) — issue #25 item 4.
+    attention, HBM, elementwise traffic, launch cost, unaligned GEMM) — issue #25 item 4. Then
+    that item as written: the reference file's single-GPU rows (luban 3457f4b, Hugging Face, the
+    reference loop; 2026-11-25) planned on both profiles, with each column's mean |error|.
 (c) **Options.** Every single-GPU option of issue #22 item 1 through ``luban train`` on the
     first model: precision, recompute, offload, ZeRO at dp 1, compile on and off, each a row.
 (d) **Checkpoint stall.** Asynchronous vs synchronous saves through ``luban train``: the stall
@@ -392,6 +394,32 @@ def plan_table(setup: Setup, plan_rows) -> list:
                     else ["not planned: " + plan.get("error", ""), ""])
         mem = builtin.get("peak_bytes")
         rows.append(row + [gib(measured["peak_gib"]), gib(mem / 2**30) if mem else ""])
+    return rows + reference_rows(setup, probed)
+
+
+def reference_rows(setup: Setup, probed) -> list:
+    """Issue #25 item 4 as written: the single-GPU rows of the reference file
+    (``h100_single_gpu_measured.csv``, one H100, 2026-11-25, luban 3457f4b, Hugging Face and the
+    reference loop; ``luban plan validate``'s table h100-single-gpu) planned on the built-in
+    dgx-h100 profile and on the profile probed here, with the mean |error| of each. The probed
+    column is scored only on an H100 (the rows were measured on one) and in the CPU smoke mode."""
+    from luban.plan.validate import h100_single_gpu
+
+    comparable = setup.cpu or "H100" in setup.device_name
+    columns = [h100_single_gpu()]
+    if probed is not None and comparable:
+        columns.append(h100_single_gpu({"dgx-h100": probed}))
+    rows, errors = [], [[] for _ in columns]
+    for i, ref in enumerate(columns[0]):
+        row = [f"reference file: {ref['row']}", ms(ref["reference"])]
+        for col, planned_rows in enumerate(columns):
+            errors[col].append(abs(planned_rows[i]["error"]))
+            row += [ms(planned_rows[i]["predicted"]), f"{planned_rows[i]['error'] * 100:+.0f}%"]
+        rows.append(row + [""] * (8 - len(row)))
+    means = [f"{sum(e) / len(e) * 100:.1f}%" for e in errors]
+    if len(columns) == 1:
+        means.append("no probed profile" if probed is None else f"not scored: rows measured on an H100, this is {setup.device_name}")
+    rows.append(["reference file: mean abs. error (item 4: within 10%)", "", "", means[0], "", means[1], "", ""])
     return rows
 
 
