@@ -135,7 +135,7 @@ def text(pattern: str | None = None, allowed: str = "non-empty UTF-8 text", *, e
 
 
 PATH_KINDS = {"file": "an existing file", "dir": "an existing folder",
-              "new-file": "a file path in an existing, writable folder (not a folder)",
+              "new-file": "a new file's path in an existing, writable folder (luban never overwrites a file)",
               "new-dir": "a folder that exists and is writable, or can be created"}
 
 
@@ -177,8 +177,9 @@ def writable_folder(folder: Path) -> bool:
 def path(kind: str):
     """A path checked for existence, type and writability:
 
-    ``file``/``dir``: exists and is a file/folder; ``new-file``: a file to (over)write: not a
-    folder, its folder exists and is writable; ``new-dir``: a folder to write into: an existing
+    ``file``/``dir``: exists and is a file/folder; ``new-file``: a file to create: nothing by that
+    name yet (a user's file is never overwritten; the write itself is ``luban.data.atomic.create_bytes``),
+    its folder exists and is writable; ``new-dir``: a folder to write into: an existing
     writable folder, or one that can be created (its nearest existing ancestor is a writable folder).
     """
     allowed = PATH_KINDS[kind]
@@ -192,8 +193,7 @@ def path(kind: str):
             ok = p.is_dir()
         elif kind == "new-file":
             parent = p.parent
-            ok = not p.is_dir() and parent.is_dir() and writable_folder(parent) and \
-                (not p.exists() or (p.is_file() and os.access(p, os.W_OK)))
+            ok = not os.path.lexists(p) and parent.is_dir() and writable_folder(parent)
         else:
             p = p.absolute()
             while not p.exists() and p != p.parent:

@@ -103,3 +103,35 @@ def test_plan_study_refuses_a_foreign_out_folder(tmp_path, capsys):
 
     committed = Path(__file__).resolve().parents[1] / "bench" / "results" / "seed003"
     assert owned.owner(committed) == "plan-study"  # written before the marker: luban's layout
+
+
+@pytest.mark.parametrize("argv", [
+    ["plan", "search", "--model", "gpt2-124m", "--system", "dgx-h100", "--gpus", "8", "--global-batch", "8", "--chart", "{}"],
+    ["plan", "probe", "--device", "cpu", "--out", "{}"],
+    ["cluster", "trace", "--jobs", "10", "--nodes", "4", "-o", "{}"],
+], ids=["plan-search-chart", "plan-probe-out", "cluster-trace-output"])
+def test_file_outputs_never_overwrite_a_users_file(tmp_path, capsys, argv):
+    """The three commands that write one file (a chart, a probed profile, a job trace) refuse a name
+    that is taken, with one line, and leave the file as it was; a new name is written whole."""
+    theirs = tmp_path / ("mine.png" if "--chart" in argv else "mine.toml" if "probe" in argv else "mine.jsonl")
+    theirs.write_text("precious")
+    assert main([a.format(theirs) for a in argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("luban: error: ") and "never overwrites a file" in err[0], err
+    assert theirs.read_text() == "precious" and sorted(p.name for p in tmp_path.iterdir()) == [theirs.name]
+    if "probe" in argv:
+        return  # a probe of this machine takes seconds; its new-file write is the same create_bytes as below
+    fresh = tmp_path / ("new" + theirs.suffix)
+    assert main([a.format(fresh) for a in argv]) == 0 and fresh.stat().st_size > 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([theirs.name, fresh.name])  # no temp left
+
+
+def test_create_bytes_loses_a_race_without_replacing(tmp_path):
+    """A file that appears between the check and the write is kept: the write fails instead."""
+    from luban.data.atomic import create_bytes
+
+    target = tmp_path / "out.toml"
+    create_bytes(target, b"first")
+    with pytest.raises(FileExistsError):
+        create_bytes(target, b"second")
+    assert target.read_bytes() == b"first" and [p.name for p in tmp_path.iterdir()] == ["out.toml"]

@@ -86,11 +86,13 @@ def synthetic(cfg: TraceConfig) -> list[TraceJob]:
 
 
 def save(jobs: list[TraceJob], path: str | Path) -> None:
-    from luban.data.atomic import write_bytes
+    from luban.data.atomic import create_bytes
 
     text = "".join(json.dumps(dataclasses.asdict(job)) + "\n" for job in jobs)
-    try:  # whole or not at all (an interrupted trace leaves no half file)
-        write_bytes(path, text.encode())
+    try:  # whole or not at all (an interrupted trace leaves no half file), never over an existing file
+        create_bytes(path, text.encode())
+    except FileExistsError:
+        raise bad_value("--output", str(path), "a new file's path (luban never overwrites a file)") from None
     except OSError as err:
         raise bad_value("--output", str(path), f"cannot be written ({err.strerror or err})") from None
 

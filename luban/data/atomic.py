@@ -47,6 +47,33 @@ def write_bytes(path: str | os.PathLike, data: bytes) -> None:
         out.file.write(data)
 
 
+def create_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Atomically create ``path`` with ``data``; ``FileExistsError`` if anything is there already:
+    a user's file is never replaced. The complete, fsynced temp file (``AtomicFile``'s hidden
+    name) is hard-linked into place, which fails on an existing name, then its temp name is
+    removed. Where the filesystem has no hard links, an exclusive create of the final name stands
+    in (a crash may then leave it partial)."""
+    path = Path(path)
+    staged = AtomicFile(path)
+    try:
+        staged.file.write(data)
+        staged.file.flush()
+        os.fsync(staged.file.fileno())
+        staged.file.close()
+        try:
+            os.link(staged.temp, path)
+        except FileExistsError:
+            raise
+        except OSError:  # no hard links here (some FUSE and SMB mounts)
+            with open(path, "xb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+    finally:
+        staged.abort()  # closes (again: a no-op) and removes the temp name
+    _fsync_dir(path.parent)
+
+
 def _fsync_dir(directory: Path) -> None:
     """Make the rename itself durable (POSIX); a no-op where directories cannot be opened."""
     try:

@@ -54,15 +54,17 @@ def write_chart(estimates: list, path: "str | Path", title: str = "") -> Path:
     fig.tight_layout()
     import io
 
-    from luban.data.atomic import write_bytes
+    from luban.data.atomic import create_bytes
     from luban.errors import bad_value
 
     path = Path(path)
     png = io.BytesIO()
     fig.savefig(png, dpi=110, format=kind)
     plt.close(fig)
-    try:  # whole or not at all; a folder that refuses the file is one line
-        write_bytes(path, png.getvalue())
+    try:  # whole or not at all, never over an existing file; a folder that refuses the file is one line
+        create_bytes(path, png.getvalue())
+    except FileExistsError:
+        raise bad_value("--chart", str(path), "a new file's path (luban never overwrites a file)") from None
     except OSError as err:
         raise bad_value("--chart", str(path), f"a file path in an existing, writable folder ({err.strerror})") from None
     return path

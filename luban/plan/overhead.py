@@ -19,9 +19,12 @@ TINY = dict(head_dim=8, seq_len=16, vocab=64)  # widths of the shrunk copy; the 
 
 
 def shrink(cfg: ModelConfig, layers: int) -> ModelConfig:
-    """``cfg``'s structure at tiny widths with ``layers`` layers."""
+    """``cfg``'s structure at tiny widths with ``layers`` layers; a MoE model's copy has only MoE
+    layers (its first ``dense_layers`` dense ones are not counted per layer: the per-layer figures
+    are the MoE layer's, as the planner's per-layer terms average over ``moe_share``)."""
     kv = max(1, cfg.kv_heads * 2 // cfg.heads)  # keeps grouped-query attention grouped
-    return cfg.replace(hidden=16, heads=2, kv_heads=kv, ffn_hidden=24, layers=layers, **TINY)
+    moe = {"dense_layers": 0, "expert_ffn_hidden": 24} if cfg.moe else {}
+    return cfg.replace(hidden=16, heads=2, kv_heads=kv, ffn_hidden=24, layers=layers, **moe, **TINY)
 
 
 def count_ops(cfg: ModelConfig, micro_batch: int = 1) -> int:

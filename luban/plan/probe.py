@@ -440,18 +440,27 @@ def _mem_total() -> float:
     return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
-def write_profile(profile: dict, path: "str | Path") -> Path:
-    """Write a profile as JSON (``.json``) or TOML (anything else)."""
-    from luban.data.atomic import write_bytes
+def write_profile(profile: dict, path: "str | Path", own: bool = False) -> Path:
+    """Write a profile as JSON (``.json``) or TOML (anything else), whole or not at all: to a new
+    file, never over an existing one (``--out``'s error line if something is there), or, ``own``,
+    replacing luban's own file (its probe cache)."""
+    from luban.data.atomic import create_bytes, write_bytes
+    from luban.errors import bad_value
 
     path = Path(path)
     if path.suffix == ".json":
-        write_bytes(path, (json.dumps(profile, indent=2) + "\n").encode())  # whole or not at all
-        return path
-    flat = [f"{k} = {_toml_value(v)}" for k, v in profile.items() if not isinstance(v, dict)]
-    tables = [f"\n[{k}]\n" + "\n".join(f"{kk} = {_toml_value(vv)}" for kk, vv in v.items())
-              for k, v in profile.items() if isinstance(v, dict)]
-    write_bytes(path, ("\n".join(flat) + "\n" + "\n".join(tables) + "\n").encode())
+        text = json.dumps(profile, indent=2) + "\n"
+    else:
+        flat = [f"{k} = {_toml_value(v)}" for k, v in profile.items() if not isinstance(v, dict)]
+        tables = [f"\n[{k}]\n" + "\n".join(f"{kk} = {_toml_value(vv)}" for kk, vv in v.items())
+                  for k, v in profile.items() if isinstance(v, dict)]
+        text = "\n".join(flat) + "\n" + "\n".join(tables) + "\n"
+    try:
+        (write_bytes if own else create_bytes)(path, text.encode())
+    except FileExistsError:
+        raise bad_value("--out", str(path), "a new file's path (luban never overwrites a file)") from None
+    except OSError as err:
+        raise bad_value("--out", str(path), f"a new file's path in an existing, writable folder ({err.strerror})") from None
     return path
 
 
@@ -484,6 +493,6 @@ def cached_profile() -> dict:
         pass
     profile = probe_system()
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_profile(profile, path)
+    write_profile(profile, path, own=True)
     return profile
 

@@ -43,6 +43,21 @@ def test_op_counts_are_linear_in_layers_and_follow_the_architecture():
     assert (counts["layer_tensors"], llama["layer_tensors"]) == (16, 9)  # biases and LayerNorm vs none and RMSNorm
 
 
+def test_moe_models_with_dense_layers_plan_on_a_cpu_profile():
+    """The shrunk copies keep a MoE model's structure but not its leading dense layers (a 1-layer
+    copy of tiny-moe's dense_layers = 1 was refused, so no MoE model with dense layers could be
+    planned on a probed CPU profile); the per-layer count is the MoE layer's."""
+    moe = get_preset("tiny-moe")
+    assert moe.dense_layers >= 1 and shrink(moe, 1).dense_layers == 0
+    assert model_overhead_counts(moe) == model_overhead_counts(moe.replace(dense_layers=0))
+    dense = model_overhead_counts(moe.replace(experts=0, experts_per_token=2, dense_layers=0, shared_experts=0))
+    assert model_overhead_counts(moe)["layer_ops"] > dense["layer_ops"]  # router, sort, per-expert loop
+    for name in ("tiny-moe", "deepseek-v3"):
+        problem = Problem(get_preset(name), cpu_system(), 2, 128, 2, runtime="luban")
+        g = Grid.from_layout(ParallelLayout(dp=2))
+        assert np.isfinite(step_time(problem, g, memory(problem, g))["step"]).all()
+
+
 @pytest.mark.parametrize("micro_batch", [1, 4])
 def test_framework_overhead_is_ops_times_layers_times_microbatches(micro_batch):
     layout = ParallelLayout(micro_batch=micro_batch)
