@@ -159,7 +159,7 @@ def test_fuzzed_planner_flags_never_trace(capsys, pairs):
     (["cluster", "simulate", "--checkpoint-s", "-1"], "--checkpoint-s = -1.0: a finite number"),
     (["cluster", "simulate", "--zones", "0"], "--zones = 0: an integer from 1 to 100000"),
     (["cluster", "trace", "--days", "nan", "-o", "/nonexistent-dir/t.jsonl"], "--days = nan: a finite number in (0, "),
-    (["cluster", "trace", "-o", "/nonexistent-dir/t.jsonl"], "--output = '/nonexistent-dir/t.jsonl': a file path in"),
+    (["cluster", "trace", "-o", "/nonexistent-dir/t.jsonl"], "--output = '/nonexistent-dir/t.jsonl': a new file's path in"),
 ])
 def test_usage_errors_are_one_line_exit_2(capsys, argv, words):
     try:
@@ -237,7 +237,7 @@ def test_issue24_file_cases(capsys, tmp_path, monkeypatch):
         (["train", str(tmp_path / "t5.toml")], "t5.toml: train = 5: a table of keys"),
         (["train", str(tmp_path / "t5.toml"), "--set", "train.steps=3"], "t5.toml: train = 5: a table of keys"),
         (["plan", "search", "--model", "gpt2-124m", "--system", "dgx-a100-80g", "--gpus", "8", "--global-batch", "8",
-          "--chart", "/proc/x.png"], "--chart = '/proc/x.png': a file path in an existing, writable folder"),
+          "--chart", "/proc/x.png"], "--chart = '/proc/x.png': a new file's path in an existing, writable folder"),
         (["plan", "search", "--model", "gpt2-124m", "--system", "dgx-a100-80g", "--gpus", "8", "--global-batch", "8",
           "--chart", str(tmp_path)], "--chart = "),
         (["export", str(tmp_path / "ckpt"), "--format", "hf", "/proc/x"], "out = '/proc/x': a folder that exists"),

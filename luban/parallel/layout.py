@@ -229,12 +229,16 @@ def min_microbatches(layout: ParallelLayout) -> int:
     return int(schedules.min_microbatches(SCHEDULES.index(layout.schedule), layout.pp))
 
 
+MAX_RECOMPUTE_EVERY = 1 << 24  # full:K beyond any model's layer count (keeps K a machine integer)
+
+
 def parse_recompute(value: str, key: str = "parallel.recompute") -> tuple[str, int]:
     """``none`` | ``selective`` | ``full`` | ``full:k`` (full recompute of every k-th layer)."""
-    mode, _, every = value.partition(":")
-    if mode in RECOMPUTES and (not every or (mode == "full" and every.isdigit() and int(every) > 0)):
+    mode, colon, every = value.partition(":")
+    if mode in RECOMPUTES and (not colon or (mode == "full" and every.isascii() and every.isdigit()
+                                             and 0 < int(every) <= MAX_RECOMPUTE_EVERY)):
         return mode, int(every or 1)
-    raise bad_value(key, value, "one of none, selective, full, full:K (every K-th layer)")
+    raise bad_value(key, value, f"one of none, selective, full, full:K (every K-th layer, 1 <= K <= {MAX_RECOMPUTE_EVERY:,})")
 
 
 def format_recompute(mode: str, every: int) -> str:

@@ -109,7 +109,7 @@ def register(sub) -> None:
 
     probe = cmds.add_parser("probe", help="measure this machine and write a system profile")
     probe.add_argument("--out", type=schema.path("new-file"), help="profile file to write (.toml or .json); default: print it")
-    probe.add_argument("--device", default="cpu", help="cpu (default: luban's CPU ranks) or cuda[:N]: an accelerator's "
+    probe.add_argument("--device", default="cpu", type=schema.custom(_probe_device, "cpu, cuda or cuda:N"), help="cpu (default: luban's CPU ranks) or cuda[:N]: an accelerator's "
                        "GEMM curve, attention, elementwise traffic, HBM and host link (luban.plan.probe_device)")
     probe.add_argument("--base", default="dgx-h100", help="with --device cuda: the built-in profile of the same GPU "
                        "whose datasheet figures are kept")
@@ -200,7 +200,7 @@ def cmd_estimate(args) -> int:
         if not est.fits:
             out["why_not"] = why_not(est)
             out["nearest_feasible"] = [n.layout.to_dict() for n in near]
-        print(json.dumps(out, default=float))
+        print(json_text(out))
         return 0
     print(f"{problem.model.name} on {args.gpus}x {problem.system.name}, seq {problem.seq}, "
           f"global batch {problem.global_batch}: {describe(layout)}")
@@ -250,10 +250,10 @@ def cmd_search(args) -> int:
 
         write_chart(result.best, args.chart, f"{problem.model.name} on {problem.gpus}x {problem.system.name}")
     if args.json:
-        print(json.dumps({"evaluated": result.evaluated, "seconds": result.seconds, "layouts_per_s": result.rate,
+        print(json_text({"evaluated": result.evaluated, "seconds": result.seconds, "layouts_per_s": result.rate,
                           "cpu_seconds": result.cpu_seconds, "layouts_per_cpu_s": result.cpu_rate,
                           "valid": result.valid, "rejected": result.rejected,
-                          "best": [e.to_dict() for e in result.best]}, default=float))
+                          "best": [e.to_dict() for e in result.best]}))
         return 0
     print(f"{result.evaluated:,} layouts in {result.seconds:.2f} s ({result.rate:,.0f} layouts/s; "
           f"{result.cpu_rate:,.0f} per CPU-second); "
@@ -287,7 +287,7 @@ def cmd_validate(args) -> int:
         if by_source:
             out["leave-one-source-out"] = by_source
             out["leave-one-source-out-moe"] = moe
-        print(json.dumps(out, default=float))
+        print(json_text(out))
         return 0
     if by_source:
         print(f"leave-one-source-out (dense, {len(by_source['sources'])} sources, {by_source['candidates']} knob "
@@ -335,9 +335,48 @@ def cmd_study(args) -> int:
     return 0
 
 
+def json_text(value) -> str:
+    """Strict JSON (RFC 8259 has no NaN or Infinity): numpy numbers as Python's, a non-finite
+    number (an unlimited tier: ``--system-set hbm_gib=inf``) as null."""
+    import math
+
+    import numpy as np
+
+    def plain(v):
+        if isinstance(v, dict):
+            return {k: plain(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [plain(x) for x in v]
+        if isinstance(v, np.ndarray):
+            return plain(v.tolist())
+        if isinstance(v, np.generic):
+            v = v.item()
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        return v
+    return json.dumps(plain(value), allow_nan=False, default=float)
+
+
+def _probe_device(value: str) -> str:
+    """``cpu``, ``cuda`` or ``cuda:N`` (ASCII digits); whether this machine has it is checked by
+    ``cmd_probe`` (torch is imported only then)."""
+    kind, colon, index = value.partition(":")
+    if value == "cpu" or (kind == "cuda" and (not colon or (index.isascii() and index.isdigit()))):
+        return value
+    raise ValueError(value)
+
+
 def cmd_probe(args) -> int:
     from luban.plan.probe import probe_system, write_profile
 
+    if args.device != "cpu":
+        import torch
+
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        index = int(args.device.partition(":")[2] or 0)
+        if index >= count:
+            raise bad_value("--device", args.device, "cpu: this machine has no CUDA device" if not count else
+                            f"cpu, or cuda[:N] with N < {count}: this machine has {count} CUDA device{'s' * (count > 1)}")
     if args.device == "cpu":
         profile = probe_system()
     else:

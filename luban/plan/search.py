@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from luban.errors import LubanError
 from luban.parallel import schedules
 from luban.parallel.layout import OFFLOADS, PRECISIONS, SCHEDULES, _divisors
 from luban.plan.estimate import Estimate, evaluate
@@ -65,6 +66,11 @@ def candidate_grid(problem: Problem, precision: str = "bf16", micro_batches=None
                 for sched, v in _schedules(pp, schedules):
                     for ep in _expert_parallel(problem, dp * cp, eps):
                         rows.append((dp, tp, pp, cp, sched, v, ep))
+    if not rows:  # only a restriction can empty it (tp = pp = cp = 1, ep = 1 always exist otherwise)
+        fixed = {"--pp": pps, "--cp": cps, "--ep": eps}
+        named = ", ".join(f"{k} = {' '.join(map(str, v))}" for k, v in fixed.items() if v is not None)
+        raise LubanError(f"{named}: no layout of {n} GPUs has it (pp and cp must divide the GPUs; ep must divide "
+                         f"dp*cp and the model's {problem.model.experts} experts)")
     a = np.array(rows, dtype=np.int64).T
     if micro_batches is None:
         micro_batches = [b for b in _divisors(problem.global_batch) if b <= 64]

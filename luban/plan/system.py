@@ -44,6 +44,26 @@ EFFICIENCY_KEYS = {"matmul_size": None, "matmul": None, "collective_size": None,
 # attention_fa3_speedup: how much faster an FA3-class kernel is (Hopper only; 1 where none exists)
 # unaligned_gemm: share of the peak a 16-bit GEMM with a dimension off the tensor-core alignment reaches
 # (luban.plan.time.unaligned_head_seconds); 0 (not measured): no penalty
+# what a profile's efficiencies may be: key -> (low, high, low included); the curves' values each.
+# Shares of a peak or a link are at most 1; a probed CPU's elementwise traffic was 16 (bytes moved per
+# byte of input), so 1000 bounds it loosely, and 0 is a CPU probe's fit when nothing is left for it
+# (probe.fit_elementwise_traffic); a kernel launch of a second is no GPU's.
+CURVES = ("matmul_size", "matmul", "collective_size", "collective")
+EFFICIENCY_RANGES = {"matmul_size": (0, 1e30, False), "matmul": (0, 1, False), "collective_size": (0, 1e30, False),
+                     "collective": (0, 1, False), "elementwise_traffic": (0, 1000, True), "hbm_efficiency": (0, 1, False),
+                     "zero3_overlap": (0, 1, True), "fp8_matmul": (0, 1, False), "attention_matmul": (0, 1, False),
+                     "attention_fa3_speedup": (0, 100, False), "kernel_launch_s": (0, 1, True), "unaligned_gemm": (0, 1, True)}
+# CPU terms with a bound of their own (the rest: finite, positive): contention grows as
+# oversubscription ** exponent (probed ~1.3 on the 2-core VM; 16 keeps 2**24 ranks finite)
+CPU_RANGES = {"cores": 1 << 24, "threads": 1 << 24, "oversubscription_exponent": 16.0}
+# a profile's numbers stay where the planner's sums are finite: bandwidths from 1 byte/s, latencies up to
+# an hour, everything else up to 1e30 in its own unit (inf only where UNLIMITED says so); peaks from
+# 1 FLOP/s to 1e24 (a million times a GB200's dense fp4): a what-if, never an overflow
+MAX_NUMBER, MIN_PEAK, MAX_PEAK = 1e30, 1.0, 1e24
+NUMBER_RANGES = {**{k: (1.0, MAX_NUMBER) for k in ("hbm_bandwidth", "nvlink_bandwidth", "internode_bandwidth",
+                                                   "host_bandwidth", "host_link_bandwidth", "offload_bandwidth")},
+                 "nvlink_latency": (0.0, 3600.0), "internode_latency": (0.0, 3600.0)}
+MAX_GROUP = 1 << 24  # gpus_per_node, nvlink_domain: at most the planner's --gpus limit (luban.plan.cli.COUNT)
 CPU_KEYS = ("cores", "threads", "oversubscription_exponent", "oversubscribed_stall_s", "op_overhead_s", "tensor_overhead_s", "reference_s",
             "reference_one_thread_s", "tp_op_overhead_s", "fsdp_group_overhead_s",
             "dtensor_tensor_overhead_s")
@@ -95,36 +115,56 @@ class System:
         names = [f.name for f in fields(cls)]
         unknown = sorted(set(raw) - set(names))
         if unknown:
-            raise LubanError(f"{source}: unknown key {unknown[0]!r}; allowed: {', '.join(names)}")
+            raise bad_value(f"{source}.{unknown[0]}", raw[unknown[0]], f"not a profile key; the keys are {', '.join(names)}")
         missing = [n for n in names if n not in raw and n not in ("description", "efficiency", "cpu", *DEFAULTS)]
         if missing:
-            raise LubanError(f"{source}: missing key {missing[0]!r} (a profile needs {', '.join(names)})")
+            raise bad_value(f"{source}.{missing[0]}", "(missing)", f"required: a profile needs {', '.join(names)}")
         values = dict(raw)
         for key in NUMBERS:
-            value = values.get(key, 1)
-            if not _is_number(value) or not value > 0 or (key not in UNLIMITED and math.isinf(value)):
-                raise bad_value(f"{source}.{key}", values[key], "must be a positive number (inf allowed)"
-                                if key in UNLIMITED else "must be a finite positive number")
+            if key not in values:  # DEFAULTS fills it below, from checked values
+                continue
+            value = values[key]
+            low, high = NUMBER_RANGES.get(key, (0.0, MAX_NUMBER))
+            if not _is_number(value) or not (low < value if low == 0 else low <= value) \
+                    or not (value <= high or key in UNLIMITED and value == math.inf):
+                raise bad_value(f"{source}.{key}", value, f"a number {'>' if low == 0 else '>='} {low:g} and <= {high:g}"
+                                + (" (or inf: unlimited)" if key in UNLIMITED else ""))
         for key in INTEGERS:
-            if key in values and float(values[key]) != math.floor(values[key]):
-                raise bad_value(f"{source}.{key}", values[key], "must be a positive integer")
+            if key in values and not (float(values[key]).is_integer() and values[key] <= MAX_GROUP):
+                raise bad_value(f"{source}.{key}", values[key], f"must be a positive integer up to {MAX_GROUP:,}")
         for key, default in DEFAULTS.items():
             values.setdefault(key, default(values))
         values.setdefault("description", "")
-        eff = {**EFFICIENCY_KEYS, **values.get("efficiency", {})}
+        given = values.get("efficiency", {})
+        if not isinstance(given, dict):
+            raise bad_value(f"{source}.efficiency", given, "a table of efficiency.KEY = value")
+        unknown = sorted(set(given) - set(EFFICIENCY_KEYS))
+        if unknown:
+            raise bad_value(f"{source}.efficiency.{unknown[0]}", given[unknown[0]], f"a key of {', '.join(EFFICIENCY_KEYS)}")
+        eff = {**EFFICIENCY_KEYS, **given}
         for key, value in eff.items():
             if value is None:
-                raise LubanError(f"{source}: efficiency.{key} is required")
+                raise bad_value(f"{source}.efficiency.{key}", None, "required (no default)")
+            low, high, closed = EFFICIENCY_RANGES[key]
+            ok = (isinstance(value, (list, tuple)) and all(_in_range(v, low, high, closed) for v in value)
+                  if key in CURVES else _in_range(value, low, high, closed))
+            if not ok:
+                what = f"{'a list of numbers, each' if key in CURVES else 'a number'} {'>=' if closed else '>'} {low:g} and <= {high:g}"
+                raise bad_value(f"{source}.efficiency.{key}", value, what)
         for a, b in (("matmul_size", "matmul"), ("collective_size", "collective")):
             if len(eff[a]) != len(eff[b]) or len(eff[a]) < 2 or list(eff[a]) != sorted(eff[a]):
                 raise bad_value(f"{source}.efficiency.{a}", eff[a], f"ascending sizes, as many as efficiency.{b}")
         values["efficiency"] = eff
         cpu = values.get("cpu", {})
-        if cpu and (sorted(cpu) != sorted(CPU_KEYS) or any(v <= 0 for v in cpu.values())):
-            raise bad_value(f"{source}.cpu", cpu, f"positive {', '.join(CPU_KEYS)}")
+        if cpu and (not isinstance(cpu, dict) or sorted(cpu) != sorted(CPU_KEYS)
+                    or not all(_in_range(cpu[k], 0, CPU_RANGES.get(k, math.inf), False) for k in CPU_KEYS)
+                    or not all(float(cpu[k]).is_integer() for k in ("cores", "threads"))):
+            raise bad_value(f"{source}.cpu", cpu, f"a table of finite positive {', '.join(CPU_KEYS)} "
+                            f"(cores and threads whole, {', '.join(f'{k} <= {v:g}' for k, v in CPU_RANGES.items())})")
         if not isinstance(values["peak_flops"], dict) or not values["peak_flops"] or any(
-                not _is_number(v) or not 0 < v < math.inf for v in values["peak_flops"].values()):
-            raise bad_value(f"{source}.peak_flops", values["peak_flops"], "finite positive FLOP/s per precision")
+                k not in PRECISIONS or not _is_number(v) or not MIN_PEAK <= v <= MAX_PEAK for k, v in values["peak_flops"].items()):
+            raise bad_value(f"{source}.peak_flops", values["peak_flops"],
+                            f"FLOP/s per precision ({', '.join(PRECISIONS)}), each from {MIN_PEAK:g} to {MAX_PEAK:g}")
         return cls(**values)
 
     def to_dict(self) -> dict:
@@ -171,7 +211,7 @@ def apply_overrides(raw: dict, sets, key: str = "--system-set") -> dict:
             raise bad_value(f"{key} {name}", text, "a positive number (inf for unlimited)")
         prefix, _, sub = name.partition(".")
         if name in fields_:
-            out[name] = int(value) if name in INTEGERS and value.is_integer() else value
+            out[name] = int(value) if name in INTEGERS and value.is_integer() and value <= MAX_GROUP else value
         elif name in ALIASES:
             field_, factor = ALIASES[name]
             out[field_] = value * factor
@@ -186,6 +226,11 @@ def apply_overrides(raw: dict, sets, key: str = "--system-set") -> dict:
 
 def _is_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _in_range(x, low: float, high: float, closed: bool) -> bool:
+    """A finite number in [low, high] (``closed``) or (low, high]."""
+    return _is_number(x) and math.isfinite(x) and (low <= x if closed else low < x) and x <= high
 
 
 def _log_interp(x, xs, ys):

@@ -53,8 +53,13 @@ def test_optional_fields_default_from_the_others():
     ("hbm_gib", "KEY=VALUE"), ("hbm_gib=lots", "a number"), ("hbm_gib=-1", "a positive number"),
     ("offload_gbps=nan", "a positive number"), ("nvlink_domain=2.5", "positive integer"),
     ("efficiency.pp_overlap=inf", "a share from 0 to 1"), ("efficiency.hbm_efficiency=0", "finite number > 0"),
-    ("nvlink_domain=inf", "finite positive"), ("gpus_per_node=inf", "finite positive"),
-    ("framework_overhead_bytes=inf", "finite positive"), ("peak_tflops.bf16=inf", "finite positive FLOP/s"),
+    ("nvlink_domain=inf", "a number > 0 and <= 1e"), ("gpus_per_node=inf", "a number > 0 and <= 1e"),
+    ("framework_overhead_bytes=inf", "a number > 0 and <= 1e"), ("peak_tflops.bf16=inf", "FLOP/s per precision"),
+    # what once overflowed into a traceback or printed inf / NaN (a hostile sweep, 2026-11-27)
+    ("nvlink_domain=1e19", "positive integer up to 16,777,216"), ("nvlink_latency=1e308", "<= 3600"),
+    ("nvlink_gbps=1e-300", "a number >= 1 and"), ("peak_flops.bf16=1e-300", "each from 1 to 1e\+24"),
+    ("peak_flops.bf16=1e308", "each from 1 to 1e\+24"), ("efficiency.elementwise_traffic=1e300", "<= 1000"),
+    ("efficiency.hbm_efficiency=5", "a number > 0 and <= 1"),
 ])
 def test_bad_overrides_are_one_line_errors(item, match):
     with pytest.raises(LubanError, match=match) as err:
