@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from luban import schema
-from luban.errors import LubanError, bad_value
+from luban.errors import LubanError, bad_value, unknown_key
 from luban.model.config import ModelConfig, _coerce
 from luban.model.presets import get_preset
 from luban.parallel.layout import ParallelLayout
@@ -118,7 +118,7 @@ def _section(cls, raw: dict, name: str):
     values = {}
     for key, value in raw.items():
         if key not in known:
-            raise LubanError(f"{name}.{key}: unknown key; allowed: {', '.join(known)}")
+            raise unknown_key(name, key, value, known)
         if (name, key) in AUTO_OR_BOOL and isinstance(value, bool):
             value = "true" if value else "false"
         value = _coerce(f"{name}.{key}", value, known[key].type)

@@ -27,6 +27,13 @@ class LubanError(Exception):
     exit_code = EXIT_USAGE
 
 
+def unknown_key(section: str, key, value, known) -> LubanError:
+    """A key a table does not have, as ``<section>.<key> = <value>: unknown key; allowed: ...``
+    (a key that is not a plain name is quoted: one line whatever it holds)."""
+    name = f"{section}.{key}" if isinstance(key, str) and key.isprintable() and key.strip() == key and key else f"{section}[{key!r}]"
+    return bad_value(name, value, f"unknown key; allowed: {', '.join(known)}")
+
+
 def bad_value(key: str, value, allowed: str) -> LubanError:
     """The standard message: ``<key> = <value>: <what is allowed>``."""
     return LubanError(f"{key} = {value!r}: {allowed}")

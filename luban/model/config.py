@@ -49,7 +49,7 @@ import math
 import dataclasses
 from dataclasses import dataclass, field
 
-from luban.errors import LubanError, bad_value
+from luban.errors import bad_value, unknown_key
 
 ARCH_DEFAULTS = {
     "gpt2": dict(norm="layernorm", activation="gelu", position="learned", bias=True, tie_embeddings=True),
@@ -126,7 +126,7 @@ class ModelConfig:
         known = {f.name for f in dataclasses.fields(cls)} | {"preset"}
         for key in raw:
             if key not in known:
-                raise LubanError(f"{section}.{key}: unknown key; allowed: {', '.join(sorted(known))}")
+                raise unknown_key(section, key, raw[key], sorted(known))
         base: dict = {}
         if "preset" in raw:
             base = dataclasses.asdict(get_preset(raw.pop("preset")))
@@ -181,8 +181,9 @@ class ModelConfig:
             raise bad_value(f"{section}.head_dim", self.head_dim, "must be even for rope")
         if not 0.0 <= self.dropout < 1.0:
             raise bad_value(f"{section}.dropout", self.dropout, "must be in [0, 1)")
-        if self.norm_eps <= 0 or self.init_std <= 0 or self.rope_theta <= 0:
-            raise LubanError(f"{section}: norm_eps, init_std and rope_theta must be positive")
+        for key in ("norm_eps", "init_std", "rope_theta"):
+            if not getattr(self, key) > 0:
+                raise bad_value(f"{section}.{key}", getattr(self, key), "must be positive")
         self._validate_moe(section)
 
     @property

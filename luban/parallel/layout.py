@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from luban.errors import LubanError, bad_value
+from luban.errors import bad_value, unknown_key
 from luban.model.config import ModelConfig
 from luban.parallel import schedules
 from luban.parallel.schedules import NAMES as SCHEDULES
@@ -80,7 +80,7 @@ class ParallelLayout:
         values = {}
         for key, value in raw.items():
             if key not in fields:
-                raise LubanError(f"{section}.{key}: unknown key; allowed: {', '.join(fields)}")
+                raise unknown_key(section, key, value, fields)
             default = fields[key].default
             if key == "pp_split":
                 if not isinstance(value, (list, tuple)) or not all(_is_int(v) for v in value):
@@ -146,6 +146,8 @@ class ParallelLayout:
         if self.offload == "optimizer" and self.zero < 1:
             raise bad_value(f"{section}.offload", "optimizer", "needs zero >= 1 (the optimizer must be sharded)")
         if self.pp == 1:
+            if self.virtual_stages != 1:  # one stage has no virtual stages (the schedule is moot at pp 1)
+                raise bad_value(f"{section}.virtual_stages", self.virtual_stages, "1 at pp = 1 (virtual stages need pp > 1)")
             return
         v, sched = self.virtual_stages, schedules.get(self.schedule)
         if v < sched.min_virtual or (sched.max_virtual is not None and v > sched.max_virtual):
@@ -179,8 +181,8 @@ def check_layout(layout: ParallelLayout, model: ModelConfig, global_batch: int, 
     layout.check_keys(section, rules)
     seq = model.seq_len if seq_len is None else seq_len
     if world_size is not None and layout.world_size != world_size:
-        raise LubanError(f"{section}: dp*tp*pp*cp = {layout.dp}*{layout.tp}*{layout.pp}*{layout.cp} = "
-                         f"{layout.world_size} must equal the world size {world_size}")
+        raise bad_value(f"{section}.dp", layout.dp, f"dp*tp*pp*cp = {layout.dp}*{layout.tp}*{layout.pp}*{layout.cp} = "
+                        f"{layout.world_size} must equal the world size {world_size}")
     tp_ok = _common_divisors(model.heads, model.kv_heads, model.ffn_hidden)
     if layout.tp not in tp_ok:
         raise bad_value(f"{section}.tp", layout.tp, f"must divide heads={model.heads}, kv_heads={model.kv_heads} "

@@ -185,12 +185,17 @@ def cmd_estimate(args) -> int:
     from luban.plan.explain import describe, explain, nearest_feasible, why_not
     from luban.plan.grid import Grid
 
+    if args.explain and args.json:
+        raise bad_value("--explain", "with --json", "one or the other: --explain is the text report, --json the machine-readable one")
+
     problem = _problem(args)
     layout = _layout(args, problem.gpus, problem.runtime_model)
     if args.precision is None:  # as the search and choose_layout do: the system's faster of bf16 and fp32
         system = problem.system
         layout = layout.replace(precision="bf16" if system.peak("bf16") > system.peak("fp32") else "fp32")
     check_layout(layout, problem.model, problem.global_batch, problem.gpus, problem.seq, rules=problem.runtime_model)
+    if problem.tp_overlap and not layout.sp:  # asked for, on a layout where it cannot apply (the search keeps it per layout)
+        raise bad_value("--tp-overlap", "on", "needs tensor + sequence parallel (--tp > 1 --sp); leave it at auto or off")
     g = Grid.from_layout(layout)
     est = Estimate.from_results(problem, g, evaluate(problem, g), train_tokens=args.train_tokens,
                                 price_per_gpu_hour=args.price_per_gpu_hour)

@@ -77,8 +77,9 @@ class Problem:
             raise bad_value("--ep-overlap", self.ep_overlap, "true or false")
         if self.dispatcher not in DISPATCHERS:
             raise bad_value("--dispatcher", self.dispatcher, f"one of {', '.join(DISPATCHERS)}")
-        if not self.model.moe and (self.dispatcher != "alltoall" or self.ep_overlap):
-            key, value = ("--dispatcher", self.dispatcher) if self.dispatcher != "alltoall" else ("--ep-overlap", True)
+        if not self.model.moe and (self.dispatcher != "alltoall" or self.ep_overlap or self.expert_imbalance != 1.0):
+            key, value = (("--dispatcher", self.dispatcher) if self.dispatcher != "alltoall" else
+                          ("--ep-overlap", True) if self.ep_overlap else ("--expert-imbalance", self.expert_imbalance))
             raise bad_value(key, value, "only for a mixture-of-experts model (this one has no experts: "
                                         "set model.experts, or leave the option out)")
         if self.attention_kernel not in ATTENTION_KERNELS:

@@ -24,7 +24,7 @@ def test_from_dict_preset_overrides_rederive():
     ({"hidden": 100, "heads": 3}, "model.heads = 3: must divide hidden = 100"),
     ({"heads": 12, "kv_heads": 5}, "model.kv_heads = 5: must divide heads = 12"),
     ({"layers": -2}, "model.layers = -2: must be a positive integer"),
-    ({"hiden": 5}, "model.hiden: unknown key"),
+    ({"hiden": 5}, "model.hiden = 5: unknown key"),
     ({"norm": "batchnorm"}, "model.norm = 'batchnorm': one of layernorm, rmsnorm"),
     ({"hidden": "big"}, "model.hidden = 'big': must be of type int"),
     ({"preset": "gpt5"}, "model.preset = 'gpt5': one of"),

@@ -124,7 +124,7 @@ def test_tp_overlap_hides_tensor_parallel_collectives_only_where_asked(capsys):
     """--tp-overlap: megatron-core overlaps its sequence-parallel TP collectives by default (the
     Megatron-Bridge recipes' --tp-comm-overlap) and ``off`` exposes them; fsdp2 (torchtitan) exposes
     them by default and ``on`` is its async TP, which hides the forward's only; without sequence
-    parallel nothing hides."""
+    parallel nothing hides, and asking for it there is refused."""
     def plan(*flags):
         assert main(["plan", "estimate", "--system", "dgx-h100", "--gpus", "8", "--json", "--model", "llama-8b",
                      "--global-batch", "64", "--seq", "4096", "--precision", "bf16", "--tp", "8", "--dp", "1",
@@ -139,7 +139,10 @@ def test_tp_overlap_hides_tensor_parallel_collectives_only_where_asked(capsys):
     assert plan(*titan) == plan(*titan, "--tp-overlap", "off")
     assert plan(*titan, "--tp-overlap", "on")[1] < plan(*titan)[1]
     assert plan(*titan, "--tp-overlap", "on")[0] > plan(*core)[0]  # async TP: the forward's collectives only
-    assert plan("--runtime", "megatron-core") == plan("--runtime", "megatron-core", "--tp-overlap", "on")  # no --sp
+    assert main(["plan", "estimate", "--system", "dgx-h100", "--gpus", "8", "--model", "llama-8b", "--global-batch", "64",
+                 "--tp", "8", "--dp", "1", "--runtime", "megatron-core", "--tp-overlap", "on"]) == 2  # no --sp
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--tp-overlap = 'on': needs tensor + sequence parallel" in err[0], err
 
 
 def test_grad_reduce_in_fp32_halves_megatron_core_main_gradients_only(capsys):

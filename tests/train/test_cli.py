@@ -52,13 +52,13 @@ def test_train_logs_metrics_and_learns_then_samples_exports_imports(tiny, tmp_pa
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["--set", "train.stepz=3"], "train.stepz: unknown key"),
+    (["--set", "train.stepz=3"], "train.stepz = 3: unknown key"),
     (["--set", "train.steps=-4"], "train.steps = -4: must be positive"),
     (["--set", "train.lr=\"fast\""], "train.lr = 'fast': must be of type float"),
     (["--set", "model.heads=5"], "model.heads = 5: must divide hidden"),
     (["--set", "data.path=\"/nonexistent/data\""], "data.path = '/nonexistent/data': no dataset there"),
     (["--set", "parallel.tp=3", "--nproc", "3"], "parallel.tp = 3: must divide heads"),
-    (["--set", "parallel.pipeline=2"], "parallel.pipeline: unknown key"),
+    (["--set", "parallel.pipeline=2"], "parallel.pipeline = 2: unknown key"),
     (["--set", "train.global_batch=6", "--set", "parallel.micro_batch=4"], "train.global_batch = 6"),
     (["--set", "model.vocab=100"], "model.vocab = 100: must be >= the dataset's tokenizer vocabulary 257"),
     (["--set", "noequals"], "--set = 'noequals': expected section.key=value"),
