@@ -70,6 +70,16 @@ def test_train_file_and_flag_cases(capsys, tmp_path):
     (["--tp-overlap", "1"], "--tp-overlap"),
     (["--grad-reduce-in-fp32", "off"], "--grad-reduce-in-fp32 = 'off': auto (only megatron-core has the switch)"),
     (["--grad-reduce-in-fp32", "fp16"], "--grad-reduce-in-fp32"),
+    # a hostile sweep, 2026-11-27: tracebacks, silently accepted contradictions
+    (["--recompute", "full:99999999999999999999"], "parallel.recompute = 'full:99999999999999999999': one of"),
+    (["--recompute", "full:"], "parallel.recompute = 'full:': one of"),
+    (["--recompute", "full:²"], "parallel.recompute = 'full:²': one of"),
+    (["--virtual-stages", "2"], "parallel.virtual_stages = 2: 1 at pp = 1"),
+    (["--expert-imbalance", "50"], "--expert-imbalance = 50.0: only for a mixture-of-experts model"),  # gpt2: dense
+    (["--tp-overlap", "on"], "--tp-overlap = 'on': needs tensor + sequence parallel"),
+    (["--explain", "--json"], "--explain = 'with --json': one or the other"),
+    (["--system-set", "nvlink_domain=1e19"], "nvlink_domain = 1e+19: must be a positive integer up to"),
+    (["--system-set", "oversubscription_exponent=2"], "unknown key"),
 ])
 def test_planner_flag_cases(capsys, extra, words):
     code, err = run(capsys, PLAN + extra)
@@ -83,10 +93,67 @@ def test_other_commands_cases(capsys, tmp_path):
              (["cluster", "serve", "--state", str(tmp_path / "s"), "--nodes", "-3"], "--nodes = -3"),
              (["cluster", "serve", "--state", str(tmp_path / "s"), "--gpus", "-4"], "--gpus = -4"),
              (["cluster", "serve", "--state", str(tmp_path / "s"), "--tick", "-1"], "--tick = -1.0"),
-             (["cluster", "serve", "--state", str(tmp_path / "s"), "--port", "99999"], "--port = 99999")]
+             (["cluster", "serve", "--state", str(tmp_path / "s"), "--port", "99999"], "--port = 99999"),
+             # a hostile sweep, 2026-11-27: each was a traceback
+             (["plan", "search", "--model", "qwen3-30b-a3b", "--system", "dgx-h100", "--gpus", "8", "--global-batch", "8",
+               "--ep", "128"], "--ep = 128: no layout of 8 GPUs has it"),
+             (["plan", "probe", "--device", "nosuch"], "--device = 'nosuch': cpu, cuda or cuda:N"),
+             (["plan", "probe", "--device", "cuda:-1"], "--device = 'cuda:-1'")]
+    import torch
+
+    if not torch.cuda.is_available():  # this machine's lack of the device, said in one line
+        cases.append((["plan", "probe", "--device", "cuda"], "--device = 'cuda': cpu: this machine has no CUDA device"))
     for argv, words in cases:
         code, err = run(capsys, argv)
         assert code == 2 and words in err and len(err.strip().splitlines()) == 1, (argv, err)
+
+
+def _profile(tmp_path, name, change):
+    """dgx-h100's profile as a JSON file with ``change`` applied to its raw fields."""
+    from luban.plan.system import load_system
+
+    raw = json.loads(json.dumps(load_system("dgx-h100").to_dict()))
+    change(raw)
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(raw))
+    return path
+
+
+@pytest.mark.parametrize("name,change,words", [
+    ("eff-not-table", lambda r: r.update(efficiency=5), "efficiency = 5: a table"),
+    ("curve-scalar", lambda r: r["efficiency"].update(matmul=0.5), "efficiency.matmul = 0.5: a list of numbers"),
+    ("curve-strings", lambda r: r["efficiency"].update(matmul=["a"] * len(r["efficiency"]["matmul"])), "efficiency.matmul"),
+    ("curve-zero", lambda r: r["efficiency"].update(collective=[0] * len(r["efficiency"]["collective"])), "each > 0"),
+    ("curve-negative", lambda r: r["efficiency"].update(matmul=[-1] * len(r["efficiency"]["matmul"])), "each > 0"),
+    ("hbm-eff-string", lambda r: r["efficiency"].update(hbm_efficiency="x"), "efficiency.hbm_efficiency = 'x'"),
+    ("hbm-eff-negative", lambda r: r["efficiency"].update(hbm_efficiency=-1), "efficiency.hbm_efficiency = -1"),
+    ("overlap-5", lambda r: r["efficiency"].update(zero3_overlap=5), "efficiency.zero3_overlap = 5"),
+    ("launch-negative", lambda r: r["efficiency"].update(kernel_launch_s=-1), "efficiency.kernel_launch_s = -1"),
+    ("eff-unknown", lambda r: r["efficiency"].update(bogus=1), "efficiency.bogus = 1"),
+    ("cpu-string", lambda r: r.update(cpu="x"), ".cpu = 'x'"),
+    ("latency-huge", lambda r: r.update(nvlink_latency=1e308), "nvlink_latency = 1e+308"),
+    ("unknown-key", lambda r: r.update(foo=1), ".foo = 1: not a profile key"),
+    ("missing-key", lambda r: r.pop("hbm_bytes"), ".hbm_bytes = '(missing)': required"),
+    ("peak-precision", lambda r: r["peak_flops"].update(bf17=1e15), ".peak_flops = "),
+])
+def test_profile_files_are_checked_field_by_field(capsys, tmp_path, name, change, words):
+    """Each used to end in a traceback (TypeError, OverflowError) or a NaN/negative step time."""
+    path = _profile(tmp_path, name, change)
+    code, err = run(capsys, ["plan", "estimate", "--model", "llama-8b", "--system", str(path), "--gpus", "64",
+                             "--global-batch", "64", "--json"])
+    assert code == 2 and words in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_json_output_is_strict_even_for_an_unlimited_tier(capsys):
+    """--system-set hbm_gib=inf (documented: unlimited) printed Infinity, which is not JSON."""
+    def strict(text):
+        return json.loads(text, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))
+    for command in (["estimate"], ["search"]):
+        argv = ["plan", *command, "--model", "llama-8b", "--system", "dgx-h100", "--gpus", "8", "--global-batch", "8",
+                "--system-set", "hbm_gib=inf", "--json"]
+        assert main(argv) == 0
+        out = strict(capsys.readouterr().out)
+        assert (out if command == ["estimate"] else out["best"][0])["hbm_bytes"] is None  # unlimited
 
 
 # -- fuzz --------------------------------------------------------------------------------------
