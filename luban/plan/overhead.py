@@ -20,8 +20,7 @@ TINY = dict(head_dim=8, seq_len=16, vocab=64)  # widths of the shrunk copy; the 
 
 def shrink(cfg: ModelConfig, layers: int) -> ModelConfig:
     """``cfg``'s structure at tiny widths with ``layers`` layers; a MoE model's copy has only MoE
-    layers (its first ``dense_layers`` dense ones are not counted per layer: the per-layer figures
-    are the MoE layer's, as the planner's per-layer terms average over ``moe_share``)."""
+    layers (``model_overhead_counts`` averages them with its dense layers')."""
     kv = max(1, cfg.kv_heads * 2 // cfg.heads)  # keeps grouped-query attention grouped
     moe = {"dense_layers": 0, "expert_ffn_hidden": 24} if cfg.moe else {}
     return cfg.replace(hidden=16, heads=2, kv_heads=kv, ffn_hidden=24, layers=layers, **moe, **TINY)
@@ -66,4 +65,9 @@ def model_overhead_counts(cfg: ModelConfig) -> dict:
     for kind, count in (("ops", count_ops), ("tensors", count_tensors)):
         one, two = count(shrink(cfg, 1)), count(shrink(cfg, 2))
         counts[f"layer_{kind}"], counts[f"rest_{kind}"] = two - one, 2 * one - two
+    if cfg.moe and cfg.dense_layers:  # the average layer, as the planner's other per-layer terms
+        dense = model_overhead_counts(cfg.replace(experts=0, shared_experts=0, dense_layers=0))
+        for kind in ("ops", "tensors"):
+            key = f"layer_{kind}"
+            counts[key] = (cfg.moe_layers * counts[key] + cfg.dense_layers * dense[key]) / cfg.layers
     return counts

@@ -46,12 +46,16 @@ def test_op_counts_are_linear_in_layers_and_follow_the_architecture():
 def test_moe_models_with_dense_layers_plan_on_a_cpu_profile():
     """The shrunk copies keep a MoE model's structure but not its leading dense layers (a 1-layer
     copy of tiny-moe's dense_layers = 1 was refused, so no MoE model with dense layers could be
-    planned on a probed CPU profile); the per-layer count is the MoE layer's."""
+    planned on a probed CPU profile); the per-layer count averages the MoE and dense layers."""
     moe = get_preset("tiny-moe")
     assert moe.dense_layers >= 1 and shrink(moe, 1).dense_layers == 0
-    assert model_overhead_counts(moe) == model_overhead_counts(moe.replace(dense_layers=0))
-    dense = model_overhead_counts(moe.replace(experts=0, experts_per_token=2, dense_layers=0, shared_experts=0))
-    assert model_overhead_counts(moe)["layer_ops"] > dense["layer_ops"]  # router, sort, per-expert loop
+    only_moe = model_overhead_counts(moe.replace(dense_layers=0))
+    dense = model_overhead_counts(moe.replace(experts=0, dense_layers=0, shared_experts=0))
+    assert only_moe["layer_ops"] > dense["layer_ops"]  # router, sort, per-expert loop
+    mixed = model_overhead_counts(moe)
+    assert mixed["layer_ops"] == pytest.approx((moe.moe_layers * only_moe["layer_ops"] + moe.dense_layers * dense["layer_ops"])
+                                               / moe.layers)
+    assert mixed["rest_ops"] == only_moe["rest_ops"]
     for name in ("tiny-moe", "deepseek-v3"):
         problem = Problem(get_preset(name), cpu_system(), 2, 128, 2, runtime="luban")
         g = Grid.from_layout(ParallelLayout(dp=2))
