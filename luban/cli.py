@@ -54,6 +54,13 @@ class Parser(argparse.ArgumentParser):
         found = re.fullmatch(r"argument (?P<key>[^:]+): (?P<rest>.*)", message, re.DOTALL)
         if not found:
             command = self.prog.split(" ", 1)[1] if " " in self.prog else ""
+            required = re.fullmatch(r"the following arguments are required: (?P<keys>.*)", message, re.DOTALL)
+            unknown = re.fullmatch(r"unrecognized arguments: (?P<args>.*)", message, re.DOTALL)
+            if required:  # the first one missing, as KEY = (missing)
+                key, what = required["keys"].split(", ")[0], "required"
+                message = f"{key} = (missing): {what}"
+            elif unknown:
+                message = f"{unknown['args'].split(' ')[0]} = (unrecognized): not an option of this command"
             return f"{command + ': ' if command else ''}{message}  (see: {self.prog} --help)"
         names, rest = found["key"].split("/"), found["rest"]
         key = next((n for n in names if n.startswith("--")), names[-1])

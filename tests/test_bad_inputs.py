@@ -213,13 +213,14 @@ def test_fuzzed_planner_flags_never_trace(capsys, pairs):
 
 @pytest.mark.parametrize("argv,words", [
     (["nosuch"], "COMMAND = 'nosuch': one of 'train', "),
-    (["cluster", "serve", "--bogus"], "unrecognized arguments: --bogus"),
+    (["cluster", "serve", "--bogus"], "--bogus = (unrecognized): not an option"),
     (["cluster", "serve", "--run-jobs-as", "x"], "--run-jobs-as = 'x': one of 'user', 'namespace', 'service'"),
     (["cluster", "serve", "--port", "abc"], "--port = 'abc': an integer from 1 to 65535"),
-    (["cluster", "simulate", "--nope"], "unrecognized arguments: --nope"),
-    (["data"], "data: the following arguments are required"),
+    (["cluster", "simulate", "--nope"], "--nope = (unrecognized): not an option"),
+    (["data"], "data: ACTION = (missing): required"),
+    (["plan", "estimate", "--gpus", "8"], "--model = (missing): required"),
     (["plan", "nope"], "ACTION = 'nope': one of 'estimate', "),
-    (["jobs", "--bogus"], "unrecognized arguments: --bogus"),
+    (["jobs", "--bogus"], "--bogus = (unrecognized): not an option"),
     (["submit", "--priority", "WHATEVER", "--", "true"], "priority = 'WHATEVER': one of"),
     (["admin"], "admin"),
     (["cluster", "simulate", "--tick", "nan"], "--tick = nan: a finite number"),
