@@ -49,7 +49,7 @@ def _is_run(path: Path) -> bool:
         return True
     try:
         cfg = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError, UnicodeDecodeError):
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError):
         return False
     return isinstance(cfg, dict) and {"model", "data", "train", "parallel", "run"} <= set(cfg)
 
@@ -81,7 +81,7 @@ def marked_kind(path: Path) -> str | None:
     """The kind named by ``path``'s marker, or None (no marker, or not one luban wrote)."""
     try:
         data = json.loads((Path(path) / MARKER).read_text())
-    except (OSError, ValueError, UnicodeDecodeError):
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError):
         return None
     kind = data.get("luban") if isinstance(data, dict) else None
     return kind if kind in KINDS else None
@@ -115,6 +115,8 @@ def check(path: str | Path, kind: str, key: str) -> None:
     if path.exists() and not path.is_dir():
         raise bad_value(key, str(path), f"a folder for {KINDS[kind]}, not a file (nothing was changed)")
     found = owner(path)
+    if found == kind:
+        _refuse_links(path, key)
     if found in ("empty", kind):
         return
     if found is not None:
@@ -126,6 +128,22 @@ def check(path: str | Path, kind: str, key: str) -> None:
         raise bad_value(key, str(path), f"cannot be read ({err.strerror}); choose a new or empty folder") from None
     raise bad_value(key, str(path), f"holds {foreign!r}, which luban did not write; choose a new or empty folder, "
                                     f"or one luban made for {KINDS[kind]} (nothing was changed)")
+
+
+def _refuse_links(path: Path, key: str) -> None:
+    """luban makes no symbolic links in its folders: one there (``metrics.jsonl`` -> a user's file)
+    would have luban write through it, so its folder is refused as if foreign. Checked: the
+    folder's entries and those of its ``checkpoints`` folder."""
+    try:
+        entries = list(path.iterdir())
+        if (path / "checkpoints").is_dir() and not (path / "checkpoints").is_symlink():
+            entries += list((path / "checkpoints").iterdir())
+    except OSError as err:
+        raise bad_value(key, str(path), f"cannot be read ({err.strerror}); choose a new or empty folder") from None
+    link = next((p for p in sorted(entries) if p.is_symlink()), None)
+    if link is not None:
+        raise bad_value(key, str(path), f"holds {str(link.relative_to(path))!r}, a symbolic link luban did not make; "
+                                        "remove it, or choose a new or empty folder (nothing was changed)")
 
 
 def mark(path: str | Path, kind: str) -> None:

@@ -135,3 +135,20 @@ def test_create_bytes_loses_a_race_without_replacing(tmp_path):
     with pytest.raises(FileExistsError):
         create_bytes(target, b"second")
     assert target.read_bytes() == b"first" and [p.name for p in tmp_path.iterdir()] == ["out.toml"]
+
+
+def test_a_luban_folder_holding_a_symbolic_link_is_refused(tmp_path):
+    """A link in luban's own folder (a run's metrics.jsonl -> a user's file) would be written through:
+    the folder is refused untouched, the user's file kept (a hostile sweep, 2026-11-27)."""
+    run = owned.claim(tmp_path / "run", "run", "run.dir")
+    victim = tmp_path / "victim.txt"
+    victim.write_text("mine")
+    (run / "metrics.jsonl").symlink_to(victim)
+    with pytest.raises(LubanError, match=r"holds 'metrics.jsonl', a symbolic link luban did not make"):
+        owned.claim(run, "run", "run.dir")
+    (run / "metrics.jsonl").unlink()
+    (run / "checkpoints").mkdir()
+    (run / "checkpoints" / "step_0000001").symlink_to(tmp_path)
+    with pytest.raises(LubanError, match=r"holds 'checkpoints/step_0000001', a symbolic link"):
+        owned.claim(run, "run", "run.dir")
+    assert victim.read_text() == "mine"

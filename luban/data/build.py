@@ -20,6 +20,7 @@ import errno
 import fcntl
 import fnmatch
 import os
+import re
 import shutil
 from dataclasses import asdict
 from pathlib import Path
@@ -178,16 +179,28 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(err, os.strerror(err), str(b))
 
 
+def _own_siblings(out_dir: Path) -> list[Path]:
+    """The staging (``.NAME.building-PID``) and swapped-out (``.NAME.old-PID``) folders of builds
+    of ``out_dir``: by name, and only if luban's by content (marked as a dataset, or empty: a build
+    killed between its mkdir and its marker). A user's folder of the same name is not luban's."""
+    pattern = re.compile(rf"\.{re.escape(out_dir.name)}\.(building|old)-\d+")
+    try:
+        found = [p for p in out_dir.parent.iterdir() if pattern.fullmatch(p.name)]
+    except OSError:
+        return []
+    return [p for p in found if p.is_dir() and not p.is_symlink() and owned.owner(p) in ("empty", "dataset")]
+
+
 def recover(out_dir: Path) -> None:
     """After a crash between the two renames of the fallback swap, put the newest complete copy
-    back at ``out_dir``; remove staging folders of builds that died (luban's own, by name)."""
-    siblings = sorted(out_dir.parent.glob(f".{out_dir.name}.*-*"), key=lambda p: p.stat().st_mtime)
+    back at ``out_dir``; remove staging folders of builds that died (luban's own: ``_own_siblings``)."""
+    siblings = sorted(_own_siblings(out_dir), key=lambda p: p.stat().st_mtime)
     for sibling in reversed(siblings):
         if not out_dir.exists() and (sibling / MANIFEST).is_file():
             os.rename(sibling, out_dir)
-    for sibling in out_dir.parent.glob(f".{out_dir.name}.*-*"):
+    for sibling in _own_siblings(out_dir):
         pid = sibling.name.rsplit("-", 1)[-1]
-        if not (pid.isdigit() and int(pid) != os.getpid() and Path(f"/proc/{pid}").exists()):
+        if not (int(pid) != os.getpid() and Path(f"/proc/{pid}").exists()):
             shutil.rmtree(sibling, ignore_errors=True)
 
 

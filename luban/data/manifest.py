@@ -90,7 +90,7 @@ def load_manifest(dataset_dir: str | Path) -> dict:
     except FileNotFoundError:
         raise LubanError(f"{path}: missing, so {dataset_dir} is not a (complete) luban dataset; "
                          "build one with `luban data build --out DIR`") from None
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, RecursionError) as err:
         raise LubanError(f"{path}: unreadable ({err})") from None
     if not isinstance(manifest, dict):
         raise LubanError(f"{path}: not a {FORMAT} manifest (not a JSON object)")

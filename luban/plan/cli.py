@@ -129,7 +129,7 @@ def load_model(spec: str):
     kind = "JSON" if path.suffix == ".json" else "TOML"
     try:
         raw = json.loads(path.read_text()) if kind == "JSON" else tomllib.loads(path.read_text())
-    except (ValueError, tomllib.TOMLDecodeError) as err:
+    except (ValueError, tomllib.TOMLDecodeError, RecursionError) as err:
         raise LubanError(f"--model = {spec!r}: cannot parse: {err}".replace("\n", " ")) from None
     except OSError as err:
         raise bad_value("--model", spec, f"a readable {kind} file ({err.strerror})") from None

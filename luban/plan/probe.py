@@ -489,7 +489,7 @@ def cached_profile() -> dict:
         cached = json.loads(path.read_text())
         if isinstance(cached, dict) and isinstance(cached.get("cpu"), dict) and set(CPU_KEYS) <= set(cached["cpu"]):
             return cached
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         pass
     profile = probe_system()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -253,7 +253,7 @@ def load_system(spec: "str | Path | System", overrides=()) -> System:
         raise bad_value("--system", str(spec), f"a profile file or one of {', '.join(builtin_systems())}")
     try:
         raw = json.loads(path.read_text()) if path.suffix == ".json" else tomllib.loads(path.read_text())
-    except (ValueError, tomllib.TOMLDecodeError) as err:
+    except (ValueError, tomllib.TOMLDecodeError, RecursionError) as err:
         raise LubanError(f"--system = {str(spec)!r}: cannot parse {path.name}: {err}".replace("\n", " ")) from None
     except OSError as err:
         raise bad_value("--system", str(spec), f"a readable profile file ({err.strerror})") from None

@@ -14,6 +14,7 @@ FLOPs (recompute included); both null where above 100% (the run's peak is too lo
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -27,7 +28,10 @@ class MetricsLogger:
         if not enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
-        self.file = open(run_dir / "metrics.jsonl", "a", buffering=1)
+        # never through a symbolic link (luban.owned refuses a run folder holding one; O_NOFOLLOW
+        # keeps a link made since from being written through)
+        fd = os.open(run_dir / "metrics.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        self.file = os.fdopen(fd, "a", buffering=1)
         self.tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter

@@ -69,7 +69,7 @@ def run_peak(run_dir, device_type: str, precision: str, recorded: dict | None = 
 
     try:
         found = json.loads(path.read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         found = None
     if usable(found):
         return found

@@ -52,7 +52,13 @@ def compare(run_dir: Path, memory_by_rank: list[dict], step_times: list[float]) 
     plan_file = run_dir / "plan.json"
     if not plan_file.is_file() or not memory_by_rank or not step_times:
         return None
-    prediction = json.loads(plan_file.read_text())
+    try:  # luban's own file, but in a folder a user can edit: an unreadable one skips the comparison
+        prediction = json.loads(plan_file.read_text())
+        if not isinstance(prediction, dict) or not all(
+                isinstance(prediction.get(k), (int, float)) for k in (*MEMORY_KEYS, "step_time_s")):
+            return None
+    except (OSError, ValueError, RecursionError):
+        return None
     rows = {}
     for key in MEMORY_KEYS:
         measured = max(m.get(key, 0) for m in memory_by_rank)

@@ -38,7 +38,7 @@ def load_model(path: str) -> tuple[Transformer, dict]:
         cfg = ModelConfig.from_dict(meta["config"]["model"])
     except LubanError as err:
         raise LubanError(f"{ckpt / 'meta.json'}: {err}") from None
-    except (OSError, ValueError, KeyError, TypeError) as err:
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as err:
         raise LubanError(f"CHECKPOINT = {path!r}: meta.json has no readable model config "
                          f"({err})".replace("\n", " ")) from None
     model = build_model(cfg)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import luban.data.build as build
+from luban import owned
 from luban.data.build import build_dataset, ensure_default_dataset, split_documents
 from luban.data.corpus import collect_files, default_corpus_files, stdlib_dir
 from luban.data.manifest import load_manifest, open_dataset
@@ -118,6 +119,23 @@ def test_crashed_rebuild_keeps_the_old_dataset(tmp_path, write_docs, monkeypatch
         build_dataset([text], tmp_path / "ds", seed=1)
     assert load_manifest(tmp_path / "ds") == old  # the build is a transaction: old or new, never neither
     assert not list((tmp_path / "ds").glob(".*.tmp-*")) and not list(tmp_path.glob(".ds.*"))
+
+
+def test_a_build_removes_only_its_own_dead_staging(tmp_path, write_docs):
+    """A dead build's stage (marked, or empty) is swept; a user's folder that only looks like one
+    by name is kept with its files (a hostile sweep, 2026-11-27: both were deleted)."""
+    text = write_docs(tmp_path / "text")
+    theirs = [tmp_path / ".ds.building-999999", tmp_path / ".ds.building-abc", tmp_path / ".ds.old-999999"]
+    for folder in theirs:
+        folder.mkdir()
+        (folder / "important.txt").write_text("mine")
+    dead = tmp_path / ".ds.building-999998"  # a killed build's stage: luban's marker in it
+    dead.mkdir()
+    owned.mark(dead, "dataset")
+    (tmp_path / ".ds.building-999997").mkdir()  # killed between its mkdir and its marker
+    build_dataset([text], tmp_path / "ds")
+    assert all((f / "important.txt").read_text() == "mine" for f in theirs)
+    assert not dead.exists() and not (tmp_path / ".ds.building-999997").exists()
 
 
 @pytest.mark.parametrize("kwargs,message", [
