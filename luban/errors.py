@@ -7,9 +7,9 @@ Exit codes (also in docs/training.md):
   0   success
   1   unexpected crash (a bug: traceback printed)
   2   bad input: config, flags, data (``EXIT_USAGE``)
-  74  a checkpoint could not be written (disk full, read-only, permission): the previous
-      checkpoint is intact; free space or fix the folder and resume (``EXIT_CHECKPOINT``;
-      74 is EX_IOERR from sysexits.h)
+  74  a checkpoint, a dataset or an export could not be written (disk full, read-only,
+      permission): the previous checkpoint or dataset is intact; free space or fix the folder
+      and resume or run again (``EXIT_CHECKPOINT``; 74 is EX_IOERR from sysexits.h)
   75  suspended on request (SIGUSR1/SIGTERM): a checkpoint was saved, resume me
       (``EXIT_SUSPENDED``; 75 is EX_TEMPFAIL from sysexits.h)
   130 interrupted twice with SIGINT: exited at once without saving
@@ -39,7 +39,12 @@ def bad_value(key: str, value, allowed: str) -> LubanError:
     return LubanError(f"{key} = {value!r}: {allowed}")
 
 
-class CheckpointWriteError(LubanError):
-    """Saving a checkpoint failed on the storage side; the previous checkpoint is kept."""
+class OutputWriteError(LubanError):
+    """Writing luban's output (a dataset, a Hugging Face export) failed on the storage side;
+    what was there before is kept."""
 
     exit_code = EXIT_CHECKPOINT
+
+
+class CheckpointWriteError(OutputWriteError):
+    """Saving a checkpoint failed on the storage side; the previous checkpoint is kept."""

@@ -36,7 +36,7 @@ from luban.data.shards import (DEFAULT_CHUNK_TOKENS, FORMAT_VERSION, MAX_CHUNK_T
                                dtype_for_vocab)
 from luban.data.tokenizer import BPE_FILE, MAX_BPE_VOCAB, MIN_BPE_VOCAB, BpeTokenizer, ByteTokenizer
 from luban import owned, schema
-from luban.errors import LubanError, bad_value
+from luban.errors import LubanError, OutputWriteError, bad_value
 
 SPLITS = ("train", "val")
 MAX_SHARD_MB = 1 << 14  # 16 GiB per shard: far above any sensible size, far below int overflow
@@ -134,6 +134,10 @@ def check_output(out_dir: Path) -> None:
         raise bad_value("--out", str(out_dir), f"holds {foreign[0]!r}, which luban did not write; a rebuild replaces "
                                                 "the dataset folder whole: move it out or choose a new or empty "
                                                 "folder (nothing was changed)")
+
+
+# the storage refused a write (full, over quota, read-only, failing, file too large): exit 74, not a traceback
+STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EFBIG)
 
 
 def _staging(out_dir: Path) -> Path:
@@ -246,8 +250,11 @@ def build_dataset(inputs=None, out_dir=".", *, tokenizer: str = "byte",
                                    seed, chunk_tokens)
             with interrupt.critical():
                 _swap_in(out_dir, final_dir)
-    except BaseException:
+    except BaseException as err:
         _remove(out_dir)
+        if isinstance(err, OSError) and err.errno in STORAGE_ERRNOS:
+            raise OutputWriteError(f"--out = {str(final_dir)!r}: the dataset could not be written ({err.strerror}); "
+                                   "free space or choose another folder (a dataset already there is kept)") from None
         raise
     return manifest
 

@@ -33,7 +33,7 @@ from typing import NamedTuple
 
 import torch
 
-from luban.errors import LubanError, bad_value
+from luban.errors import LubanError, OutputWriteError, bad_value
 from luban.model.config import ModelConfig
 
 GPT2_LAYER = [("norm1", "ln_1", False), ("norm2", "ln_2", False), ("attn.wo", "attn.c_proj", True),
@@ -466,6 +466,7 @@ def export_folder(cfg: ModelConfig, state: dict, out: Path, tokenizer=None, extr
     ``tokenizer.json``, ``tokenizer_config.json``, ``special_tokens_map.json``, and the special-token ids in
     ``config.json`` and ``generation_config.json``. ``extra``: keys an import accepted but luban does not model,
     written back. Every file gets the mode the umask gives (644 under 022). Returns the names written."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     from luban.data.atomic import write_bytes
@@ -486,14 +487,19 @@ def export_folder(cfg: ModelConfig, state: dict, out: Path, tokenizer=None, extr
     files["config.json"] = json.dumps(hf_cfg, indent=1)
     umask = os.umask(0)
     os.umask(umask)
+    temp = out / f".model.safetensors.tmp-{os.getpid()}"
     try:
         out.mkdir(parents=True, exist_ok=True)
-        temp = out / f".model.safetensors.tmp-{os.getpid()}"
         save_file(tensors, str(temp), metadata={"format": "pt"})
         os.chmod(temp, 0o666 & ~umask)  # safetensors creates its file 600; the other files follow the umask
         os.replace(temp, out / "model.safetensors")
         for name, text in files.items():
             write_bytes(out / name, text.encode("utf-8"))
-    except OSError as err:
-        raise LubanError(f"{out}: cannot write the Hugging Face folder ({err.strerror or err})") from None
+    except (OSError, SafetensorError) as err:  # safetensors reports a full disk as its own error
+        try:
+            temp.unlink(missing_ok=True)
+        except OSError:
+            pass
+        raise OutputWriteError(f"OUT = {str(out)!r}: the Hugging Face folder could not be written "
+                               f"({getattr(err, 'strerror', None) or err}); free space or choose another folder") from None
     return ["model.safetensors", *files]

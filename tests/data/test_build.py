@@ -157,3 +157,24 @@ def test_missing_input_is_named(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(LubanError, match="no files found"):
         build_dataset([tmp_path / "empty"], tmp_path / "ds")
+
+
+def test_a_full_disk_during_a_build_is_one_line_and_exit_74(tmp_path, write_docs):
+    """Writes refused by the storage (here EFBIG past a file-size limit, as a full disk would refuse
+    them; CPython ignores SIGXFSZ) end the build with one line and exit 74, the old dataset kept
+    and no stage left (was a traceback, exit 1)."""
+    import resource
+    import subprocess
+    import sys
+
+    text = write_docs(tmp_path / "text", n_docs=200, words=400)
+    old = build_dataset([write_docs(tmp_path / "small", n_docs=2)], tmp_path / "ds", val_fraction=0)
+
+    def small_files():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+    out = subprocess.run([sys.executable, "-m", "luban", "data", "build", str(text), "--out", str(tmp_path / "ds"),
+                          "--shard-size-mb", "1"], capture_output=True, text=True, timeout=300, preexec_fn=small_files)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 74 and len(lines) == 1, out.stderr
+    assert lines[0].startswith("luban: error: --out = ") and "could not be written (File too large)" in lines[0]
+    assert load_manifest(tmp_path / "ds") == old and not list(tmp_path.glob(".ds.*"))

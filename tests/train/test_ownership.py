@@ -86,6 +86,21 @@ def test_import_refuses_a_folder_of_other_files(trained, tmp_path):
     assert snapshot(theirs) == before
 
 
+def test_a_full_disk_during_an_export_is_one_line_and_exit_74(trained, tmp_path):
+    """safetensors reports a failed write as its own SafetensorError, not an OSError: it reached the
+    user as a traceback (a hostile sweep, 2026-11-27). EFBIG past a file-size limit stands in for a
+    full disk (CPython ignores SIGXFSZ); no temp file is left."""
+    import resource
+
+    def small_files():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+    out = luban("export", trained / "run", "--format", "hf", tmp_path / "hf", preexec_fn=small_files)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 74 and len(lines) == 1 and lines[0].startswith("luban: error: OUT = "), out.stderr
+    assert "could not be written" in lines[0]
+    assert not [p for p in (tmp_path / "hf").iterdir() if p.name != ".luban"]
+
+
 def test_export_never_overwrites_a_users_folder(trained, tmp_path):
     """Issue 24: export into a folder holding the user's own config.json and model.safetensors
     overwrote both."""
