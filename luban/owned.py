@@ -111,6 +111,8 @@ def owner(path: str | Path) -> str | None:
 def check(path: str | Path, kind: str, key: str) -> None:
     """Refuse, with one line, a destination luban may not write ``kind`` into; nothing is touched."""
     assert kind in KINDS, kind
+    if "\0" in str(path):  # no file system takes it (os calls raise ValueError)
+        raise bad_value(key, str(path), "a folder path without a NUL character (nothing was changed)")
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise bad_value(key, str(path), f"a folder for {KINDS[kind]}, not a file (nothing was changed)")

@@ -152,3 +152,8 @@ def test_a_luban_folder_holding_a_symbolic_link_is_refused(tmp_path):
     with pytest.raises(LubanError, match=r"holds 'checkpoints/step_0000001', a symbolic link"):
         owned.claim(run, "run", "run.dir")
     assert victim.read_text() == "mine"
+
+
+def test_a_nul_character_in_a_folder_path_is_one_line(tmp_path):
+    with pytest.raises(LubanError, match=r"^run\.dir = '.*\\x00x': a folder path without a NUL character"):
+        owned.claim(f"{tmp_path}/\0x", "run", "run.dir")

@@ -44,6 +44,21 @@ def peak_flops(device_type: str, precision: str) -> float:
 PEAK_FILE = "peak.json"
 
 
+def env_peak() -> float:
+    """``LUBAN_PEAK_FLOPS`` as a finite FLOP/s figure > 0 (a typo or NaN would make every MFU nonsense)."""
+    from luban.errors import bad_value
+    from luban.plan.system import MAX_PEAK  # the bound the planner's profiles have
+
+    raw = os.environ["LUBAN_PEAK_FLOPS"]
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value <= MAX_PEAK:
+        raise bad_value("LUBAN_PEAK_FLOPS", raw, f"the device's peak FLOP/s, a number > 0 and <= {MAX_PEAK:g}")
+    return value
+
+
 def run_peak(run_dir, device_type: str, precision: str, recorded: dict | None = None,
              write: bool = True) -> dict:
     """The peak of this run: ``{"flops" (per device), "device", "precision", "source"}``.
@@ -58,8 +73,7 @@ def run_peak(run_dir, device_type: str, precision: str, recorded: dict | None = 
     from pathlib import Path
 
     if os.environ.get("LUBAN_PEAK_FLOPS"):
-        return {"flops": float(os.environ["LUBAN_PEAK_FLOPS"]), "device": device_type, "precision": precision,
-                "source": "LUBAN_PEAK_FLOPS"}
+        return {"flops": env_peak(), "device": device_type, "precision": precision, "source": "LUBAN_PEAK_FLOPS"}
     path = Path(run_dir) / PEAK_FILE
 
     def usable(entry) -> bool:

@@ -28,7 +28,12 @@ def dataset_path(cfg: RunConfig) -> Path:
         return path
     from luban.data.build import ensure_default_dataset
 
-    return ensure_default_dataset(cache_dir() / "datasets" / "default-byte")
+    cache = cache_dir()
+    try:
+        return ensure_default_dataset(cache / "datasets" / "default-byte")
+    except OSError as err:  # LUBAN_CACHE a file, under /proc, unwritable: its folders cannot be made
+        raise bad_value("LUBAN_CACHE", str(cache), f"a folder luban can write its cache into ({err.strerror or err}); "
+                        "or set data.path to a dataset") from None
 
 
 def fit_vocab(cfg: RunConfig) -> tuple[RunConfig, str | None]:

@@ -71,6 +71,22 @@ def test_bad_input_is_one_line_exit_2(tiny, args, needle):
     assert len(lines) == 1 and needle in lines[0] and lines[0].startswith("luban: error:"), proc.stderr
 
 
+@pytest.mark.parametrize("env, data_path, needle", [
+    ({"LUBAN_PEAK_FLOPS": "abc"}, None, "LUBAN_PEAK_FLOPS = 'abc': the device's peak FLOP/s"),
+    ({"LUBAN_PEAK_FLOPS": "nan"}, None, "LUBAN_PEAK_FLOPS = 'nan'"),  # was accepted: MFU nan%
+    ({"LUBAN_PEAK_FLOPS": "-5"}, None, "LUBAN_PEAK_FLOPS = '-5'"),  # MFU -104762218592.5%
+    ({"LUBAN_CACHE": "/proc/nope"}, "", "LUBAN_CACHE = '/proc/nope': a folder luban can write its cache into"),
+])
+def test_bad_environment_is_one_line_exit_2(tiny, tmp_path, env, data_path, needle):
+    """A hostile sweep, 2026-11-27: each was a traceback or a nonsense MFU."""
+    import os
+
+    overrides = tiny(**({"data.path": '""'} if data_path is not None else {}))
+    proc = luban("train", *_sets(overrides), env={**os.environ, **env})
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and needle in lines[0], proc.stderr
+
+
 def test_every_command_has_help():
     for cmd in ("train", "demo", "sample", "export", "import", "data"):
         proc = luban(cmd, "--help", check=0)
