@@ -228,6 +228,8 @@ def test_fuzzed_planner_flags_never_trace(capsys, pairs):
     (["cluster", "simulate", "--zones", "0"], "--zones = 0: an integer from 1 to 100000"),
     (["cluster", "trace", "--days", "nan", "-o", "/nonexistent-dir/t.jsonl"], "--days = nan: a finite number in (0, "),
     (["cluster", "trace", "-o", "/nonexistent-dir/t.jsonl"], "--output = '/nonexistent-dir/t.jsonl': a new file's path in"),
+    (["quota", "--token", "x", "--url", "http://[::1"], "--url = 'http://[::1': the service's http(s)://HOST[:PORT]"),
+    (["jobs", "--token", "x", "--url", "ftp://host"], "--url = 'ftp://host': the service's http(s)://HOST[:PORT]"),
 ])
 def test_usage_errors_are_one_line_exit_2(capsys, argv, words):
     try:
@@ -329,3 +331,20 @@ def test_issue24_file_cases(capsys, tmp_path, monkeypatch):
         assert code == 2 and err.startswith("luban: error: ") and err.count("\n") == 1 and words in err, (argv, err)
         assert "Traceback" not in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "list.json", "t5.toml"]
+
+
+def test_a_server_that_is_not_luban_s_is_named(monkeypatch):
+    """A web server's empty 404 printed 'luban: error:  (HTTP 404)' (a hostile sweep, 2026-11-27)."""
+    import httpx
+
+    from luban.cluster.client import Client
+
+    client = Client(url="http://10.0.0.1:80", token="x")
+    client.http = httpx.Client(base_url=client.url, transport=httpx.MockTransport(lambda request: httpx.Response(404)))
+    with pytest.raises(LubanError, match=r"^GET /quota answered without a message: is http://10.0.0.1:80 a luban "
+                                         r"cluster service\? \(HTTP 404\)$"):
+        client.call("GET", "/quota")
+    client.http = httpx.Client(base_url=client.url, transport=httpx.MockTransport(
+        lambda request: httpx.Response(422, json={"detail": [{"msg": "bad\nthing"}]})))
+    with pytest.raises(LubanError, match=r"^\[\{'msg': 'bad\\nthing'\}\] \(HTTP 422\)$"):
+        client.call("GET", "/quota")

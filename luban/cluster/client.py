@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import httpx
 
-from luban.errors import LubanError
+from luban.errors import LubanError, bad_value
 
 DEFAULT_URL = "http://127.0.0.1:8765"
 
@@ -27,7 +27,12 @@ class Client:
         token = token or os.environ.get("LUBAN_CLUSTER_TOKEN")
         if not token:
             raise LubanError("LUBAN_CLUSTER_TOKEN is not set: pass --token or export the token an admin gave you")
-        self.http = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {token}"}, timeout=timeout)
+        try:
+            self.http = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {token}"}, timeout=timeout)
+            if self.http.base_url.scheme not in ("http", "https") or not self.http.base_url.host:
+                raise httpx.InvalidURL("not http(s)://HOST[:PORT]")
+        except (httpx.InvalidURL, ValueError) as err:  # --url or $LUBAN_CLUSTER_URL: 'http://[::1', 'ftp://x'
+            raise bad_value("--url", self.url, f"the service's http(s)://HOST[:PORT] ({err})") from None
 
     def call(self, method: str, path: str, **kwargs):
         deadline = time.monotonic() + self.retry_for
@@ -42,9 +47,11 @@ class Client:
         if response.status_code >= 400:
             try:
                 detail = response.json().get("detail")
-            except ValueError:
+            except (ValueError, AttributeError):  # not JSON, or JSON but not an object
                 detail = response.text
-            raise LubanError(f"{detail} (HTTP {response.status_code})")
+            if detail is None or not str(detail).strip():  # not luban's service (a web server's empty 404)
+                detail = f"{method} {path} answered without a message: is {self.url} a luban cluster service?"
+            raise LubanError(f"{' '.join(str(detail).split())} (HTTP {response.status_code})")
         return response.json()
 
     # jobs
