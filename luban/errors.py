@@ -30,8 +30,13 @@ class LubanError(Exception):
 def unknown_key(section: str, key, value, known) -> LubanError:
     """A key a table does not have, as ``<section>.<key> = <value>: unknown key; allowed: ...``
     (a key that is not a plain name is quoted: one line whatever it holds)."""
-    name = f"{section}.{key}" if isinstance(key, str) and key.isprintable() and key.strip() == key and key else f"{section}[{key!r}]"
+    name = f"{section}.{key}" if plain_name(key) else f"{section}[{key!r}]"
     return bad_value(name, value, f"unknown key; allowed: {', '.join(known)}")
+
+
+def plain_name(key) -> bool:
+    """Whether a key can be printed as is in a one-line message (else it is quoted with repr)."""
+    return isinstance(key, str) and key != "" and key.isprintable() and key.strip() == key
 
 
 def bad_value(key: str, value, allowed: str) -> LubanError:
