@@ -40,7 +40,7 @@ def run(capsys, argv) -> tuple[int, str]:
     ("model.seq_len=1e9", "model.seq_len"),
     ("tr\nain.steps=1", "['tr\\nain']: unknown section"),  # printed two lines before
     ("model.zero_eps=0", "model.zero_eps = 0: unknown key"),
-    ("model.norm_eps=0", "model.norm_eps = 0: must be positive"),
+    ("model.norm_eps=0", "model.norm_eps = 0.0: must be positive"),
 ])
 def test_train_config_cases(capsys, override, words):
     code, err = run(capsys, ["train", "--set", override])
