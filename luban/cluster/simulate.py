@@ -16,7 +16,19 @@ from collections import defaultdict
 
 from luban.cluster import policy, states
 from luban.cluster.priority import Priority
-from luban.cluster.trace import TraceJob
+from luban.cluster.trace import NODE_GROUP, TraceJob
+from luban.errors import bad_value
+
+# Bounds on one run's work, so that no flag combination or trace runs for hours (or forever):
+# tick intervals from 0 to the trace's span (its latest submit + duration): 3650 days at the
+# default 60 s tick is 5.3 M; a 1 us tick over a day (8.6e10) would be refused
+MAX_GRID_TICKS = 10_000_000
+# what the policy looks at over the whole run, summed over ticks: nodes + jobs in the snapshot.
+# One visit costs ~0.4-0.9 us, so this is about 3 minutes at most; the default run (10,000 jobs,
+# 1000 nodes, 30 days) needs 2.4e7, ~14 s. It also ends a run that would not end: time-sharing can keep
+# displacing long non-checkpointable jobs, which lose their work each time
+MAX_PLAN_VISITS = 300_000_000
+ADVICE = "fewer --jobs or --nodes, or a larger --tick or --quantum"
 
 
 @dataclasses.dataclass
@@ -27,6 +39,10 @@ class SimConfig:
     tick: float = 60.0
     checkpoint_s: float = 120.0
     quota: int | None = None  # nodes per user and level; None: the whole cluster
+
+    @property
+    def user_quota(self) -> int:
+        return self.quota if self.quota is not None else self.nodes
 
 
 @dataclasses.dataclass(slots=True)
@@ -50,12 +66,14 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def run(trace: list[TraceJob], cfg: SimConfig) -> dict:
-    """Simulate until every job has finished; returns the report as a dict."""
+    """Simulate until every job has finished; returns the report as a dict. A job that could
+    never run, or a run past the work bounds above, is a ``LubanError`` (one line) instead."""
     wall0 = time.perf_counter()
-    nodes = [policy.NodeView(f"n{i:05d}", "default", f"z{i * cfg.zones // cfg.nodes:03d}") for i in range(cfg.nodes)]
+    _check_runnable(trace, cfg)
+    _check_work(trace, cfg)
+    nodes = [policy.NodeView(f"n{i:05d}", NODE_GROUP, f"z{i * cfg.zones // cfg.nodes:03d}") for i in range(cfg.nodes)]
     users = {j.user for j in trace}
-    quota_nodes = cfg.quota if cfg.quota is not None else cfg.nodes
-    quota = {(f"user:{u}", "default", int(p)): quota_nodes for u in users for p in Priority}
+    quota = {(f"user:{u}", NODE_GROUP, int(p)): cfg.user_quota for u in users for p in Priority}
     jobs = {j.id: SimJob(j, policy.JobView(j.id, j.user, f"user:{j.user}", j.priority, j.node_group,
                                            j.nodes, policy.QUEUED, j.submit, j.submit), j.duration)
             for j in trace}
@@ -68,6 +86,7 @@ def run(trace: list[TraceJob], cfg: SimConfig) -> dict:
     plan_times: list[float] = []
     busy_since, busy = 0.0, 0
     t = 0.0
+    visits = 0
 
     horizon = max(j.submit for j in trace)
 
@@ -99,6 +118,12 @@ def run(trace: list[TraceJob], cfg: SimConfig) -> dict:
                 view.state, view.place = states.requeue(view.place, t, sim.time_share)
                 view.nodes, view.since = (), t
         snap = policy.Snapshot(t, nodes, [s.view for s in active.values()], quota, cfg.quantum)
+        visits += len(nodes) + len(snap.jobs)
+        if visits > MAX_PLAN_VISITS:
+            unfinished = sum(s.done_at is None for s in jobs.values())
+            raise _too_much(trace, cfg, f"reached after {len(plan_times):,} ticks, {t / 86400:.1f} simulated days, "
+                                        f"with {unfinished} jobs unfinished (long non-checkpointable jobs that "
+                                        "time-share may never finish)")
         t0 = time.perf_counter()
         result = policy.plan(snap)
         plan_times.append(time.perf_counter() - t0)
@@ -140,6 +165,47 @@ def run(trace: list[TraceJob], cfg: SimConfig) -> dict:
     return report(trace, jobs, cfg, stats, plan_times, t, time.perf_counter() - wall0)
 
 
+def _check_runnable(trace: list[TraceJob], cfg: SimConfig) -> None:
+    """Refuse a job that could never run: it would wait forever, and the run end with it unfinished
+    and every figure meaningless. The simulated cluster is ``cfg.nodes`` nodes of one node group
+    (``NODE_GROUP``), each user's quota ``cfg.quota`` nodes (default: all)."""
+    if not trace:
+        raise bad_value("trace", "0 jobs", "a trace with at least one job")
+    room = min(cfg.nodes, cfg.user_quota)
+    fits = f"an integer from 1 to {room}: the simulated cluster's --nodes" + (
+        " and quota" if cfg.user_quota < cfg.nodes else "")
+    for job in trace:
+        where = f"--trace line {job.line}" if job.line is not None else f"trace job {job.id}"
+        if job.node_group != NODE_GROUP:
+            raise bad_value(f"{where}: node_group", job.node_group,
+                            f"{NODE_GROUP!r}, the simulated cluster's only node group")
+        if job.nodes > room:
+            raise bad_value(f"{where}: nodes", job.nodes, fits)
+
+
+def _check_work(trace: list[TraceJob], cfg: SimConfig) -> None:
+    """Refuse a run the bounds above would stop, before it starts where that can be told: too fine
+    a tick for the trace's span, or more policy visits than allowed counting only the ticks that
+    must happen (each arrival's and each unhindered completion's, on the tick grid) times nodes."""
+    span = max(j.submit + j.duration for j in trace)
+    if not span <= MAX_GRID_TICKS * cfg.tick:  # not "span / tick": a zero or nan tick is refused too
+        raise bad_value("--tick", cfg.tick, f"at least {span / MAX_GRID_TICKS:.3g} s for this trace: its jobs span "
+                                            f"{span:.0f} s, and a run is at most {MAX_GRID_TICKS:,} ticks long")
+    slots = {math.ceil(at / cfg.tick) for j in trace for at in (j.submit, j.submit + j.duration)}
+    if len(slots) * cfg.nodes > MAX_PLAN_VISITS:
+        raise _too_much(trace, cfg, f"this run needs at least {len(slots):,} ticks x {cfg.nodes} nodes")
+
+
+def _too_much(trace: list[TraceJob], cfg: SimConfig, why: str):
+    return bad_value("simulation", f"{len(trace)} jobs on {cfg.nodes} nodes",
+                     f"at most {MAX_PLAN_VISITS:,} node and job visits of the policy in all; {why}: use {ADVICE}")
+
+
+def _share(part: float, whole: float) -> float | None:
+    """``part / whole``; None when ``whole`` is 0 (every job submitted at time 0: no arrival period)."""
+    return part / whole if whole else None
+
+
 def report(trace, jobs, cfg, stats, plan_times, end, wall) -> dict:
     horizon = max(j.submit for j in trace)
     waits = defaultdict(list)
@@ -149,9 +215,9 @@ def report(trace, jobs, cfg, stats, plan_times, end, wall) -> dict:
     return {
         "nodes": cfg.nodes, "jobs": len(trace), "finished": sum(s.done_at is not None for s in jobs.values()),
         "simulated_days": end / 86400.0, "makespan_s": end,
-        "occupancy": stats["held_node_s"] / (cfg.nodes * end),
-        "occupancy_while_arriving": stats["held_node_s_arrivals"] / (cfg.nodes * horizon),
-        "useful_utilisation": stats["useful_node_s"] / (cfg.nodes * end),
+        "occupancy": _share(stats["held_node_s"], cfg.nodes * end),
+        "occupancy_while_arriving": _share(stats["held_node_s_arrivals"], cfg.nodes * horizon),
+        "useful_utilisation": _share(stats["useful_node_s"], cfg.nodes * end),
         "preemptions": int(stats["preemptions"]), "priority_suspends": int(stats["priority_suspends"]),
         "time_share_suspends": int(stats["time_share_suspends"]),
         "work_lost_node_hours": stats["lost_node_s"] / hours,
@@ -165,12 +231,16 @@ def report(trace, jobs, cfg, stats, plan_times, end, wall) -> dict:
     }
 
 
+def _percent(share: float | None) -> str:
+    return "n/a" if share is None else f"{share:.1%}"
+
+
 def format_report(r: dict) -> str:
     lines = [f"{r['jobs']} jobs on {r['nodes']} nodes: {r['finished']} finished in {r['simulated_days']:.1f} "
              f"simulated days ({r['wall_s']:.1f} s wall, {r['ticks']} ticks, policy {r['tick_ms_mean']:.2f} ms "
              f"mean / {r['tick_ms_max']:.1f} ms max)",
-             f"occupancy {r['occupancy']:.1%} overall, {r['occupancy_while_arriving']:.1%} while jobs arrive; "
-             f"useful utilisation {r['useful_utilisation']:.1%}",
+             f"occupancy {_percent(r['occupancy'])} overall, {_percent(r['occupancy_while_arriving'])} while jobs "
+             f"arrive; useful utilisation {_percent(r['useful_utilisation'])}",
              f"preemptions {r['preemptions']} ({r['priority_suspends']} for priority, "
              f"{r['time_share_suspends']} time-share); work lost {r['work_lost_node_hours']:.0f} node-hours, "
              f"checkpointing {r['checkpoint_node_hours']:.0f} node-hours of {r['offered_node_hours']:.0f} offered",

@@ -20,6 +20,13 @@ from luban.errors import bad_value
 NODE_COUNTS = [(1, 50), (2, 18), (4, 14), (8, 10), (16, 5), (32, 2), (64, 1)]
 PRIORITIES = [(Priority.LOW, 20), (Priority.BELOW_NORMAL, 8), (Priority.UNDER_NORMAL, 5), (Priority.NORMAL, 40),
               (Priority.ABOVE_NORMAL, 12), (Priority.HIGH, 10), (Priority.VERY_HIGH, 4), (Priority.EXTREME_HIGH, 1)]
+NODE_GROUP = "default"  # a trace job's node group unless it names one; the simulated cluster's only group
+# a trace's submit and duration (seconds): 100 years, far past any real trace, keeps every sum and
+# tick count of the simulator finite and exact (1e308 overflowed; 1e300 printed 150-digit figures)
+MAX_TRACE_YEARS = 100
+MAX_TRACE_S = MAX_TRACE_YEARS * 365 * 86400.0
+TRACE_SPAN = f"{MAX_TRACE_S:.0f} s ({MAX_TRACE_YEARS} years)"
+SHOWN_CHARS = 60  # a bad value or key is shown (repr) up to this many characters: errors stay short
 
 
 @dataclasses.dataclass(slots=True)
@@ -31,7 +38,12 @@ class TraceJob:
     duration: float
     priority: int
     checkpointable: bool = True
-    node_group: str = "default"
+    node_group: str = NODE_GROUP
+    line: int | None = dataclasses.field(default=None, compare=False)  # load()'s line: errors name it; not saved
+
+
+FIELDS = tuple(f.name for f in dataclasses.fields(TraceJob) if f.name != "line")  # a trace line's keys
+REQUIRED = tuple(f.name for f in dataclasses.fields(TraceJob) if f.default is dataclasses.MISSING)
 
 
 LIMITS = {  # TraceConfig's fields, declared once: `luban cluster trace|simulate` take them as flags
@@ -88,7 +100,7 @@ def synthetic(cfg: TraceConfig) -> list[TraceJob]:
 def save(jobs: list[TraceJob], path: str | Path) -> None:
     from luban.data.atomic import create_bytes
 
-    text = "".join(json.dumps(dataclasses.asdict(job)) + "\n" for job in jobs)
+    text = "".join(json.dumps({name: getattr(job, name) for name in FIELDS}) + "\n" for job in jobs)
     try:  # whole or not at all (an interrupted trace leaves no half file), never over an existing file
         create_bytes(path, text.encode())
     except FileExistsError:
@@ -97,26 +109,40 @@ def save(jobs: list[TraceJob], path: str | Path) -> None:
         raise bad_value("--output", str(path), f"cannot be written ({err.strerror or err})") from None
 
 
-def _trace_job(raw) -> TraceJob:
+def _shown(value) -> str:
+    """``repr(value)``, cut to ``SHOWN_CHARS``: one short line whatever a trace holds."""
+    text = repr(value)
+    return text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS] + "..."
+
+
+def _trace_job(raw, line: int | None = None) -> TraceJob:
     """One line's job, every field type- and range-checked (a ValueError says which)."""
     if not isinstance(raw, dict):
         raise ValueError(f"a JSON object, not {type(raw).__name__}")
-    job = TraceJob(**raw)  # TypeError: a missing or unknown field
+    for key in raw:
+        if key not in FIELDS:
+            raise ValueError(f"unknown key {_shown(key)}; allowed: {', '.join(FIELDS)}")
+    missing = [name for name in REQUIRED if name not in raw]
+    if missing:
+        raise ValueError(f"missing key{'s' if len(missing) > 1 else ''} {', '.join(missing)}")
+    job = TraceJob(**raw, line=line)
     whole = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731
     real = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)  # noqa: E731
     checks = [("id", whole(job.id) and job.id >= 0, "an integer >= 0"),
-              ("submit", real(job.submit) and job.submit >= 0, "a finite number >= 0"),
+              ("submit", real(job.submit) and 0 <= job.submit <= MAX_TRACE_S,
+               f"a finite number from 0 to {TRACE_SPAN}"),
               ("user", isinstance(job.user, str) and job.user != "", "a non-empty string"),
               ("nodes", whole(job.nodes) and schema.CLUSTER_NODES[0] <= job.nodes <= schema.CLUSTER_NODES[1],
                f"an integer from {schema.CLUSTER_NODES[0]} to {schema.CLUSTER_NODES[1]}"),
-              ("duration", real(job.duration) and job.duration > 0, "a finite number > 0"),
+              ("duration", real(job.duration) and 0 < job.duration <= MAX_TRACE_S,
+               f"a finite number > 0, at most {TRACE_SPAN}"),
               ("priority", whole(job.priority) and job.priority in {int(p) for p in Priority},
                f"one of {sorted(int(p) for p in Priority)}"),
               ("checkpointable", isinstance(job.checkpointable, bool), "true or false"),
               ("node_group", isinstance(job.node_group, str) and job.node_group != "", "a non-empty string")]
     for name, ok, allowed in checks:
         if not ok:
-            raise ValueError(f"{name} = {getattr(job, name)!r}: {allowed}")
+            raise ValueError(f"{name} = {_shown(getattr(job, name))}: {allowed}")
     return job
 
 
@@ -127,12 +153,16 @@ def load(path: str | Path) -> list[TraceJob]:
         why = err.strerror if isinstance(err, OSError) else "not UTF-8 text"
         raise bad_value("--trace", str(path), f"a readable JSON-lines trace file ({why})") from None
     jobs = []
+    first_line: dict[int, int] = {}  # job id -> the line that has it: the simulator keys jobs by id
     for line_no, line in enumerate(text.splitlines(), 1):
         if line.strip():
             try:
-                jobs.append(_trace_job(json.loads(line)))
+                job = _trace_job(json.loads(line), line_no)
+                if first_line.setdefault(job.id, line_no) != line_no:
+                    raise ValueError(f"id = {job.id}: unique (line {first_line[job.id]} has it too)")
             except (TypeError, ValueError, RecursionError) as err:
                 raise bad_value(f"{path}:{line_no}", line.strip()[:80], f"a trace job ({err})") from None
+            jobs.append(job)
     if not jobs:
         raise bad_value("--trace", str(path), "a trace with at least one job (one JSON object per line)")
     return sorted(jobs, key=lambda j: (j.submit, j.id))
