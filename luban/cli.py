@@ -131,6 +131,18 @@ def _run(argv: list[str] | None, entry: bool) -> int:
     except LubanError as err:
         print(f"luban: error: {err}", file=sys.stderr)
         code = err.exit_code
+    except Exception as err:  # noqa: BLE001 - a rank of luban's launcher whose peer died: one line
+        from luban import procs
+        from luban.parallel.launch import peer_lost
+
+        if not (training and os.environ.get(procs.PARENT_VAR) and peer_lost(err)):
+            raise
+        # this node's launcher names the rank that stopped (or that rank its own error); a peer on
+        # another node is named only there, so here one line says what this rank saw
+        if os.environ.get("WORLD_SIZE") != os.environ.get("LOCAL_WORLD_SIZE"):
+            print(f"luban: error: rank {os.environ.get('RANK', '?')} lost a peer rank on another node "
+                  f"({str(err).splitlines()[0][:160]}); that node's launcher says why", file=sys.stderr)
+        code = 1
     finally:
         if training:
             from luban.train import preempt

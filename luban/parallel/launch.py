@@ -155,13 +155,20 @@ def launch(argv: list[str], nproc: int, nnodes: int = 1, node_rank: int = 0, mas
 
 
 def _wait(children: list[subprocess.Popen], grace_s: float = 10.0) -> int:
-    """Wait for all; a rank failing (not 0, not 75) terminates the rest and its code is returned."""
+    """Wait for all; a rank failing (not 0, not 75) terminates the rest and its code is returned:
+    a rank killed by a signal first (the others then only lost their peer), named in one line."""
     while True:
         codes = [c.poll() for c in children]
         failed = [code for code in codes if code not in (None, 0, EXIT_SUSPENDED)]
         if failed:
+            killed = next(((rank, code) for rank, code in enumerate(codes) if code is not None and code < 0), None)
+            if killed is not None:
+                rank, code = killed
+                print(f"luban: error: rank {rank} was killed by {signal.Signals(-code).name}; the other ranks were "
+                      f"stopped (exit {128 - code}; resume with --resume auto)", file=sys.stderr, flush=True)
             _terminate(children, grace_s)
-            return failed[0] if failed[0] > 0 else 128 - failed[0]
+            first = killed[1] if killed else failed[0]
+            return first if first > 0 else 128 - first
         if all(code is not None for code in codes):
             if len(set(codes)) == 1:
                 return codes[0]
@@ -187,6 +194,22 @@ def _terminate(children: list[subprocess.Popen], grace_s: float) -> None:
             os.killpg(children[0].pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+
+
+# what a collective raises on a rank whose peer died (gloo's TCP pair; NCCL's socket and watchdog)
+PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Connection refused",
+             "NCCL communicator was aborted", "Socket Timeout")
+
+
+def peer_lost(err: BaseException) -> bool:
+    """Whether ``err`` (or what caused it) is a collective failing because another rank is gone."""
+    seen: list[BaseException] = [err]
+    while seen:
+        e = seen.pop()
+        if isinstance(e, RuntimeError) and any(text in str(e) for text in PEER_LOST):
+            return True
+        seen += [x for x in (e.__cause__, e.__context__) if x is not None]
+    return False
 
 
 def rank_env(env=os.environ) -> dict:

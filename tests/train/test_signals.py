@@ -87,3 +87,35 @@ def test_leave_exits_with_the_code_without_interpreter_teardown():
     done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 75, done.stderr
     assert done.stdout == "returned\nbuffered"  # flushed; atexit (interpreter teardown) never ran
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_a_rank_killed_mid_run_is_one_line_and_no_traceback(tmp_path):
+    """kill -9 of one rank of ``luban train --nproc 2``: the launcher names it in one line and exits
+    128 + 9; the surviving rank, whose collective failed, prints no traceback (it printed ~36
+    lines: a hostile sweep, 2026-11-27) and nothing of either rank outlives the launcher."""
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(tiny_toml(tmp_path / "run", {"steps": 100000, "global_batch": 2, "checkpoint_every": 0,
+                                                "eval_every": 0}, parallel={"dp": 2}))
+    err = tmp_path / "err"
+    with open(err, "w") as stderr, open(tmp_path / "out", "w") as stdout:
+        proc = subprocess.Popen([sys.executable, "-m", "luban", "train", str(cfg), "--nproc", "2"], cwd=ROOT,
+                                stdout=stdout, stderr=stderr, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while "step 5/" not in (tmp_path / "out").read_text():  # both ranks are in their training loop
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "out").read_text() + err.read_text()
+            time.sleep(0.5)
+        ranks = [int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
+                                                text=True).stdout.split()]
+        assert len(ranks) == 2, ranks
+        os.kill(ranks[1], signal.SIGKILL)
+        code = wait_or_fail(proc, 120, err.read_text)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    lines = [line for line in err.read_text().splitlines() if "find_unused_parameters" not in line]  # torch's DDP note
+    assert code == 137 and lines == ["luban: error: rank 1 was killed by SIGKILL; the other ranks were stopped "
+                                     "(exit 137; resume with --resume auto)"], err.read_text()
+    assert all(not Path(f"/proc/{pid}").exists() for pid in ranks)
