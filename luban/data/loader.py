@@ -202,6 +202,8 @@ class TokenLoader:
 
     def load_state_dict(self, state: dict) -> None:
         """Continue after ``state["consumed_samples"]`` (any dp degree or global batch)."""
+        if not isinstance(state, dict):  # a checkpoint's meta.json "loader", damaged or hand-edited
+            raise bad_value("loader state_dict", state, "a table with consumed_samples (a checkpoint's loader position)")
         for key in ("seed", "seq_len", "split", "samples_per_epoch"):
             if key in state and state[key] != getattr(self, key):
                 raise bad_value(f"loader state_dict[{key!r}]", state[key],

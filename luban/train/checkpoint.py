@@ -34,6 +34,7 @@ the next one waits.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -55,6 +56,18 @@ from luban.errors import CheckpointWriteError, LubanError
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 STEP_DIR = re.compile(r"^step_(\d{7,})$")
+
+
+def _quiet_dcp_records(record: logging.LogRecord) -> bool:
+    """DCP logs, on the *root* logger and with a full traceback, each failed attempt to read a
+    checkpoint's metadata (``state_dict_loader``: "Global metadata is not found..."); with no
+    logging configured Python's last-resort handler prints them to stderr. luban turns the failed
+    load into its own one-line error, so those records are dropped (the root logger only)."""
+    return not (record.name == "root" and "torch/distributed/checkpoint" in record.pathname.replace("\\", "/"))
+
+
+if _quiet_dcp_records not in logging.getLogger().filters:
+    logging.getLogger().addFilter(_quiet_dcp_records)
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -122,8 +135,20 @@ def verify(ckpt: Path) -> str | None:
                 isinstance(name, str) and "/" not in name and isinstance(e, dict)
                 and isinstance(e.get("bytes"), int) and isinstance(e.get("crc32"), int) for name, e in files.items()):
             raise ValueError(files)
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
         return "manifest.json is not valid"
+    for name in ("meta.json", ".metadata"):  # every checkpoint has them: a manifest without them is not one's
+        if name not in files:
+            return f"manifest.json does not list {name}"
+    try:  # whatever the folder holds that a load would read must be covered by the manifest
+        loadable = sorted(f.name for f in ckpt.iterdir() if _LOADABLE.match(f.name))
+    except OSError as err:
+        return f"the folder cannot be listed ({err.strerror or err})"
+    for name in loadable:
+        if name not in files:
+            return f"manifest.json does not list {name}"
+    if not any(name.endswith(".distcp") for name in files):
+        return "manifest.json lists no .distcp file (the weights)"
     for name, entry in files.items():
         f = ckpt / name
         if not f.is_file():
@@ -132,7 +157,89 @@ def verify(ckpt: Path) -> str | None:
             return f"{name} has {f.stat().st_size} bytes, manifest says {entry['bytes']}"
         if file_crc32(f) != entry["crc32"]:
             return f"{name} fails its CRC32 check"
+    try:
+        meta = json.loads((ckpt / "meta.json").read_text())
+    except (OSError, ValueError, RecursionError) as err:
+        return f"meta.json is not valid JSON ({str(err).splitlines()[0] if str(err) else type(err).__name__})"
+    problem = meta_problem(meta)
+    if problem:
+        return problem
+    for rank in range(meta["world_size"]):  # every rank of the run that wrote it saved its RNG state
+        if f"rng_rank{rank}.pt" not in files:
+            return f"manifest.json does not list rng_rank{rank}.pt (meta.json world_size = {meta['world_size']})"
     return None
+
+
+# files a load reads: DCP's metadata and data files, the RNG states, meta.json
+_LOADABLE = re.compile(r"^(meta\.json|\.metadata|.*\.distcp|rng_rank\d+\.pt)$")
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _whole(value, minimum: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+def meta_problem(meta, training: bool = False) -> str | None:
+    """``None`` if ``meta`` (a parsed meta.json) has the structure every reader relies on, else the
+    first field that does not, as ``meta.json <field> = <value>: <what is allowed>``.
+
+    Required: ``step`` (>= 0), ``config`` with a ``model`` table, ``world_size`` (>= 1); the rest
+    (written by ``luban train``, absent from an imported checkpoint) must have its type when
+    present. ``training``: ``luban train --resume`` also needs the loader position and ``[train]``."""
+    if not isinstance(meta, dict):
+        return f"meta.json = {_short(meta)}: a JSON object with step, config, world_size"
+    missing = object()
+
+    def field(name, ok, allowed, required=False, where=meta, prefix=""):
+        value = where.get(name, missing)
+        if value is missing:
+            return f"meta.json has no {prefix}{name}: {allowed}" if required else None
+        return None if ok(value) else f"meta.json {prefix}{name} = {_short(value)}: {allowed}"
+
+    table = lambda v: isinstance(v, dict)  # noqa: E731
+    table_or_null = lambda v: v is None or isinstance(v, dict)  # noqa: E731
+    checks = [
+        field("step", lambda v: _whole(v, 0), "a whole number >= 0", True),
+        field("config", table, "a table with the run's [model] (and [train]) settings", True),
+        field("world_size", lambda v: _whole(v, 1), "a whole number >= 1", True),
+        field("loader", table, "a table with the data loader's position (consumed_samples)", training),
+        field("layout", table, "a table (the parallel layout)"),
+        field("dataset", lambda v: v is None or isinstance(v, str), "a path (text) or null"),
+        field("tokenizer", table_or_null, "a table (the tokenizer's identity) or null"),
+        field("peak", table_or_null, "a table or null"),
+        field("hf_extra", table_or_null, "a table or null"),
+        field("source", lambda v: isinstance(v, str), "a path (text)"),
+    ]
+    problem = next((c for c in checks if c), None)
+    if problem:
+        return problem
+    config = meta["config"]
+    problem = (field("model", table, "a table (the model's settings)", True, config, "config.")
+               or field("train", table, "a table (the [train] settings)", training, config, "config."))
+    if problem:
+        return problem
+    if "loader" in meta:
+        return field("consumed_samples", lambda v: _whole(v, 0), "a whole number >= 0", True, meta["loader"],
+                     "loader.")
+    return None
+
+
+def read_meta(ckpt: Path, key: str, value: str, training: bool = False) -> dict:
+    """meta.json of ``ckpt`` with its structure checked (``meta_problem``), else a one-line
+    ``LubanError`` naming ``key = value`` (the flag or argument that named the checkpoint)."""
+    try:
+        meta = json.loads((ckpt / "meta.json").read_text())
+    except (OSError, ValueError, RecursionError) as err:
+        raise LubanError(f"{key} = {value!r}: meta.json cannot be read "
+                         f"({str(err).splitlines()[0] if str(err) else type(err).__name__})") from None
+    problem = meta_problem(meta, training)
+    if problem:
+        raise LubanError(f"{key} = {value!r}: {problem}")
+    return meta
 
 
 def step_dirs(root: Path) -> list[Path]:
@@ -177,7 +284,7 @@ def save(root: Path, step: int, state: dict, meta: dict, keep: int) -> Path:
 
 
 def _write_error(root: Path, step: int, err: BaseException) -> CheckpointWriteError:
-    shutil.rmtree(root / f".tmp-{step_dir(root, step).name}", ignore_errors=True)
+    _remove_own(root / f".tmp-{step_dir(root, step).name}")
     return CheckpointWriteError(f"checkpoint step {step} could not be written under {root}: {_storage_error(err)}; "
                                 "the previous checkpoint is intact — free space or fix the folder, then "
                                 "resume with --resume auto")
@@ -204,13 +311,43 @@ def _storage_error(err: BaseException) -> str:
     return str(err).splitlines()[0][:200]
 
 
+# what a save writes into a checkpoint folder (DCP's data and metadata files, the RNG states, meta.json,
+# the manifest; the test hook's marker): a folder holding anything else is not removed (_remove_own)
+_WRITTEN = re.compile(r"^(meta\.json|manifest\.json|\.metadata|__\d+_\d+\.distcp|rng_rank\d+\.pt)(\.tmp.*)?$")
+
+
+def _foreign(folder: Path) -> str | None:
+    """The first entry of a checkpoint folder that no save writes (a user's file), else None."""
+    try:
+        return next((p.name for p in sorted(folder.iterdir()) if not (_WRITTEN.match(p.name) and p.is_file()
+                                                                      and not p.is_symlink())), None)
+    except OSError:
+        return None
+
+
+def _remove_own(folder: Path) -> bool:
+    """Remove a checkpoint folder luban wrote; one holding a file it did not write is kept (False)."""
+    if _foreign(folder) is not None:
+        return False
+    shutil.rmtree(folder, ignore_errors=True)
+    return True
+
+
 def _save(root: Path, step: int, state: dict, meta: dict, keep: int, rng: dict, group=None,
           background: bool = False) -> Path:
     final = step_dir(root, step)
     tmp = root / f".tmp-{final.name}"
+    # tmp: left by a save that was killed; final: re-saved below. Every rank looks before rank 0
+    # touches either, so all of them stop alike when one holds a file luban did not write
+    foreign = next(((folder.name, name) for folder in (tmp, final) if (name := _foreign(folder)) is not None), None)
+    _barrier(group)
+    if foreign is not None:
+        raise CheckpointWriteError(f"checkpoint step {step} could not be written under {root}: {foreign[0]} holds "
+                                   f"{foreign[1]!r}, which luban did not write; move it away, then resume with "
+                                   "--resume auto (the previous checkpoint is intact)")
     if _rank() == 0:
         root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed
+        _remove_own(tmp)
         tmp.mkdir()
     _barrier(group)
     dcp.save(state, checkpoint_id=str(tmp), process_group=group)
@@ -222,11 +359,11 @@ def _save(root: Path, step: int, state: dict, meta: dict, keep: int, rng: dict, 
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         write_manifest(tmp)
         if final.exists():  # re-saving the same step (e.g. suspend right after a periodic save)
-            shutil.rmtree(final)
+            shutil.rmtree(final)  # luban's own: checked before this save began
         tmp.rename(final)
         _fsync_dir(root)
         for old in step_dirs(root)[max(keep, 1):]:
-            shutil.rmtree(old, ignore_errors=True)
+            _remove_own(old)  # one holding a user's file is kept
     _barrier(group)
     return final
 
@@ -422,17 +559,46 @@ class AsyncCheckpointer:
         self.stager.buffers.clear()
 
 
-def load(ckpt: Path, state: dict) -> dict:
+def load(ckpt: Path, state: dict, key: str = "--resume", value: str | None = None) -> dict:
     """Collective: fill ``state`` (this rank's tensors, any layout) in place; return meta.json.
 
-    RNG states come back when the checkpoint was written by the same world size."""
-    meta = json.loads((ckpt / "meta.json").read_text())
-    dcp.load(state, checkpoint_id=str(ckpt))
+    RNG states come back when the checkpoint was written by the same world size. A checkpoint
+    whose files cannot be read (damaged or foreign, whatever the library raises) is a one-line
+    ``LubanError`` naming ``key = value`` (``value`` defaults to the folder)."""
+    value = str(ckpt) if value is None else value
+    meta = read_meta(ckpt, key, value)
+    try:
+        dcp.load(state, checkpoint_id=str(ckpt))
+    except (Exception, dcp.api.CheckpointException) as err:  # noqa: BLE001 - CheckpointException is a BaseException
+        raise LubanError(f"{key} = {value!r}: its weights and optimizer state cannot be read "
+                         f"({_first_failure(err)})") from None
     world = dist.get_world_size() if _is_dist() else 1
     rng_file = ckpt / f"rng_rank{_rank()}.pt"
     if meta.get("world_size") == world and rng_file.is_file():
-        rng = torch.load(rng_file, weights_only=True)
-        torch.set_rng_state(rng["cpu"])
-        if "cuda" in rng and torch.cuda.is_available():
-            torch.cuda.set_rng_state(rng["cuda"])
+        try:
+            rng = torch.load(rng_file, weights_only=True)
+            torch.set_rng_state(rng["cpu"])
+            if "cuda" in rng and torch.cuda.is_available():
+                torch.cuda.set_rng_state(rng["cuda"])
+        except Exception as err:  # noqa: BLE001 - a damaged or foreign file: the unpickler raises anything
+            raise LubanError(f"{key} = {value!r}: {rng_file.name} cannot be read as RNG states "
+                             f"({_first_line(err)})") from None
     return meta
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return (text.splitlines()[0][:200] if text else type(err).__name__).replace("\n", " ")
+
+
+def _first_failure(err: BaseException) -> str:
+    """The first rank's own exception behind DCP's ``CheckpointException`` ("ranks: dict_keys([0])"
+    says nothing), as ``TypeName: first line``."""
+    failures = getattr(err, "failures", None)  # {rank: exception (or (exception, traceback))}
+    for failure in (failures.values() if isinstance(failures, dict) else []):
+        inner = next((x for x in (failure if isinstance(failure, tuple) else (failure,))
+                      if isinstance(x, BaseException)), None)
+        if inner is not None:
+            err = inner
+            break
+    return f"{type(err).__name__}: {_first_line(err)}" if str(err).strip() else type(err).__name__

@@ -199,10 +199,19 @@ class Trainer:
         ckpt = checkpoint.resolve(resume, self.ckpt_root)
         if ckpt is None:
             return None
-        saved = json.loads((ckpt / "meta.json").read_text())["config"]
+        # meta.json's structure (step, config, loader, ...) was checked by resolve (verify); here again,
+        # with what training needs too (the loader position, [train]): one line naming the field
+        named = resume if resume != "auto" else str(ckpt)  # the errors below name the checkpoint
+        saved = checkpoint.read_meta(ckpt, "--resume", named, training=True)["config"]
         self._check_compatible(ckpt, saved)  # before loading: DCP's own errors are tracebacks
         state = self.engine.state_dict()
-        meta = checkpoint.load(ckpt, state)
+        meta, failed = {}, None
+        try:
+            meta = checkpoint.load(ckpt, state, "--resume", named)
+        except LubanError as err:  # a damaged file: every rank stops, with one line
+            failed = err
+        if self.engine.any_rank(failed is not None):
+            raise failed or LubanError(f"--resume = {named!r}: the checkpoint could not be read on another rank")
         self.engine.load_state_dict(state)
         self.step = meta["step"]
         self.resumed_peak = meta.get("peak")  # the run's MFU peak (run_peak), if its folder lost peak.json
