@@ -231,6 +231,7 @@ def test_fuzzed_planner_flags_never_trace(capsys, pairs):
     (["cluster", "simulate", "--zones", "0"], "--zones = 0: an integer from 1 to 100000"),
     (["cluster", "trace", "--days", "nan", "-o", "/nonexistent-dir/t.jsonl"], "--days = nan: a finite number in (0, "),
     (["cluster", "trace", "-o", "/nonexistent-dir/t.jsonl"], "--output = '/nonexistent-dir/t.jsonl': a new file's path in"),
+    (["train", "--resume", ""], "--resume = '': auto or a checkpoint directory"),  # trained from scratch before
     (["quota", "--token", "x", "--url", "http://[::1"], "--url = 'http://[::1': the service's http(s)://HOST[:PORT]"),
     (["jobs", "--token", "x", "--url", "ftp://host"], "--url = 'ftp://host': the service's http(s)://HOST[:PORT]"),
 ])

@@ -64,7 +64,8 @@ def register(sub) -> None:
 def _train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a config value (TOML literal), repeatable")
-    p.add_argument("--resume", metavar="auto|DIR", help="resume from the newest valid checkpoint or a directory")
+    p.add_argument("--resume", metavar="auto|DIR", type=schema.text(allowed="auto or a checkpoint directory"),
+                   help="resume from the newest valid checkpoint or a directory")
     p.add_argument("--parallel", choices=["config", "auto"], default="config",
                    help="auto: let the planner choose the [parallel] layout for the world size")
     p.add_argument("--nproc", type=RENDEZVOUS["nproc"], default=None,
