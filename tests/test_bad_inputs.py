@@ -232,6 +232,7 @@ def test_fuzzed_planner_flags_never_trace(capsys, pairs):
     (["cluster", "trace", "--days", "nan", "-o", "/nonexistent-dir/t.jsonl"], "--days = nan: a finite number in (0, "),
     (["cluster", "trace", "-o", "/nonexistent-dir/t.jsonl"], "--output = '/nonexistent-dir/t.jsonl': a new file's path in"),
     (["train", "--resume", ""], "--resume = '': auto or a checkpoint directory"),  # trained from scratch before
+    (["demo", "--nproc", "2", "--set", "train.steps=1"], "train.steps = 1: at least 2 for the demo"),  # named 0
     (["quota", "--token", "x", "--url", "http://[::1"], "--url = 'http://[::1': the service's http(s)://HOST[:PORT]"),
     (["jobs", "--token", "x", "--url", "ftp://host"], "--url = 'ftp://host': the service's http(s)://HOST[:PORT]"),
 ])

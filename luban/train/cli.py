@@ -184,6 +184,8 @@ def cmd_demo(args) -> int:
         args.nproc = fit_ranks(None, local_gpus(cfg.run.device), demo=True)
     resolve_rendezvous(args)
     world, half = args.nproc * args.nnodes, cfg.train.steps // 2
+    if half == 0 and not (world % 2 or "WORLD_SIZE" in os.environ):  # the first half would be 0 steps
+        raise bad_value("train.steps", cfg.train.steps, "at least 2 for the demo (half on each layout)")
     if world % 2 or "WORLD_SIZE" in os.environ:  # no second layout to move to (or already a rank)
         rc = _run_training(args)
     else:
