@@ -25,7 +25,7 @@ import re
 from pathlib import Path
 
 from luban.data.atomic import write_bytes
-from luban.data.shards import FORMAT_VERSION, ShardReader
+from luban.data.shards import DTYPES, FORMAT_VERSION, MAX_CHUNK_TOKENS, ShardReader, dtype_for_vocab
 from luban.errors import LubanError, bad_value
 
 MANIFEST = "manifest.json"
@@ -78,6 +78,32 @@ def _check_splits(path: Path, splits) -> None:
                 raise bad(f"splits.{split}.{key}", entry.get(key), f"{total}, the sum over its shards")
 
 
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_header(path: Path, manifest: dict) -> None:
+    """The fields a reader trusts besides the splits: the token dtype (the one the vocabulary
+    needs), the chunk size, the tokenizer's kind, vocabulary and end-of-document id."""
+    def bad(where: str, value, allowed: str):
+        return bad_value(f"{path}: {where}", value, allowed)
+
+    tok = manifest["tokenizer"]
+    if not isinstance(tok, dict) or tok.get("kind") not in ("byte", "bpe"):
+        raise bad("tokenizer", tok, "a table with kind 'byte' or 'bpe', vocab_size and eos_id")
+    vocab, eos = tok.get("vocab_size"), tok.get("eos_id")
+    if not _whole(vocab) or not 2 <= vocab <= 1 << 32:
+        raise bad("tokenizer.vocab_size", vocab, "an integer from 2 to 4294967296")
+    if not _whole(eos) or not 0 <= eos < vocab:
+        raise bad("tokenizer.eos_id", eos, f"an integer from 0 to {vocab - 1} (below vocab_size)")
+    if manifest["dtype"] != dtype_for_vocab(vocab).name:
+        raise bad("dtype", manifest["dtype"], f"{dtype_for_vocab(vocab).name!r}, the token type of a {vocab}-token "
+                                              f"vocabulary (one of {sorted(d.name for d in DTYPES.values())})")
+    chunk = manifest.get("chunk_tokens", 1)
+    if not _whole(chunk) or not 1 <= chunk <= MAX_CHUNK_TOKENS:
+        raise bad("chunk_tokens", chunk, f"an integer from 1 to {MAX_CHUNK_TOKENS}")
+
+
 def load_manifest(dataset_dir: str | Path) -> dict:
     """Read and sanity-check ``dataset_dir/manifest.json``; ``LubanError`` if it is unusable."""
     dataset_dir = Path(dataset_dir)
@@ -103,6 +129,7 @@ def load_manifest(dataset_dir: str | Path) -> dict:
     if manifest["format_version"] != FORMAT_VERSION:
         raise bad_value(f"{path}: format_version", manifest["format_version"],
                         f"this luban reads version {FORMAT_VERSION}; rebuild the dataset")
+    _check_header(path, manifest)
     _check_splits(path, manifest["splits"])
     return manifest
 

@@ -92,6 +92,12 @@ def _tamper(dataset: Path, change) -> None:
     ("outside", lambda m: m["splits"]["train"]["shards"][0].update(file="../../etc/passwd"), "in order inside"),
     ("splits", lambda m: m.update(splits=[1, 2]), "a mapping of train/val"),
     ("count", lambda m: m["splits"]["val"]["shards"][0].update(bytes="many"), "an integer >= 0"),
+    # accepted, and trained on, before (a hostile sweep, 2026-11-27)
+    ("dtype", lambda m: m.update(dtype="float64"), "dtype = 'float64': 'uint16', the token type of a 257-token"),
+    ("chunk", lambda m: m.update(chunk_tokens=0), "chunk_tokens = 0: an integer from 1 to"),
+    ("vocab", lambda m: m["tokenizer"].update(vocab_size=-1), "tokenizer.vocab_size = -1: an integer from 2"),
+    ("eos", lambda m: m["tokenizer"].update(eos_id=257), "tokenizer.eos_id = 257: an integer from 0 to 256"),
+    ("kind", lambda m: m["tokenizer"].update(kind="wordpiece"), "a table with kind 'byte' or 'bpe'"),
 ])
 def test_a_wrong_manifest_is_named_exactly(tmp_path, write_docs, case, change, message):
     text = write_docs(tmp_path / "text", n_docs=30, words=300)
