@@ -87,6 +87,7 @@ def run(trace: list[TraceJob], cfg: SimConfig) -> dict:
     busy_since, busy = 0.0, 0
     t = 0.0
     visits = 0
+    looks: set[tuple[int, float]] = set()  # (job, since) whose quantum's end is already an event
 
     horizon = max(j.submit for j in trace)
 
@@ -97,7 +98,10 @@ def run(trace: list[TraceJob], cfg: SimConfig) -> dict:
         busy_since = now
 
     while events:
-        t = max(t, math.ceil(heapq.heappop(events)[0] / cfg.tick) * cfg.tick)
+        when, who, *since = heapq.heappop(events)
+        if who <= LOOK and _stale_look(active.get(LOOK - who), since[0]):
+            continue  # the job finished, moved or was suspended since: no tick for it
+        t = max(t, math.ceil(when / cfg.tick) * cfg.tick)
         while events and events[0][0] <= t:
             heapq.heappop(events)
         account(t)
@@ -156,13 +160,21 @@ def run(trace: list[TraceJob], cfg: SimConfig) -> dict:
             sim.run_start, sim.wakeup = t, t + sim.remaining
             busy += view.nnodes
             heapq.heappush(events, (sim.wakeup, job_id))
-        for sim in active.values():  # time-sharing needs a look once someone has waited/run a quantum
-            if sim.view.state in (policy.QUEUED, policy.RUNNING) and t - sim.view.since < cfg.quantum <= (
-                    t + cfg.tick - sim.view.since) and cfg.quantum < 1e12:
-                heapq.heappush(events, (sim.view.since + cfg.quantum, -1))
+        for sim in active.values():  # time-sharing needs a look once someone has waited/run a quantum:
+            view = sim.view  # one wake-up per (job, since), however far away (no other event may come first)
+            if view.state in (policy.QUEUED, policy.RUNNING) and cfg.quantum < 1e12 and (view.id, view.since) not in looks:
+                looks.add((view.id, view.since))
+                heapq.heappush(events, (view.since + cfg.quantum, LOOK - view.id, view.since))
         if upcoming is not None and not events:
             heapq.heappush(events, (upcoming.submit, -1))
     return report(trace, jobs, cfg, stats, plan_times, t, time.perf_counter() - wall0)
+
+
+LOOK = -2  # events (time, LOOK - job id, since): the end of a job's quantum in the state it entered at since
+
+
+def _stale_look(sim: "SimJob | None", since: float) -> bool:
+    return sim is None or sim.view.since != since or sim.view.state not in (policy.QUEUED, policy.RUNNING)
 
 
 def _check_runnable(trace: list[TraceJob], cfg: SimConfig) -> None:

@@ -158,7 +158,7 @@ def test_longest_trace_times_still_simulate():
     """The bounds themselves are fine: a 100-year job submitted after 100 years runs in 2 ticks."""
     job = trace.TraceJob(0, trace.MAX_TRACE_S, "u", 1, trace.MAX_TRACE_S, 0)
     r = simulate.run([job], simulate.SimConfig(nodes=1, zones=1, tick=3600.0))
-    assert r["finished"] == 1 and r["ticks"] == 2 and r["makespan_s"] >= 2 * trace.MAX_TRACE_S
+    assert r["finished"] == 1 and r["ticks"] == 3 and r["makespan_s"] >= 2 * trace.MAX_TRACE_S  # + its quantum's look
 
 
 def test_tick_too_fine_for_the_span_is_refused_at_once(capsys):
@@ -221,3 +221,12 @@ def test_saved_traces_carry_no_line_numbers(tmp_path):
     assert [j.line for j in jobs] == [1, 2]
     trace.save(jobs, tmp_path / "again.jsonl")
     assert json.loads((tmp_path / "again.jsonl").read_text().splitlines()[0]) == JOB
+
+
+def test_time_sharing_looks_at_a_quantum_s_end_even_with_no_other_event():
+    """Two users' long jobs on one node: after a quantum the waiting one takes its turn. The end of a
+    quantum was an event only when it fell within one tick of another event, so here (nothing else
+    happening for 10,000 s) time-sharing never ran (found while fixing the simulator, 2026-11-27)."""
+    jobs = [trace.TraceJob(i, float(i), f"u{i}", 1, 10_000.0, 0) for i in range(2)]
+    r = simulate.run(jobs, simulate.SimConfig(nodes=1, zones=1, quantum=600.0, tick=60.0))
+    assert r["finished"] == 2 and r["time_share_suspends"] >= 10
