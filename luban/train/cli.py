@@ -212,8 +212,12 @@ def cmd_sample(args) -> int:
 
     model, meta = load_model(args.checkpoint)
     data = args.data or meta.get("dataset")
+    if args.data and not Path(data, "manifest.json").is_file():
+        raise bad_value("--data", data, "a luban dataset (a folder with manifest.json: `luban data build`), for its tokenizer")
     if not data or not Path(data, "manifest.json").is_file():
-        raise bad_value("--data", data, "the dataset the run trained on is gone; pass --data DIR for its tokenizer")
+        where = f"its dataset {data!r} is gone" if data else "it names no dataset (an imported run)"
+        raise LubanError(f"CHECKPOINT = {str(args.checkpoint)!r}: {where}; pass --data DIR, a dataset built "
+                         "with its tokenizer")
     tok = load_tokenizer(data)
     _check_same_tokenizer(args, meta, data, model.cfg.vocab)
     prompt = tok.encode(args.prompt) or [tok.eos_id]  # nothing to continue: start a new document

@@ -136,3 +136,11 @@ def test_train_refuses_a_run_dir_of_other_files(small_dataset, tmp_path):
     proc = luban("train", *_sets(tiny_overrides(small_dataset, small_dataset, **{"train.steps": 1})))
     one_line_refusal(proc, "run.dir", "luban's folder for a dataset, not a training run")
     assert snapshot(theirs) == before
+
+
+def test_sample_names_a_data_folder_that_is_not_a_dataset(trained, tmp_path):
+    """--data pointing at plain texts said 'the dataset the run trained on is gone' (a hostile sweep)."""
+    (tmp_path / "texts").mkdir()
+    (tmp_path / "texts" / "a.txt").write_text("hello")
+    one_line_refusal(luban("sample", trained / "run", "--data", tmp_path / "texts", "--tokens", "4"),
+                     "--data = ", "a luban dataset (a folder with manifest.json")
