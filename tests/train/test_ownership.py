@@ -5,7 +5,6 @@ nothing luban writes deletes what it did not write (issue 24's data-loss cases).
 from __future__ import annotations
 
 import hashlib
-import json
 import shutil
 from pathlib import Path
 
