@@ -443,6 +443,8 @@ def cmd_simulate(args) -> int:
     from luban.cluster import simulate, trace
 
     _check_zones(args.zones, args.nodes)
+    if not args.trace:
+        simulate.check_synthetic(args.jobs, args.days, args.nodes, args.tick)
     jobs = trace.load(args.trace) if args.trace else trace.synthetic(_trace_config(args))
     report = simulate.run(jobs, simulate.SimConfig(nodes=args.nodes, zones=args.zones, quantum=args.quantum,
                                                    tick=args.tick, checkpoint_s=args.checkpoint_s))

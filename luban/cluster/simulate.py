@@ -209,8 +209,21 @@ def _check_work(trace: list[TraceJob], cfg: SimConfig) -> None:
 
 
 def _too_much(trace: list[TraceJob], cfg: SimConfig, why: str):
-    return bad_value("simulation", f"{len(trace)} jobs on {cfg.nodes} nodes",
+    return _visits_error(len(trace), cfg.nodes, why)
+
+
+def _visits_error(jobs: int, nodes: int, why: str):
+    return bad_value("simulation", f"{jobs} jobs on {nodes} nodes",
                      f"at most {MAX_PLAN_VISITS:,} node and job visits of the policy in all; {why}: use {ADVICE}")
+
+
+def check_synthetic(jobs: int, days: float, nodes: int, tick: float) -> None:
+    """Before a synthetic trace is made (seconds for a million jobs): refuse a run ``_check_work``
+    would refuse anyway. Its arrivals alone need about min(jobs, days / tick) ticks; half of that
+    is a floor no trace of this size falls under (arrivals sharing a tick)."""
+    floor = min(jobs, days * 86400.0 / tick) / 2
+    if floor * nodes > MAX_PLAN_VISITS:
+        raise _visits_error(jobs, nodes, f"its arrivals alone need about {floor:,.0f} ticks x {nodes} nodes")
 
 
 def _share(part: float, whole: float) -> float | None:

@@ -241,24 +241,25 @@ def builtin_systems() -> list[str]:
     return sorted(p.stem for p in SYSTEMS_DIR.glob("*.toml"))
 
 
-def load_system(spec: "str | Path | System", overrides=()) -> System:
+def load_system(spec: "str | Path | System", overrides=(), key: str = "--system") -> System:
     """A built-in profile name, or the path of a TOML/JSON profile file; ``overrides``: the
-    ``KEY=VALUE`` strings of ``--system-set`` (``apply_overrides``)."""
+    ``KEY=VALUE`` strings of ``--system-set`` (``apply_overrides``); ``key``: what named it, for
+    the error line (``run.system`` in a training config)."""
     if isinstance(spec, System):
         return System.from_dict(apply_overrides(spec.to_dict(), overrides), source=spec.name) if overrides else spec
     path = Path(spec)
     if not path.suffix and (SYSTEMS_DIR / f"{spec}.toml").exists():
         path = SYSTEMS_DIR / f"{spec}.toml"
     if not path.is_file():
-        raise bad_value("--system", str(spec), f"a profile file or one of {', '.join(builtin_systems())}")
+        raise bad_value(key, str(spec), f"a profile file or one of {', '.join(builtin_systems())}")
     try:
         raw = json.loads(path.read_text()) if path.suffix == ".json" else tomllib.loads(path.read_text())
     except (ValueError, tomllib.TOMLDecodeError, RecursionError) as err:
-        raise LubanError(f"--system = {str(spec)!r}: cannot parse {path.name}: {err}".replace("\n", " ")) from None
+        raise LubanError(f"{key} = {str(spec)!r}: cannot parse {path.name}: {err}".replace("\n", " ")) from None
     except OSError as err:
-        raise bad_value("--system", str(spec), f"a readable profile file ({err.strerror})") from None
+        raise bad_value(key, str(spec), f"a readable profile file ({err.strerror})") from None
     if not isinstance(raw, dict):
-        raise bad_value("--system", str(spec), f"a profile table (name, gpus_per_node, ...), not {type(raw).__name__}")
+        raise bad_value(key, str(spec), f"a profile table (name, gpus_per_node, ...), not {type(raw).__name__}")
     if overrides:
         return System.from_dict(apply_overrides(raw, overrides), source="--system-set")
     return System.from_dict(raw, source=path.name)

@@ -23,9 +23,11 @@ MEMORY_KEYS = {"param_bytes": "param_bytes", "grad_bytes": "grad_bytes", "optimi
 def plan(cfg: RunConfig, world: int) -> tuple[RunConfig, dict]:
     """Choose the layout; returns the config with it and the prediction (also in plan.json)."""
     from luban.plan.auto import choose_layout
+    from luban.plan.system import load_system
 
+    system = load_system(cfg.run.system, key="run.system") if cfg.run.system else None
     layout, est = choose_layout(cfg.model, world, cfg.train.global_batch, cfg.seq_len,
-                                system=cfg.run.system or None, optimizer=cfg.train.optimizer)
+                                system=system, optimizer=cfg.train.optimizer)
     prediction = {"layout": layout.to_dict(), "system": est.system, "step_time_s": est.step_time_s,
                   "summary": est.extra.get("summary", ""),
                   **{key: getattr(est, attr) for key, attr in MEMORY_KEYS.items()}}

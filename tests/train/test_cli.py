@@ -63,6 +63,7 @@ def test_train_logs_metrics_and_learns_then_samples_exports_imports(tiny, tmp_pa
     (["--set", "model.vocab=100"], "model.vocab = 100: must be >= the dataset's tokenizer vocabulary 257"),
     (["--set", "noequals"], "--set = 'noequals': expected section.key=value"),
     (["/nonexistent.toml"], "CONFIG = '/nonexistent.toml': an existing file"),
+    (["--parallel", "auto", "--set", 'run.system="nope"'], "run.system = 'nope': a profile file or one of"),  # said --system
 ])
 def test_bad_input_is_one_line_exit_2(tiny, args, needle):
     proc = luban("train", *_sets(tiny()), *args)
