@@ -41,8 +41,8 @@ def register(sub) -> None:
     common.add_argument("--global-batch", type=COUNT, required=True, help="sequences per optimizer step")
     common.add_argument("--runtime", default=None,
                         help="whose layout rules, memory and overlap to model: megatron, megatron-core, fsdp2, luban, "
-                             "megatron-deepspeed, composer-fsdp, pytorch or transformers (luban.plan.runtimes; default: luban on a probed CPU "
-                             "profile, whose 'GPUs' are luban's own ranks; megatron otherwise)")
+                             "megatron-deepspeed, composer-fsdp, pytorch or transformers (luban.plan.runtimes; default: luban, the runtime "
+                             "'luban train' runs)")
     common.add_argument("--optimizer", default="adamw", help="adamw, sgd or sgd-momentum")
     common.add_argument("--expert-imbalance", type=schema.number(1, 1 << 20), default=1.0,
                         help="MoE: the busiest expert rank's tokens over the mean (1 = balanced routing)")
@@ -152,7 +152,7 @@ def _problem(args):
     if args.seq is not None and model.position == "learned" and args.seq > model.seq_len:
         raise bad_value("--seq", args.seq, f"from 1 to {model.seq_len}, the model's learned positions")
     system = load_system(args.system, args.system_set)
-    runtime = args.runtime if args.runtime is not None else ("luban" if system.cpu else "megatron")
+    runtime = args.runtime if args.runtime is not None else "luban"  # plan what `luban train` will run
     compiled = {"auto": None, "on": True, "off": False, "blocks": "blocks"}[getattr(args, "compile", "auto")]
     switch = {"auto": None, "on": True, "off": False}
     return Problem(model, system, args.gpus, seq, args.global_batch, runtime, args.optimizer, args.expert_imbalance,

@@ -20,7 +20,7 @@ def luban(*args):
 def test_estimate_json_has_the_documented_keys():
     r = luban("estimate", "--model", "gpt3-175b", "--gpus", "64", "--global-batch", "64", "--tp", "8", "--pp", "8",
               "--sp", "--recompute", "selective", "--schedule", "interleaved-1f1b", "--virtual-stages", "3",
-              "--zero", "1", "--precision", "fp16", "--train-tokens", "3e11", "--price-per-gpu-hour", "2", "--json")
+              "--zero", "1", "--precision", "fp16", "--train-tokens", "3e11", "--price-per-gpu-hour", "2", "--runtime", "megatron", "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     for key in ("fits", "step_time_s", "tokens_per_s", "mfu", "hfu", "tflops_per_gpu", "memory_bytes",
@@ -179,3 +179,13 @@ def test_runtime_help_names_every_runtime(capsys):
     assert main(["plan", "estimate", "--help"]) == 0
     text = " ".join(capsys.readouterr().out.split()).replace("- ", "-")  # argparse wraps at hyphens
     assert all(name in text for name in RUNTIMES), text
+
+
+def test_the_default_runtime_is_lubans_own_on_a_gpu_profile():
+    """A plan answers for what `luban train` runs unless --runtime names another (it was the 2021
+    megatron model on GPU profiles, which plans long Llama sequences as not fitting)."""
+    base = ("estimate", "--model", "llama-8b", "--system", "dgx-h100", "--gpus", "8", "--global-batch", "32",
+            "--seq", "8192", "--zero", "3", "--json")
+    plans = [json.loads(luban(*base, *extra).stdout) for extra in ((), ("--runtime", "luban"), ("--runtime", "megatron"))]
+    assert plans[0] == plans[1] and plans[0]["fits"]
+    assert plans[0]["memory_bytes"] != plans[2]["memory_bytes"]
