@@ -10,6 +10,7 @@ import argparse
 import json
 import sys
 import tomllib
+import time
 from pathlib import Path
 
 from luban import schema
@@ -232,6 +233,28 @@ def _summary(est) -> str:
             f"{est.tokens_per_s:,.0f} tokens/s  MFU {est.mfu:.1%}  HFU {est.hfu:.1%}  {est.tflops_per_gpu:.1f} TFLOP/s/GPU")
 
 
+PROGRESS_AFTER_S = 5.0  # a search shorter than this prints nothing but its result
+
+
+class ProgressLine:
+    """``search``'s progress: a line on stderr every ``PROGRESS_AFTER_S`` seconds once a search has
+    run that long (millions of GPUs make hundreds of millions of layouts: minutes), so a long
+    search shows it is working and how far it has come."""
+
+    def __init__(self, clock=time.monotonic, out=None):
+        self.clock, self.out = clock, out
+        self.start = self.last = clock()
+
+    def __call__(self, done: int, total: int) -> None:
+        now = self.clock()
+        if now - self.last >= PROGRESS_AFTER_S:
+            self.last = now
+            elapsed = now - self.start
+            left = elapsed * (total - done) / max(done, 1)
+            print(f"searched {done:,} of {total:,} layouts ({done / total:.0%}) in {elapsed:.0f} s; "
+                  f"about {left:.0f} s left", file=self.out or sys.stderr, flush=True)
+
+
 def cmd_search(args) -> int:
     from luban.parallel.layout import PRECISIONS
     from luban.plan.explain import describe
@@ -249,7 +272,7 @@ def cmd_search(args) -> int:
         if ep < 1 or (problem.model.moe and problem.model.experts % ep) or (not problem.model.moe and ep > 1):
             raise bad_value("--ep", ep, f"a divisor of experts = {problem.model.experts}" if problem.model.moe
                             else "1 (the model has no experts)")
-    result = search(problem, top=args.top, precision=args.precision, eps=args.ep)
+    result = search(problem, top=args.top, precision=args.precision, eps=args.ep, progress=ProgressLine())
     if args.chart and result.best:
         from luban.plan.chart import write_chart
 

@@ -101,15 +101,18 @@ def _schedules(pp: int, allowed) -> list:
             for v in (range(s.min_virtual, s.max_virtual + 1) if s.max_virtual else VIRTUAL_STAGES)]
 
 
-def search(problem: Problem, top: int = 5, chunk: int = 1 << 16, score=None, **grid_options) -> SearchResult:
+def search(problem: Problem, top: int = 5, chunk: int = 1 << 16, score=None, progress=None,
+           **grid_options) -> SearchResult:
     """Estimate every candidate layout; keep the ``top`` valid ones that fit, fastest first
     (or highest ``score(grid, results)`` first when given).
 
-    Axis 0 of the grid is processed ``chunk`` layouts at a time to stay within the CPU caches."""
+    Axis 0 of the grid is processed ``chunk`` layouts at a time to stay within the CPU caches;
+    ``progress(done, total)`` (layouts) is called after each chunk."""
     start, cpu_start = time.perf_counter(), time.process_time()
     g = candidate_grid(problem, **grid_options)
     rows = g.shape[0]
-    step = max(1, chunk // max(1, int(np.prod(g.shape[1:]))))
+    per_row = int(np.prod(g.shape[1:]))
+    step = max(1, chunk // max(1, per_row))
     counts = np.zeros(len(REASONS), dtype=np.int64)
     best: list = []
     for lo in range(0, rows, step):
@@ -126,6 +129,8 @@ def search(problem: Problem, top: int = 5, chunk: int = 1 << 16, score=None, **g
         valid = np.flatnonzero(codes == 0)
         keep = valid[np.lexsort((valid, -value[valid]))[:top]]  # ties: the simpler layout (lower knobs) first
         best += [(-value[i], lo, i, np.unravel_index(i, part.shape)) for i in keep]
+        if progress is not None:
+            progress(min(lo + step, rows) * per_row, rows * per_row)
     best = sorted(best, key=lambda item: item[:3])[:top]
     best = [_estimate_one(problem, _rows(g, slice(lo, lo + step)).layout(index)) for _, lo, _, index in best]
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start

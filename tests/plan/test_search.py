@@ -33,3 +33,24 @@ def test_no_layout_fits_reports_memory_rejections():
     problem = make_problem("llama-405b", gpus=8, seq=8192, batch=8)
     result = search(problem, top=1, offloads=(0,))
     assert result.best == [] and result.rejected["does not fit in GPU memory"] > 0
+
+
+def test_a_long_search_reports_its_progress():
+    """search calls progress after each chunk, up to every layout; the CLI's line appears only once a
+    search has run PROGRESS_AFTER_S (a fake clock here), with how far it has come."""
+    import io
+
+    from luban.plan.cli import PROGRESS_AFTER_S, ProgressLine
+
+    seen = []
+    problem = make_problem("gpt2-124m", 64, 1024, 64, system="dgx-h100")
+    result = search(problem, chunk=1 << 10, progress=lambda done, total: seen.append((done, total)))
+    assert len(seen) > 3 and seen[-1] == (result.evaluated, result.evaluated)
+    assert [d for d, _ in seen] == sorted(d for d, _ in seen)
+    now, out = [0.0], io.StringIO()
+    line = ProgressLine(clock=lambda: now[0], out=out)
+    line(10, 100)
+    assert out.getvalue() == ""
+    now[0] = PROGRESS_AFTER_S
+    line(25, 100)
+    assert out.getvalue() == "searched 25 of 100 layouts (25%) in 5 s; about 15 s left\n"
