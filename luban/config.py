@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from luban import schema
-from luban.errors import LubanError, bad_value, plain_name, unknown_key
+from luban.errors import LubanError, bad_value, unknown_key
 from luban.model.config import ModelConfig, _coerce
 from luban.model.presets import get_preset
 from luban.parallel.layout import ParallelLayout
@@ -155,7 +155,7 @@ def parse_override(item: str) -> tuple[str, str, object]:
 def config_from_dict(raw: dict) -> RunConfig:
     for name in raw:
         if name not in SECTIONS:
-            raise LubanError(f"[{name if plain_name(name) else repr(name)}]: unknown section; allowed: {', '.join(SECTIONS)}")
+            raise bad_value("section", name, f"unknown; allowed: {', '.join(SECTIONS)}")
         if not isinstance(raw[name], dict):
             raise bad_value(name, raw[name], "must be a table of keys")
     model = ModelConfig.from_dict({"preset": DEFAULT_PRESET, **raw.get("model", {})})

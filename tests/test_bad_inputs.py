@@ -38,7 +38,8 @@ def run(capsys, argv) -> tuple[int, str]:
     ("train.seed=1180591620717411303424", "train.seed"),
     ("model.hidden=1099511627776", "model.hidden = 1099511627776: at most 1048576"),
     ("model.seq_len=1e9", "model.seq_len"),
-    ("tr\nain.steps=1", "['tr\\nain']: unknown section"),  # printed two lines before
+    ("tr\nain.steps=1", "section = 'tr\\nain': unknown; allowed: model, "),  # printed two lines before
+    ("trian.steps=1", "section = 'trian': unknown; allowed: model, "),
     ("model.zero_eps=0", "model.zero_eps = 0: unknown key"),
     ("model.norm_eps=0", "model.norm_eps = 0.0: must be positive"),
 ])
