@@ -39,9 +39,18 @@ def plain_name(key) -> bool:
     return isinstance(key, str) and key != "" and key.isprintable() and key.strip() == key
 
 
+SHOWN_CHARS = 200  # a bad value is shown (repr) up to this many characters: a long path whole, a megabyte not
+
+
+def shown(value) -> str:
+    """``repr(value)``, cut to ``SHOWN_CHARS``: one short line whatever the value holds."""
+    text = repr(value)
+    return text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS] + "..."
+
+
 def bad_value(key: str, value, allowed: str) -> LubanError:
     """The standard message: ``<key> = <value>: <what is allowed>``."""
-    return LubanError(f"{key} = {value!r}: {allowed}")
+    return LubanError(f"{key} = {shown(value)}: {allowed}")
 
 
 class OutputWriteError(LubanError):

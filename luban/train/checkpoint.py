@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from luban.errors import CheckpointWriteError, LubanError
+from luban.errors import CheckpointWriteError, LubanError, shown
 
 # DCP warns on every single-process save/load; that is the intended mode for one rank.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -174,11 +174,6 @@ def verify(ckpt: Path) -> str | None:
 _LOADABLE = re.compile(r"^(meta\.json|\.metadata|.*\.distcp|rng_rank\d+\.pt)$")
 
 
-def _short(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
 def _whole(value, minimum: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
 
@@ -191,14 +186,14 @@ def meta_problem(meta, training: bool = False) -> str | None:
     (written by ``luban train``, absent from an imported checkpoint) must have its type when
     present. ``training``: ``luban train --resume`` also needs the loader position and ``[train]``."""
     if not isinstance(meta, dict):
-        return f"meta.json = {_short(meta)}: a JSON object with step, config, world_size"
+        return f"meta.json = {shown(meta)}: a JSON object with step, config, world_size"
     missing = object()
 
     def field(name, ok, allowed, required=False, where=meta, prefix=""):
         value = where.get(name, missing)
         if value is missing:
             return f"meta.json has no {prefix}{name}: {allowed}" if required else None
-        return None if ok(value) else f"meta.json {prefix}{name} = {_short(value)}: {allowed}"
+        return None if ok(value) else f"meta.json {prefix}{name} = {shown(value)}: {allowed}"
 
     table = lambda v: isinstance(v, dict)  # noqa: E731
     table_or_null = lambda v: v is None or isinstance(v, dict)  # noqa: E731
