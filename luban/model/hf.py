@@ -1,6 +1,7 @@
 """Hugging Face ``transformers`` interop: export to / import from ``GPT2LMHeadModel``,
 ``LlamaForCausalLM``, ``MixtralForCausalLM`` and ``Qwen3MoeForCausalLM`` folders
-(``config.json`` + ``model.safetensors``; exports add the run's tokenizer files).
+(``config.json`` + ``model.safetensors``; exports add the run's tokenizer files; imports also read
+sharded safetensors and the ``pytorch_model.bin`` pickles transformers 4.x could write, tensors only).
 
 Import reads every ``config.json`` layout transformers 4.40 to 5.x writes (``read_config``): what
 luban cannot compute exactly is refused with one line naming the key, what is harmless at the
@@ -120,7 +121,7 @@ def _pairs(cfg: ModelConfig, family: str):
 DEFAULTS = {
     "gpt2": {"n_inner": None, "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5, "tie_word_embeddings": True,
              "resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1, "initializer_range": 0.02,
-             "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False},
+             "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "add_cross_attention": False},
     "llama": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "num_key_value_heads": None, "max_position_embeddings": 2048,
               "mlp_bias": False},
     "mixtral": {"rms_norm_eps": 1e-5, "rope_theta": 1e6, "num_key_value_heads": 8, "max_position_embeddings": 4096 * 32,
@@ -211,19 +212,21 @@ class _Keys:
     def bad(self, key: str, value, allowed: str) -> LubanError:
         return bad_value(f"{self.src}: {key}", value, allowed)
 
-    def get(self, key: str, kind: type, nullable: bool = False):
+    def get(self, key: str, kind: type | str, nullable: bool = False):
+        """``kind``: a type, or ``"size"`` (an integer >= 1: a width, a count; 0 would be no model)."""
         value = self.raw.get(key, self.defaults.get(key, _MISSING))
         if value is _MISSING:
             raise LubanError(f"{self.src}: {key} missing: a {self.raw.get('model_type')} config needs it")
         if value is None and nullable:
             return None
         ok = {int: lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+              "size": lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
               float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0,
               bool: lambda v: isinstance(v, bool), str: lambda v: isinstance(v, str),
               list: lambda v: isinstance(v, list), dict: lambda v: isinstance(v, dict)}[kind]
         if not ok(value):
-            what = {int: "an integer >= 0", float: "a finite number >= 0", bool: "true or false", str: "a string",
-                    list: "a list", dict: "a JSON object"}[kind]
+            what = {int: "an integer >= 0", "size": "an integer >= 1", float: "a finite number >= 0",
+                    bool: "true or false", str: "a string", list: "a list", dict: "a JSON object"}[kind]
             raise self.bad(key, value, what + (" or null" if nullable else ""))
         return float(value) if kind is float else value
 
@@ -241,6 +244,11 @@ def read_config(raw, src: str = "config.json") -> tuple[ModelConfig, dict, list[
     if not isinstance(kind, str) or kind not in DEFAULTS:
         raise bad_value(f"{src}: model_type", kind, "one of 'gpt2', 'llama', 'mixtral', 'qwen3_moe'")
     keys = _Keys(raw, src, DEFAULTS[kind] if kind == "gpt2" else {**LLAMA_DEFAULTS, **DEFAULTS[kind]})
+    quant = raw.get("quantization_config")
+    if quant is not None:  # its weights are integers with scales, or floats that a scale tensor multiplies
+        method = quant.get("quant_method", quant) if isinstance(quant, dict) else quant
+        raise bad_value(f"{src}: quantization_config.quant_method", method, "absent: luban imports unquantized "
+                        "weights (save the model dequantized, e.g. in bf16, then import that)")
     extra = {k: raw[k] if isinstance(raw[k], list) and all(isinstance(i, int) for i in raw[k])
              else keys.get(k, int, nullable=True) for k in TOKEN_IDS if k in keys}  # eos may be a list
     notes: list[str] = []
@@ -258,12 +266,15 @@ def _gpt2_fields(keys: _Keys, notes: list[str], extra: dict) -> dict:
                                                    "approximation)")
     if not keys.get("scale_attn_weights", bool):
         raise keys.bad("scale_attn_weights", False, "true (luban scales attention scores by 1/sqrt(head_dim))")
+    if keys.get("add_cross_attention", bool):
+        raise keys.bad("add_cross_attention", True, "false (luban's blocks have no cross-attention to an encoder)")
     if keys.get("scale_attn_by_inverse_layer_idx", bool):
         raise keys.bad("scale_attn_by_inverse_layer_idx", True, "false (luban does not scale attention by layer)")
-    hidden = keys.get("n_embd", int)
-    return dict(arch="gpt2", hidden=hidden, layers=keys.get("n_layer", int), heads=keys.get("n_head", int),
-                ffn_hidden=keys.get("n_inner", int, nullable=True) or 4 * hidden, vocab=keys.get("vocab_size", int),
-                seq_len=keys.get("n_positions", int), norm_eps=keys.get("layer_norm_epsilon", float),
+    hidden = keys.get("n_embd", "size")
+    return dict(arch="gpt2", hidden=hidden, layers=keys.get("n_layer", "size"), heads=keys.get("n_head", "size"),
+                ffn_hidden=keys.get("n_inner", "size", nullable=True) or 4 * hidden,
+                vocab=keys.get("vocab_size", "size"),
+                seq_len=keys.get("n_positions", "size"), norm_eps=keys.get("layer_norm_epsilon", float),
                 tie_embeddings=keys.get("tie_word_embeddings", bool), init_std=keys.get("initializer_range", float),
                 dropout=_dropout(keys, ("resid_pdrop", "embd_pdrop", "attn_pdrop"), notes, extra))
 
@@ -274,12 +285,13 @@ def _llama_fields(keys: _Keys, kind: str, notes: list[str], extra: dict) -> dict
     act = keys.get("hidden_act", str)
     if act != "silu":
         raise keys.bad("hidden_act", act, "'silu' (luban's swiglu MLP computes silu(gate) * up)")
-    h, heads, bias = keys.get("hidden_size", int), keys.get("num_attention_heads", int), keys.get("attention_bias", bool)
-    seq = keys.get("max_position_embeddings", int)
-    fields = dict(arch="llama", hidden=h, layers=keys.get("num_hidden_layers", int), heads=heads,
-                  kv_heads=keys.get("num_key_value_heads", int, nullable=True) or heads,
-                  head_dim=keys.get("head_dim", int, nullable=True) or (h // heads if heads else 0),
-                  vocab=keys.get("vocab_size", int), seq_len=seq, norm="rmsnorm", activation="swiglu",
+    h, heads = keys.get("hidden_size", "size"), keys.get("num_attention_heads", "size")
+    bias = keys.get("attention_bias", bool)
+    seq = keys.get("max_position_embeddings", "size")
+    fields = dict(arch="llama", hidden=h, layers=keys.get("num_hidden_layers", "size"), heads=heads,
+                  kv_heads=keys.get("num_key_value_heads", "size", nullable=True) or heads,
+                  head_dim=keys.get("head_dim", "size", nullable=True) or (h // heads if heads else 0),
+                  vocab=keys.get("vocab_size", "size"), seq_len=seq, norm="rmsnorm", activation="swiglu",
                   position="rope", bias=bias, norm_eps=keys.get("rms_norm_eps", float),
                   rope_theta=_rope_theta(keys, seq, notes, extra), tie_embeddings=keys.get("tie_word_embeddings", bool),
                   init_std=keys.get("initializer_range", float),
@@ -288,11 +300,11 @@ def _llama_fields(keys: _Keys, kind: str, notes: list[str], extra: dict) -> dict
         if keys.get("mlp_bias", bool) != bias:
             raise keys.bad("mlp_bias", not bias, f"equal to attention_bias = {str(bias).lower()} (luban's bias key "
                                                  "covers both)")
-        return {**fields, "ffn_hidden": keys.get("intermediate_size", int)}
+        return {**fields, "ffn_hidden": keys.get("intermediate_size", "size")}
     if bias:
         raise keys.bad("attention_bias", True, f"false (a {kind} model has no MLP biases; luban's bias key covers both)")
     _sliding_window(keys, kind, seq, notes, extra)
-    fields.update(experts_per_token=keys.get("num_experts_per_tok", int),
+    fields.update(experts_per_token=keys.get("num_experts_per_tok", "size"),
                   aux_loss_coef=keys.get("router_aux_loss_coef", float))
     if kind == "mixtral":
         jitter = keys.get("router_jitter_noise", float)
@@ -300,8 +312,9 @@ def _llama_fields(keys: _Keys, kind: str, notes: list[str], extra: dict) -> dict
             notes.append(f"router_jitter_noise = {jitter}: transformers jitters the router only in training, so the "
                          "imported logits are exact; training in luban runs without jitter; written back on export")
             extra["router_jitter_noise"] = jitter
-        ffn = keys.get("intermediate_size", int)
-        return {**fields, "experts": keys.get("num_local_experts", int), "ffn_hidden": ffn, "expert_ffn_hidden": ffn}
+        ffn = keys.get("intermediate_size", "size")
+        return {**fields, "experts": keys.get("num_local_experts", "size"), "ffn_hidden": ffn,
+                "expert_ffn_hidden": ffn}
     if not keys.get("norm_topk_prob", bool):
         raise keys.bad("norm_topk_prob", False, "true (luban's softmax router renormalises the top-k weights)")
     layers, step = fields["layers"], keys.get("decoder_sparse_step", int)
@@ -312,8 +325,8 @@ def _llama_fields(keys: _Keys, kind: str, notes: list[str], extra: dict) -> dict
         raise LubanError(f"{keys.src}: mlp_only_layers = {only}, decoder_sparse_step = {step}: luban keeps dense "
                          "layers only first (mlp_only_layers = [0, ..., k-1], decoder_sparse_step = 1)")
     experts = "num_experts" if "num_experts" in keys else "num_local_experts"  # transformers 4.x, 5.x
-    return {**fields, "experts": keys.get(experts, int), "ffn_hidden": keys.get("intermediate_size", int),
-            "expert_ffn_hidden": keys.get("moe_intermediate_size", int), "dense_layers": dense, "qk_norm": True}
+    return {**fields, "experts": keys.get(experts, "size"), "ffn_hidden": keys.get("intermediate_size", "size"),
+            "expert_ffn_hidden": keys.get("moe_intermediate_size", "size"), "dense_layers": dense, "qk_norm": True}
 
 
 def _rope_theta(keys: _Keys, seq: int, notes: list[str], extra: dict) -> float:
@@ -369,31 +382,43 @@ def _dropout(keys: _Keys, names: tuple[str, ...], notes: list[str], extra: dict)
     return p
 
 
-def _state(cfg: ModelConfig, tensors: dict[str, torch.Tensor], src: str) -> dict[str, torch.Tensor]:
+def _state(cfg: ModelConfig, tensors: dict[str, torch.Tensor], src: str, hint: str = "") -> dict[str, torch.Tensor]:
     """luban's state dict from the HF tensors, after checking that they are exactly the ones ``cfg``
-    has (names, shapes, floating point): one line naming the first that is not."""
+    has (names, shapes, floating point, finite values): one line naming the first that is not (``hint``
+    ends a message on the tensors' names: what config.json's ``architectures`` says the folder holds)."""
     from luban.model.transformer import Transformer
 
     family = _family(cfg)
     if family == "gpt2" and "transformer.wte.weight" not in tensors:  # saved from GPT2Model (the Hub's gpt2)
         tensors = {k if k.startswith("lm_head.") else f"transformer.{k}": v for k, v in tensors.items()}
-    with torch.device("meta"):
-        shapes = {k: tuple(v.shape) for k, v in to_hf(cfg, Transformer(cfg).state_dict())[1].items()}
-    missing = [k for k in shapes if k not in tensors]
+    names = [theirs for _, theirs, _ in _pairs(cfg, family)]  # first the names: a config.json that says 60,000
+    if family == "gpt2":  # layers where the file has 2 is refused at once, before a model that size is built
+        names += [f"transformer.h.{i}.attn.c_attn.{w}" for i in range(cfg.layers) for w in ("weight", "bias")]
+    names += [theirs.format(e=e) for _, theirs in _expert_pairs(cfg, family) for e in range(cfg.experts)]
+    missing = [k for k in names if k not in tensors]
     if missing:
         raise LubanError(f"{src}: tensor {missing[0]} missing ({len(missing)} missing): the {family} model of "
-                         "config.json has it")
-    unexpected = [k for k in tensors if k not in shapes and not BUFFER.search(k)
+                         f"config.json has it{hint}")
+    expected = set(names)
+    unexpected = [k for k in tensors if k not in expected and not BUFFER.search(k)
                   and not (cfg.tie_embeddings and k == "lm_head.weight")]
     if unexpected:
         raise LubanError(f"{src}: tensor {unexpected[0]} ({len(unexpected)} unexpected) is not part of the "
-                         f"{family} model of config.json; luban would drop it")
+                         f"{family} model of config.json; luban would drop it{hint}")
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in to_hf(cfg, Transformer(cfg).state_dict())[1].items()}
+    assert set(shapes) == expected, set(shapes) ^ expected
     for k, shape in shapes.items():
         if tuple(tensors[k].shape) != shape:
             raise LubanError(f"{src}: tensor {k} has shape {list(tensors[k].shape)}; config.json implies {list(shape)}")
         if not tensors[k].is_floating_point():
             raise LubanError(f"{src}: tensor {k} has dtype {tensors[k].dtype}; a floating-point weight expected")
     tensors = {k: tensors[k].float() for k in shapes}  # luban's weights are fp32 (bf16 and fp16 widen exactly)
+    for k, t in tensors.items():
+        bad = t.numel() - int(torch.isfinite(t).sum())
+        if bad:  # transformers loads it; every logit it reaches is NaN, and training from it gives NaN losses
+            raise LubanError(f"{src}: tensor {k} has {bad} NaN or infinite value{'s' * (bad > 1)} (of "
+                             f"{t.numel()}); finite weights expected")
     state = {ours: (tensors[theirs].t() if t else tensors[theirs]).contiguous()
              for ours, theirs, t in _pairs(cfg, family)}
     if family == "gpt2":
@@ -423,49 +448,120 @@ def import_folder(folder: Path) -> HfImport:
     src = folder / "config.json"
     if not src.is_file():
         raise LubanError(f"{src}: no such file; a Hugging Face folder holds config.json and model.safetensors")
-    cfg, extra, notes = read_config(_read_json(src), str(src))
-    tensors, src = _read_tensors(folder)
-    return HfImport(cfg, _state(cfg, tensors, src), extra, notes)
+    raw = _read_json(src)
+    cfg, extra, notes = read_config(raw, str(src))
+    tensors, where = _read_tensors(folder)
+    return HfImport(cfg, _state(cfg, tensors, where, _architectures_hint(raw)), extra, notes)
+
+
+# the classes whose folders luban reads, by model_type (GPT2Model: the Hub's gpt2, saved without its head)
+CAUSAL_LM = {"gpt2": ("GPT2LMHeadModel", "GPT2Model"), "llama": ("LlamaForCausalLM",),
+             "mixtral": ("MixtralForCausalLM",), "qwen3_moe": ("Qwen3MoeForCausalLM",)}
+
+
+def _architectures_hint(raw: dict) -> str:
+    """Where config.json names other classes only (a sequence classifier, a bare LlamaModel): the end of
+    the message on the tensors, which is then what went wrong."""
+    names, wanted = raw.get("architectures"), CAUSAL_LM[raw["model_type"]]
+    if not isinstance(names, list) or not names or any(n in wanted for n in names):
+        return ""
+    return f" (config.json: architectures = {names!r}; luban imports {wanted[0]} folders)"
 
 
 def _read_json(path: Path):
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as err:
-        raise LubanError(f"{path}: not readable as JSON ({str(err).splitlines()[0][:200]})") from None
+        raise LubanError(f"{path}: not readable as JSON ({_first_line(err)})") from None
+
+
+# the weight files transformers reads, in its order: safetensors (one file, or shards and their index), then
+# PyTorch's pickles (what transformers 4.x wrote with safe_serialization=False), read with weights_only
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
 
 
 def _read_tensors(folder: Path) -> tuple[dict[str, torch.Tensor], str]:
-    """(every tensor, the file(s) they came from for messages): ``model.safetensors``, or the shards that
-    ``model.safetensors.index.json`` names."""
-    from safetensors.torch import load_file
-
-    single, index = folder / "model.safetensors", folder / "model.safetensors.index.json"
-    if single.is_file():
-        files, src = [single], str(single)
-    elif index.is_file():
-        weight_map = _read_json(index).get("weight_map") if isinstance(_read_json(index), dict) else None
-        names = sorted(set(weight_map.values())) if isinstance(weight_map, dict) else []
-        if not names or not all(isinstance(n, str) and n and Path(n).name == n for n in names):
-            raise LubanError(f"{index}: weight_map must name the shard files in {folder}")
-        files, src = [folder / n for n in names], str(index)
-    else:
-        raise LubanError(f"{single}: no such file; luban reads safetensors weights (model.safetensors, or "
-                         "model.safetensors.index.json and its shards)")
+    """(every tensor, the file(s) they came from for messages): the first of ``WEIGHT_FILES`` there; an
+    index's shards must hold what its ``weight_map`` says, and no tensor may be in two shards."""
+    found = next((folder / n for n in WEIGHT_FILES if (folder / n).is_file()), None)
+    if found is None:
+        raise LubanError(f"{folder / WEIGHT_FILES[0]}: no such file; luban reads the weights transformers saves: "
+                         f"{', '.join(WEIGHT_FILES[:-1])} or {WEIGHT_FILES[-1]} (with their shards)")
+    if not found.name.endswith(".index.json"):
+        return _load_weights(found), str(found)
+    index = _read_json(found)
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    names = sorted(set(weight_map.values())) if isinstance(weight_map, dict) else []
+    if not names or not all(isinstance(n, str) and n and Path(n).name == n and n not in (".", "..") for n in names):
+        raise LubanError(f"{found}: weight_map must name the shard files in {folder}")
     tensors: dict[str, torch.Tensor] = {}
-    for f in files:
+    where: dict[str, str] = {}
+    for name in names:
+        shard = _load_weights(folder / name)
+        for key in shard:
+            if key in where:
+                raise LubanError(f"{folder / name}: tensor {key} is also in {where[key]}: which one the model "
+                                 "has is ambiguous; each tensor belongs in one shard")
+            where[key] = name
+        tensors.update(shard)
+    for key, name in weight_map.items():
+        if where.get(key) != name:
+            raise LubanError(f"{found}: weight_map places tensor {key} in {name}, which does not hold it"
+                             + (f" ({where[key]} does)" if key in where else ""))
+    return tensors, str(found)
+
+
+def _load_weights(path: Path) -> dict[str, torch.Tensor]:
+    """One safetensors file or PyTorch pickle (``weights_only``: no code runs), as name -> tensor; a file
+    that is not one is one line naming it."""
+    if path.name.endswith(".safetensors"):
+        from safetensors.torch import load_file
+
         try:
-            tensors.update(load_file(str(f)))
+            return load_file(str(path))
         except Exception as err:  # safetensors' own error (truncated, garbled header) or OSError: name the file
-            raise LubanError(f"{f}: not a readable safetensors file ({str(err).splitlines()[0][:200]})") from None
-    return tensors, src
+            raise LubanError(f"{path}: not a readable safetensors file ({_first_line(err)})") from None
+    import pickle
+    import warnings
+    import zipfile
+
+    try:
+        with warnings.catch_warnings():  # torch's remarks on the pickle protocol: not the user's concern
+            warnings.simplefilter("ignore")
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
+    except pickle.UnpicklingError:  # torch's own message advises weights_only=False: running the file's code
+        raise LubanError(f"{path}: not a PyTorch weights file, or one holding Python objects besides tensors "
+                         "(luban loads only tensors from a pickle: torch.load(weights_only=True))") from None
+    except Exception as err:  # noqa: BLE001 - a damaged pickle raises anything
+        raise LubanError(f"{path}: not a readable PyTorch weights file ({_first_line(err)})") from None
+    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                              for k, v in state.items()):
+        raise LubanError(f"{path}: holds a {type(state).__name__}, not a state dict (tensor names to tensors)")
+    return state
 
 
-def export_folder(cfg: ModelConfig, state: dict, out: Path, tokenizer=None, extra: dict | None = None) -> list[str]:
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return (text.splitlines()[0] if text else type(err).__name__)[:200]
+
+
+# every file an export may write: re-exporting into luban's own folder replaces the ones it writes and
+# removes the ones an earlier export wrote that this one does not (a stale tokenizer would pass for the model's)
+EXPORT_NAMES = ("model.safetensors", "config.json", "generation_config.json", "tokenizer.json",
+                "tokenizer_config.json", "special_tokens_map.json")
+
+
+def export_folder(cfg: ModelConfig, state: dict, out: Path, tokenizer=None, extra: dict | None = None,
+                  record: bool = False) -> list[str]:
     """Write ``out/config.json`` and ``model.safetensors``; with ``tokenizer`` (luban's byte or BPE one) also
     ``tokenizer.json``, ``tokenizer_config.json``, ``special_tokens_map.json``, and the special-token ids in
     ``config.json`` and ``generation_config.json``. ``extra``: keys an import accepted but luban does not model,
-    written back. Every file gets the mode the umask gives (644 under 022). Returns the names written."""
+    written back. Every file gets the mode the umask gives (644 under 022). Returns the names written.
+
+    ``record`` (``luban export``, into a folder ``luban.owned`` claimed): the marker ``.luban`` also lists the
+    files written (size, modification time); a later export there refuses to replace one of ``EXPORT_NAMES``
+    that it does not list as is (a user's copy), and removes those it lists that it does not write again."""
     from safetensors import SafetensorError
     from safetensors.torch import save_file
 
@@ -485,16 +581,24 @@ def export_folder(cfg: ModelConfig, state: dict, out: Path, tokenizer=None, extr
     if generation:
         files["generation_config.json"] = json.dumps(generation, indent=1)
     files["config.json"] = json.dumps(hf_cfg, indent=1)
+    names = ["model.safetensors", *files]
+    ours = _earlier_export(out, names) if record else None
     umask = os.umask(0)
     os.umask(umask)
     temp = out / f".model.safetensors.tmp-{os.getpid()}"
     try:
         out.mkdir(parents=True, exist_ok=True)
+        if ours is not None:  # first: what is about to be written is luban's, whenever the export stops
+            _write_record(out, {**ours, **dict.fromkeys(names)})
         save_file(tensors, str(temp), metadata={"format": "pt"})
         os.chmod(temp, 0o666 & ~umask)  # safetensors creates its file 600; the other files follow the umask
         os.replace(temp, out / "model.safetensors")
         for name, text in files.items():
             write_bytes(out / name, text.encode("utf-8"))
+        if ours is not None:
+            for name in set(ours) - set(names):
+                (out / name).unlink(missing_ok=True)
+            _write_record(out, {n: _identity(out / n) for n in names})
     except (OSError, SafetensorError) as err:  # safetensors reports a full disk as its own error
         try:
             temp.unlink(missing_ok=True)
@@ -502,4 +606,48 @@ def export_folder(cfg: ModelConfig, state: dict, out: Path, tokenizer=None, extr
             pass
         raise OutputWriteError(f"OUT = {str(out)!r}: the Hugging Face folder could not be written "
                                f"({getattr(err, 'strerror', None) or err}); free space or choose another folder") from None
-    return ["model.safetensors", *files]
+    return names
+
+
+def _identity(path: Path) -> list[int]:
+    st = path.stat()
+    return [st.st_size, st.st_mtime_ns]
+
+
+def _earlier_export(out: Path, names: list[str]) -> dict:
+    """The files of ``EXPORT_NAMES`` in ``out`` that an earlier export wrote and nobody changed since (name ->
+    identity); one line, nothing changed, if one that this export writes is not such a file. A folder whose
+    marker lists no files (exported before luban kept the list): those this export writes are taken for
+    luban's, as then, and the others are kept."""
+    from luban.owned import MARKER
+
+    try:
+        marker = json.loads((out / MARKER).read_text())
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError):
+        marker = None
+    listed = marker.get("files") if isinstance(marker, dict) else None
+    present = [n for n in EXPORT_NAMES if (out / n).exists() or (out / n).is_symlink()]
+    if not isinstance(listed, dict):
+        return {n: None for n in present if n in names}
+    ours = {}
+    for name in present:
+        seen = listed.get(name, False)
+        try:
+            same = seen is None or (seen is not False and not (out / name).is_symlink()
+                                    and _identity(out / name) == seen)
+        except OSError:
+            same = False
+        if same:
+            ours[name] = seen
+        elif name in names:
+            raise bad_value("OUT", str(out), f"holds {name!r}, which luban did not write (or which was changed "
+                                             "after its export); move it away or choose a new or empty folder "
+                                             "(nothing was changed)")
+    return ours
+
+
+def _write_record(out: Path, files: dict) -> None:
+    from luban.data.atomic import write_bytes
+    from luban.owned import MARKER
+
+    write_bytes(out / MARKER, (json.dumps({"luban": "hf-export", "files": files}) + "\n").encode())

@@ -266,13 +266,26 @@ def cmd_export(args) -> int:
 
     owned.check(args.out, "hf-export", "OUT")  # before the checkpoint is read: a refusal costs nothing
     model, meta = load_model(args.checkpoint)
+    _check_finite(args.checkpoint, model)
     tokenizer, why = _run_tokenizer(meta, model.cfg.vocab)
     written = export_folder(model.cfg, model.state_dict(), owned.claim(args.out, "hf-export", "OUT"), tokenizer,
-                            meta.get("hf_extra"))
+                            meta.get("hf_extra"), record=True)
     if tokenizer is None:
         print(f"luban: warning: no tokenizer written: {why}", file=sys.stderr)
     print(f"wrote {args.out}: {', '.join(written)}")
     return 0
+
+
+def _check_finite(checkpoint, model) -> None:
+    """A diverged run's weights (NaN, inf) are refused before OUT is made: transformers would load them and
+    every logit would be NaN (and ``luban import`` refuses them)."""
+    import torch
+
+    for name, t in model.state_dict().items():
+        bad = t.numel() - int(torch.isfinite(t).sum()) if t.is_floating_point() else 0
+        if bad:
+            raise bad_value("CHECKPOINT", str(checkpoint), f"its tensor {name} has {bad} NaN or infinite value"
+                            f"{'s' * (bad > 1)}: a diverged run; export an earlier checkpoint (nothing was written)")
 
 
 def _run_tokenizer(meta: dict, vocab: int):

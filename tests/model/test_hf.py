@@ -428,3 +428,190 @@ def test_sharded_bf16_folder_is_read(tmp_path):
     x = torch.randint(0, 61, (1, 32), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         assert torch.allclose(logits_of(imported.cfg, imported.state, x), hf(x).logits, atol=1e-5, rtol=0)
+
+
+# --- hostile and careless folders: each one line naming the file, exit 2, nothing written ---
+
+def _shard(folder):
+    """The folder's weights as transformers' sharded layout (5 shards and model.safetensors.index.json)."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(folder / "model.safetensors"))
+    (folder / "model.safetensors").unlink()
+    names = sorted(tensors)
+    shard = {n: f"model-0000{1 + i * 2 // len(names)}-of-00002.safetensors" for i, n in enumerate(names)}
+    for file in set(shard.values()):
+        save_file({n: tensors[n] for n in names if shard[n] == file}, str(folder / file), metadata={"format": "pt"})
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": shard}))
+    return shard
+
+
+def _index_edit(change):
+    def edit(folder):
+        shard = _shard(folder)
+        change(folder, shard)
+        (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": shard}))
+    return edit
+
+
+def _in_both_shards(folder, shard):
+    from safetensors.torch import load_file, save_file
+
+    other = next(f for f in set(shard.values()) if f != shard["model.norm.weight"])
+    tensors = load_file(str(folder / other))
+    save_file({**tensors, "model.norm.weight": torch.zeros(32)}, str(folder / other))
+
+
+def _config_edit(**changes):
+    def edit(folder):
+        raw = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**raw, **changes}))
+    return edit
+
+
+def _in_file(change):
+    return lambda folder: _edit_tensors(change)(folder / "model.safetensors")
+
+
+def _evil_pickle(folder):
+    import pickle
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {folder / 'ran'}",))
+
+    (folder / "model.safetensors").unlink()
+    (folder / "pytorch_model.bin").write_bytes(pickle.dumps({"model.norm.weight": Evil()}))
+
+
+HOSTILE = {
+    # transformers loads these; every logit would be NaN and training from them NaN losses
+    "nan-weight": ("llama", _in_file(lambda t: t["model.norm.weight"].__setitem__(0, float("nan"))),
+                   r"model.safetensors: tensor model.norm.weight has 1 NaN or infinite value \(of 32\)"),
+    "inf-weight-bf16": ("llama", _in_file(lambda t: t.update({"lm_head.weight": torch.full((61, 32), float(
+        "inf"), dtype=torch.bfloat16)})), r"tensor lm_head.weight has 1952 NaN or infinite values \(of 1952\)"),
+    # shards: a tensor in two of them (which one?), an index that names a shard without the tensor
+    "tensor-in-two-shards": ("llama", _index_edit(_in_both_shards),
+                             r"model-0000\d-of-00002.safetensors: tensor model.norm.weight is also in model-0000"),
+    "index-misplaces": ("llama", _index_edit(lambda folder, shard: shard.update(
+        {"model.norm.weight": "model-00002-of-00002.safetensors" if shard["model.norm.weight"].startswith(
+            "model-00001") else "model-00001-of-00002.safetensors"})),
+        r"model.safetensors.index.json: weight_map places tensor model.norm.weight in model-0000\d-of-00002"
+        r".safetensors, which does not hold it \(model-0000\d-of-00002.safetensors does\)"),
+    "index-escapes": ("llama", _index_edit(lambda folder, shard: shard.update({"model.norm.weight": "../x"})),
+                      "model.safetensors.index.json: weight_map must name the shard files in"),
+    # config.json keys whose model luban does not compute (they failed on tensor names, or not at all)
+    "quantized": ("llama", _config_edit(quantization_config={"quant_method": "bitsandbytes", "load_in_4bit": True}),
+                  "config.json: quantization_config.quant_method = 'bitsandbytes': absent: luban imports unquantized"),
+    "cross-attention": ("gpt2", _config_edit(add_cross_attention=True), "config.json: add_cross_attention = True: false"),
+    "zero-width": ("llama", _config_edit(intermediate_size=0), "config.json: intermediate_size = 0: an integer >= 1"),
+    "zero-kv-heads": ("llama", _config_edit(num_key_value_heads=0), "config.json: num_key_value_heads = 0: an integer >= 1"),
+    # 60,000 layers where the file has 2: refused on the first missing name (it built the model first: minutes)
+    "layers-typo": ("llama", _config_edit(num_hidden_layers=60000),
+                    r"model.safetensors: tensor model.layers.2.input_layernorm.weight missing \(539982 missing\)"),
+    "classifier": ("llama", lambda f: save_hf_as(f, "LlamaForSequenceClassification", pad_token_id=0),
+                   r"tensor lm_head.weight missing .* \(config.json: architectures = \['LlamaForSequenceClassification'\]; "
+                   "luban imports LlamaForCausalLM folders\\)"),
+    # PyTorch pickles are read with weights_only: a pickle that would run code is refused, and runs nothing
+    "pickle-runs-code": ("llama", _evil_pickle, "pytorch_model.bin: not a PyTorch weights file, or one holding Python "
+                                                "objects besides tensors"),
+    "pickle-not-a-dict": ("llama", lambda f: (f / "model.safetensors").unlink() or torch.save([1], f / "pytorch_model.bin"),
+                          r"pytorch_model.bin: holds a list, not a state dict"),
+    "pickle-truncated": ("llama", lambda f: (f / "model.safetensors").unlink() or (f / "pytorch_model.bin").write_bytes(
+        b"PK\x03\x04"), "pytorch_model.bin: not a readable PyTorch weights file"),
+}
+
+
+def save_hf_as(path, model_cls, **changes):
+    config_cls, _, kwargs = SAVED["llama"]
+    torch.manual_seed(0)
+    getattr(transformers, model_cls)(getattr(transformers, config_cls)(**{**kwargs, **changes})).save_pretrained(path)
+
+
+@pytest.mark.parametrize("case", list(HOSTILE))
+def test_hostile_folder_is_one_line_naming_the_file(case, tmp_path, capsys):
+    import re
+
+    from luban.cli import main
+
+    family, change, message = HOSTILE[case]
+    save_hf(family, tmp_path / "hf")
+    change(tmp_path / "hf")
+    capsys.readouterr()
+    code, err = main(["import", str(tmp_path / "hf"), str(tmp_path / "run")]), capsys.readouterr().err
+    assert code == 2, err
+    assert err.startswith(f"luban: error: {tmp_path / 'hf'}/") and err.count("\n") == 1, err
+    assert re.search(message, err), err
+    assert not (tmp_path / "run").exists() and not (tmp_path / "hf/ran").exists()
+
+
+def test_pytorch_bin_folders_are_read(tmp_path):
+    """What transformers 4.x saved with safe_serialization=False: pytorch_model.bin (GPT-2's tied head stored
+    too, with its causal-mask buffers, as 4.x did), or shards named by pytorch_model.bin.index.json; fp16."""
+    hf = save_hf("gpt2", tmp_path / "gpt2")
+    (tmp_path / "gpt2/model.safetensors").unlink()
+    state = hf.state_dict()
+    state.update({f"transformer.h.{i}.attn.bias": torch.ones(1, 1, 64, 64) for i in range(2)})
+    torch.save(state, tmp_path / "gpt2/pytorch_model.bin")
+    llama = save_hf("llama", tmp_path / "llama").half()
+    (tmp_path / "llama/model.safetensors").unlink()
+    names = sorted(llama.state_dict())
+    shard = {n: f"pytorch_model-0000{1 + (i % 2)}-of-00002.bin" for i, n in enumerate(names)}
+    for file in set(shard.values()):
+        torch.save({n: t for n, t in llama.state_dict().items() if shard[n] == file}, tmp_path / "llama" / file)
+    (tmp_path / "llama/pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": shard}))
+    x = torch.randint(0, 61, (2, 32), generator=torch.Generator().manual_seed(3))
+    llama = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "llama", dtype=torch.float32).eval()
+    for name, model in (("gpt2", hf), ("llama", llama)):  # fp16 -> fp32 exact; .float() keeps fp16's RoPE
+        imported = import_folder(tmp_path / name)
+        with torch.no_grad():
+            theirs = model(x).logits
+        assert torch.allclose(logits_of(imported.cfg, imported.state, x), theirs, atol=1e-5, rtol=0), name
+
+
+def test_reexport_replaces_only_its_own_files(small_dataset, tmp_path, capsys):
+    """Export into luban's own folder again: what the earlier export wrote and this one does not (a tokenizer)
+    is removed, not left to pass for the new model's; a file the user put there is kept, and one this export
+    would write over is refused untouched."""
+    from luban.cli import main
+
+    cfg = get_preset("tiny-llama").replace(vocab=257)
+    with_tok = _run_with_dataset(tmp_path / "a", small_dataset, cfg)
+    without = _run_with_dataset(tmp_path / "b", tmp_path / "gone", cfg)
+    out = tmp_path / "out"
+    export = ["export", "--format", "hf"]
+    assert main([*export, str(with_tok), str(out)]) == 0
+    tokenizer = {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"}
+    assert tokenizer <= {p.name for p in out.iterdir()}
+    assert main([*export, str(without), str(out)]) == 0
+    assert {p.name for p in out.iterdir()} == {".luban", "config.json", "model.safetensors"}
+    (out / "tokenizer.json").write_text("{}")  # the user copies a tokenizer in: kept by the next export ...
+    (out / "README.md").write_text("mine")
+    assert main([*export, str(without), str(out)]) == 0
+    assert (out / "tokenizer.json").read_text() == "{}" and (out / "README.md").read_text() == "mine"
+    capsys.readouterr()
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert main([*export, str(with_tok), str(out)]) == 2  # ... and not overwritten by one that has its own
+    err = capsys.readouterr().err
+    assert err.startswith(f"luban: error: OUT = '{out}': holds 'tokenizer.json', which luban did not write") \
+        and err.count("\n") == 1, err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_export_of_a_diverged_checkpoint_is_refused(tmp_path, capsys):
+    """NaN weights (the trainer does not stop on a NaN loss) would load in transformers as a model whose
+    every logit is NaN, and luban import refuses them: one line, OUT not made."""
+    from luban.cli import main
+    from luban.train import checkpoint
+
+    cfg = get_preset("tiny-llama")
+    state = build_model(cfg, seed=3).state_dict()
+    state["layers.1.attn.wq.weight"][0, :3] = float("nan")
+    meta = {"step": 0, "config": {"model": cfg.to_dict()}, "world_size": 1}
+    checkpoint.save(tmp_path / "run/checkpoints", 0, {"model": state}, meta, keep=1)
+    capsys.readouterr()
+    assert main(["export", str(tmp_path / "run"), "--format", "hf", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"luban: error: CHECKPOINT = '{tmp_path / 'run'}': its tensor layers.1.attn.wq.weight has 3 NaN "
+                   "or infinite values: a diverged run; export an earlier checkpoint (nothing was written)\n")
+    assert not (tmp_path / "out").exists()
