@@ -52,7 +52,9 @@ def test_train_file_and_flag_cases(capsys, tmp_path):
     binary = tmp_path / "bin.toml"
     binary.write_bytes(bytes(range(256)) * 4)
     (tmp_path / "afile").write_text("x")
+    (tmp_path / "a\nb").mkdir()  # a name with a newline, printed raw in the message: escaped, one line
     cases = [(["train", str(binary)], "a readable UTF-8 TOML file"),
+             (["import", str(tmp_path / "a\nb"), str(tmp_path / "run")], "a\\nb/config.json: no such file"),
              (["train", "--set", f'run.dir="{tmp_path / "afile" / "run"}"'], "run.dir"),
              (["train", "--set", 'run.dir="/proc/luban"'], "run.dir"),
              (["train", "--nproc", "2", "--master-port", "99999"], "--master-port = 99999"),
