@@ -12,7 +12,7 @@ luban writes into a folder only if it is absent, empty, or luban's own of the sa
   kind — is refused before a byte is written, with one line (``KEY = PATH: ...``, exit 2).
 
 Inside its own folder luban replaces or deletes only what it wrote itself (a dataset swapped in
-whole, a run's older checkpoints under its ``train.keep`` retention); a file a user adds to a
+whole, a run's older checkpoints under its ``train.keep_checkpoints`` retention); a file a user adds to a
 run folder is never touched. This module is torch-free (the launcher checks before any rank).
 """
 

@@ -475,8 +475,9 @@ def _toml_value(v) -> str:
 def cache_path() -> Path:
     import torch
 
-    root = Path(os.environ.get("LUBAN_CACHE_DIR", Path.home() / ".cache" / "luban"))
-    return root / f"probe-{socket.gethostname()}-torch{torch.__version__}.json"
+    from luban.train.resolve import cache_dir  # one variable for every cache: LUBAN_CACHE
+
+    return cache_dir() / f"probe-{socket.gethostname()}-torch{torch.__version__}.json"
 
 
 def cached_profile() -> dict:

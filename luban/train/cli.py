@@ -56,7 +56,7 @@ def register(sub) -> None:
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("import", help="read a Hugging Face GPT-2/Llama/Mixtral/Qwen3-MoE folder into a luban checkpoint")
-    p.add_argument("folder", type=schema.path("dir"), help="folder with config.json and model.safetensors")
+    p.add_argument("folder", type=schema.path("dir"), help="folder transformers saved: config.json and model.safetensors (or its shards, or pytorch_model.bin)")
     p.add_argument("out", type=schema.path("new-dir"), help="run directory to create (checkpoint at OUT/checkpoints/step_0000000)")
     p.set_defaults(func=cmd_import)
 

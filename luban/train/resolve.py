@@ -16,6 +16,8 @@ if TYPE_CHECKING:
 
 
 def cache_dir() -> Path:
+    """luban's cache (the default corpus's dataset, the planner's probe of this machine): ``$LUBAN_CACHE``,
+    default ``~/.cache/luban``."""
     return Path(os.environ.get("LUBAN_CACHE", Path.home() / ".cache" / "luban"))
 
 

@@ -231,12 +231,12 @@ class Trainer:
             pass  # unreadable: the comparison below names the first difference
         for key, value in now["model"].items():
             if saved.get("model", {}).get(key) != value:
-                raise LubanError(f"--resume: checkpoint {ckpt} has [model] {key} = {saved['model'].get(key)!r}, "
-                                 f"the config {value!r}; resume with the checkpoint's [model] (or start a new run.dir)")
+                raise bad_value(f"model.{key}", value, f"{saved['model'].get(key)!r}, as in the checkpoint --resume "
+                                f"names ({ckpt}); resume with the checkpoint's [model] (or start a new run.dir)")
         if saved.get("train", {}).get("optimizer") != now["train"]["optimizer"]:
-            raise LubanError(f"--resume: checkpoint {ckpt} has [train] optimizer = "
-                             f"{saved.get('train', {}).get('optimizer')!r}, the config {now['train']['optimizer']!r}; "
-                             "its optimizer state cannot be loaded into another optimizer")
+            raise bad_value("train.optimizer", now["train"]["optimizer"],
+                            f"{saved.get('train', {}).get('optimizer')!r}, as in the checkpoint --resume names "
+                            f"({ckpt}): its optimizer state cannot be loaded into another optimizer")
 
     def _branch_from(self, ckpt: Path) -> None:
         """Resuming from an explicit older checkpoint of this run starts a branch: the newer ones are

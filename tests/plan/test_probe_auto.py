@@ -55,7 +55,7 @@ def test_bad_profile_is_a_one_line_error(tmp_path):
 
 
 def test_choose_layout_uses_the_cached_probe(tmp_path, monkeypatch):
-    monkeypatch.setenv("LUBAN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("LUBAN_CACHE", str(tmp_path))
     probe.cache_path().parent.mkdir(parents=True, exist_ok=True)
     probe.cache_path().write_text(json.dumps(fake_profile()))
     cfg = get_preset("tiny")

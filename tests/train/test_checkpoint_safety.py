@@ -54,8 +54,8 @@ def test_a_full_disk_at_save_time_exits_74_and_keeps_the_previous_checkpoint(tin
 
 
 @pytest.mark.parametrize("change,words", [
-    ({"model.hidden": 64}, "[model] hidden = 32"),
-    ({"train.optimizer": '"sgd"'}, "[train] optimizer = 'adamw'"),
+    ({"model.hidden": 64}, "luban: error: model.hidden = 64: 32, as in the checkpoint --resume names"),
+    ({"train.optimizer": '"sgd"'}, "luban: error: train.optimizer = 'sgd': 'adamw', as in the checkpoint"),
 ])
 def test_a_changed_model_or_optimizer_is_named_before_loading(tiny, tmp_path, change, words):
     luban("train", *sets(tiny(**{"train.steps": 2, "train.checkpoint_every": 2, "model.hidden": 32})), check=0)
