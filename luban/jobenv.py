@@ -73,7 +73,7 @@ def inheritable(env) -> dict[str, str]:
     """``env`` without secrets, rank variables and the job contract's own names (LUBAN_JOB_*, ...)."""
     own = {NNODES, NODE_RANK, GPUS_PER_NODE, MASTER_ADDR, MASTER_PORT, JOB_ID}
     return {k: v for k, v in env.items()
-            if NAME_RE.match(k) and k not in NOT_INHERITED and k not in own and not k.startswith(("LUBAN_JOB_", "LUBAN_CHAIN_"))}
+            if NAME_RE.fullmatch(k) and k not in NOT_INHERITED and k not in own and not k.startswith(("LUBAN_JOB_", "LUBAN_CHAIN_"))}
 
 
 def base_environment(spec: dict, service_env=os.environ) -> dict[str, str]:

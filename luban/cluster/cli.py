@@ -29,6 +29,7 @@ SECONDS = schema.number(0, MAX_TIME_LIMIT, open_lo=True)
 QUANTUM = schema.number(0, MAX_TIME_LIMIT, open_lo=True, also=(math.inf,))  # inf: no time-sharing
 LEVELS = ", ".join(p.name for p in prio.LEVELS)
 DB_URL = "a file path, or a database URL whose driver is installed (sqlite:///FILE, postgresql://USER@HOST/DB)"
+PUBLIC_URL = "the URL jobs reach this service at: http(s)://HOST[:PORT]"
 TIME_FORMS = f"MINUTES, MM:SS, H:MM:SS, D-H, D-H:MM or D-H:MM:SS (as Slurm's --time), from 1 s to {MAX_TIME_LIMIT} s"
 
 
@@ -71,9 +72,10 @@ def cmd_submit(args) -> int:
             data = yaml.safe_load(path.read_bytes().decode("utf-8"))
         except yaml.YAMLError as err:
             raise LubanError(f"{file} is not valid YAML: {err}".replace("\n", " ")) from None
-        except (OSError, UnicodeDecodeError, RecursionError) as err:
+        except (OSError, ValueError, RecursionError) as err:  # UnicodeDecodeError is a ValueError
             why = err.strerror if isinstance(err, OSError) else "not UTF-8 text" if isinstance(
-                err, UnicodeDecodeError) else "nested too deeply"
+                err, UnicodeDecodeError) else "nested too deeply" if isinstance(
+                err, RecursionError) else str(err).split(";")[0]  # an integer of 5000 digits
             raise bad_value("job file", file, f"a readable YAML file ({why})") from None
         if data is None:
             raise bad_value("job file", file, "a YAML mapping (name, command, args, ...); the file is empty")
@@ -95,8 +97,8 @@ def cmd_submit(args) -> int:
         if not sep:
             raise bad_value("--env", item, "KEY=VALUE")
         data.setdefault("env", {})[key] = value
-    if "name" not in data and data.get("command"):
-        data["name"] = Path(str(data["command"])).name[:64] or "job"
+    if "name" not in data and data.get("command"):  # the command's file name, made a valid job name
+        data["name"] = re.sub(r"[^A-Za-z0-9_.-]", "_", Path(str(data["command"])).name).lstrip("_.-")[:64] or "job"
     spec = specs.parse(data)  # one-line error before anything is sent
     job = _client(args).submit(spec.to_dict())
     print(f"submitted job {job['id']} ({job['name']}, {job['nnodes']} node(s), {job['priority_name']})")
@@ -145,6 +147,25 @@ def _db_url(text: str) -> str:
     return db.check_url(schema.text()(text))
 
 
+def _public_url(text: str) -> str:
+    """What jobs get as LUBAN_CLUSTER_URL: checked as the client would (a bad one fails every job's SDK call)."""
+    import httpx
+
+    try:
+        url = httpx.URL(schema.text()(text))
+    except httpx.InvalidURL as err:
+        raise ValueError(text) from err
+    if url.scheme not in ("http", "https") or not url.host or (url.port is not None and not 1 <= url.port <= 65535):
+        raise ValueError(text)
+    return text.rstrip("/")
+
+
+def service_url(host: str, port: int) -> str:
+    """The URL jobs get when no --public-url is given; an IPv6 address in brackets (http://[::1]:8765:
+    'http://::1:8765' is no URL, and every SDK call of every job failed on it)."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 def _check_zones(zones: int, nodes: int) -> None:
     """Nodes are split into zones (``serve`` and ``simulate`` alike): at most one zone per node."""
     if zones > nodes:
@@ -164,7 +185,7 @@ def _export(data: dict, export: str) -> None:
         return
     names = [] if export.upper() == "NONE" else [n for n in export.split(",") if n]
     for name in names:
-        if not specs.ENV_RE.match(name):
+        if not specs.ENV_RE.fullmatch(name):
             raise bad_value("--export", export, "ALL, NONE or a comma-separated list of variable names")
     data["env"] = {**{n: os.environ[n] for n in names if n in os.environ}, **(data.get("env") or {})}
     data["env_only"] = True
@@ -392,7 +413,7 @@ def cmd_serve(args) -> int:
         sessions = db.sessions(engine)
         options = ({"nodes": args.nodes, "gpus": args.gpus, "zones": args.zones, "node_group": args.node_group}
                    if args.executor == "local" else {"partition": args.partition, "state_dir": str(state)})
-        settings = Settings(state_dir=str(state), url=args.public_url or f"http://{args.host}:{args.port}",
+        settings = Settings(state_dir=str(state), url=args.public_url or service_url(args.host, args.port),
                             tick=args.tick, quantum=args.quantum, suspend_timeout=args.suspend_timeout,
                             sample_every=args.sample_every, run_jobs_as=run_as, on_shutdown=args.on_shutdown,
                             secret_dirs=hidden)
@@ -558,7 +579,7 @@ def register(subparsers) -> None:
                    help="database URL (postgresql://...); default STATE/luban.db (SQLite)")
     p.add_argument("--host", default="127.0.0.1", type=schema.text())
     p.add_argument("--port", type=schema.integer(1, schema.PORT[1]), default=8765)
-    p.add_argument("--public-url", type=schema.text(), help="URL jobs use to reach the service (default http://HOST:PORT)")
+    p.add_argument("--public-url", type=schema.custom(_public_url, PUBLIC_URL), help="URL jobs use to reach the service (default http://HOST:PORT)")
     p.add_argument("--executor", choices=["local", "slurm"], default="local")
     p.add_argument("--nodes", type=NODES, default=1, help="local: virtual nodes on this machine")
     p.add_argument("--gpus", type=schema.integer(0, 1024), default=0, help="local: GPUs per virtual node")

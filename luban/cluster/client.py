@@ -9,10 +9,13 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterator
+from urllib.parse import quote
 
 import httpx
 
 from luban.errors import LubanError, bad_value
+
+SERVICE_HEADER = "x-luban-cluster"  # luban.cluster.service marks every answer with it
 
 DEFAULT_URL = "http://127.0.0.1:8765"
 
@@ -27,10 +30,17 @@ class Client:
         token = token or os.environ.get("LUBAN_CLUSTER_TOKEN")
         if not token:
             raise LubanError("LUBAN_CLUSTER_TOKEN is not set: pass --token or export the token an admin gave you")
+        if not (token.isascii() and token.strip().isprintable() and token.strip()):  # never shown: a secret
+            raise bad_value("--token", "<hidden>", "a token as luban printed it (printable ASCII; this one holds "
+                                                   "a control or non-ASCII character: check $LUBAN_CLUSTER_TOKEN)")
+        token = token.strip()
         try:
             self.http = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {token}"}, timeout=timeout)
-            if self.http.base_url.scheme not in ("http", "https") or not self.http.base_url.host:
+            base = self.http.base_url
+            if base.scheme not in ("http", "https") or not base.host:
                 raise httpx.InvalidURL("not http(s)://HOST[:PORT]")
+            if base.port is not None and not 1 <= base.port <= 65535:
+                raise httpx.InvalidURL(f"port {base.port} is not from 1 to 65535")
         except (httpx.InvalidURL, ValueError) as err:  # --url or $LUBAN_CLUSTER_URL: 'http://[::1', 'ftp://x'
             raise bad_value("--url", self.url, f"the service's http(s)://HOST[:PORT] ({err})") from None
 
@@ -44,15 +54,20 @@ class Client:
                 if time.monotonic() >= deadline:
                     raise LubanError(f"cluster service at {self.url} is unreachable: {err}") from None
                 time.sleep(1.0)
+        try:
+            body = response.json()
+        except ValueError:  # a web server's or proxy's page, not luban's answer
+            body = None
         if response.status_code >= 400:
-            try:
-                detail = response.json().get("detail")
-            except (ValueError, AttributeError):  # not JSON, or JSON but not an object
-                detail = response.text
+            detail = body.get("detail") if isinstance(body, dict) else None
             if detail is None or not str(detail).strip():  # not luban's service (a web server's empty 404)
                 detail = f"{method} {path} answered without a message: is {self.url} a luban cluster service?"
-            raise LubanError(f"{' '.join(str(detail).split())} (HTTP {response.status_code})")
-        return response.json()
+            raise LubanError(f"{' '.join(str(detail).split())[:2000]} (HTTP {response.status_code})")
+        if body is None or SERVICE_HEADER not in response.headers:  # another web server or API at the URL
+            raise LubanError(f"{method} {path} answered HTTP {response.status_code} "
+                             f"({response.headers.get('content-type') or 'no content type'}) without luban's mark: "
+                             f"is {self.url} a luban cluster service? (check --url or $LUBAN_CLUSTER_URL)")
+        return body
 
     # jobs
     def submit(self, spec: dict | str) -> dict:
@@ -115,7 +130,7 @@ class Client:
         return self.call("GET", "/nodes")
 
     def set_node(self, name: str, state: str) -> dict:
-        return self.call("PATCH", f"/nodes/{name}", json={"state": state})
+        return self.call("PATCH", f"/nodes/{quote(name, safe='')}", json={"state": state})
 
     def quota(self) -> list[dict]:
         return self.call("GET", "/quota")
@@ -143,10 +158,10 @@ class Client:
         return self.call("POST", "/users", json=body)
 
     def set_user(self, name: str, **changes) -> dict:
-        return self.call("PATCH", f"/users/{name}", json=changes)
+        return self.call("PATCH", f"/users/{quote(name, safe='')}", json=changes)
 
     def rotate_token(self, name: str) -> dict:
-        return self.call("POST", f"/users/{name}/token")
+        return self.call("POST", f"/users/{quote(name, safe='')}/token")
 
     def groups(self) -> list[dict]:
         return self.call("GET", "/groups")

@@ -12,6 +12,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.orm import sessionmaker
 
 MIGRATIONS = Path(__file__).with_name("migrations")
+MIGRATION_LOCK = 0x6C7562616E  # "luban": the PostgreSQL advisory lock held while migrating
 
 
 def url_for(path_or_url: str) -> str:
@@ -59,6 +60,8 @@ def upgrade(engine: Engine) -> None:
     cfg = Config()
     cfg.set_main_option("script_location", str(MIGRATIONS))
     with engine.begin() as conn:
+        if conn.dialect.name == "postgresql":  # services starting at once on one database: one migrates,
+            conn.exec_driver_sql(f"SELECT pg_advisory_xact_lock({MIGRATION_LOCK})")  # the others wait, then see it
         cfg.attributes["connection"] = conn
         command.upgrade(cfg, "head")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import re
 
 from luban.errors import bad_value
 
@@ -35,7 +36,7 @@ def parse(value, key: str = "priority") -> Priority | str:
         return Priority[value.strip().upper()]
     if isinstance(value, int) and not isinstance(value, bool) and value in Priority._value2member_map_:
         return Priority(value)
-    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+    if isinstance(value, str) and re.fullmatch(r"\s*-?[0-9]{1,4}\s*", value):  # not '²', '--5' or 5000 digits
         return parse(int(value), key)
     raise bad_value(key, value, f"one of {ALLOWED}")
 

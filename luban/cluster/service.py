@@ -25,6 +25,7 @@ from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse
 from sqlalchemy import func, or_, select
+from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from luban import jobenv
@@ -32,6 +33,7 @@ from luban.cluster import accounts, jobcheck
 from luban.cluster import priority as prio
 from luban.cluster import spec as specs
 from luban.cluster import states
+from luban.cluster.client import SERVICE_HEADER  # on every answer: clients know they reach luban
 from luban.cluster.models import ACTIVE, LIVE, Event, Job, Node, Quota, Sample, StopReason, User, UserGroup
 from luban.cluster.scheduler import Scheduler, new_token, record, token_hash
 from luban.errors import LubanError, bad_value
@@ -95,14 +97,22 @@ def job_dict(job: Job) -> dict:
 def ensure_admin(sessions: sessionmaker, state_dir: Path) -> Path | None:
     """First start: create user ``admin`` and write its token to STATE/admin.token (mode 600)."""
     path = state_dir / "admin.token"
-    with sessions.begin() as s:
-        if s.scalar(select(func.count()).select_from(User)):
-            return None
-        token = new_token()
-        s.add(User(name="admin", token_hash=token_hash(token), is_admin=True))
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(token + "\n")
+    try:
+        with sessions.begin() as s:
+            if s.scalar(select(func.count()).select_from(User)):
+                return None
+            token = new_token()
+            s.add(User(name="admin", token_hash=token_hash(token), is_admin=True))
+            s.flush()  # another service starting on this database at once: IntegrityError here, not later
+            # the token is on disk before the user is committed: a kill between the two leaves a
+            # token no user has (the next start makes both again), never an admin no one can act as
+            tmp = path.with_name(f".admin.token.{os.getpid()}")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(token + "\n")
+            os.replace(tmp, path)
+    except IntegrityError:
+        return None  # the other service made the admin (its token is in its own state folder)
     return path
 
 
@@ -135,7 +145,10 @@ class Guard:
         self.app, self.max_body, self.authenticate = app, max_body, authenticate
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        send = _signed(send)
+        if scope["method"] in ("GET", "HEAD", "OPTIONS"):
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
         length = headers.get(b"content-length", b"0")
@@ -177,6 +190,17 @@ class Guard:
         await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})
+
+
+def _signed(send):
+    """``send`` that adds ``SERVICE_HEADER`` to the response's headers (``client.Client`` refuses,
+    in one line, a successful answer without it: a web server or another API at the URL)."""
+    async def signed(message):
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", []), (SERVICE_HEADER.encode(), b"1")]}
+        await send(message)
+
+    return signed
 
 
 METRIC_KEYS = ("step", "loss", "val_loss", "tokens_per_s", "mfu", "time_step_s", "tokens")
@@ -241,12 +265,26 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
     async def _bad_input(_request, err: LubanError):
         return JSONResponse(status_code=422, content={"detail": str(err)})
 
+    @app.exception_handler(IntegrityError)
+    async def _conflict(_request, _err: IntegrityError):  # two admins adding one user at once (PostgreSQL)
+        return JSONResponse(status_code=409, content={"detail": "the request conflicts with a change made at the "
+                                                                "same moment (the name exists now?): look, then retry"})
+
+    @app.exception_handler(OperationalError)
+    async def _no_database(_request, err: OperationalError):
+        log = logging.getLogger("luban.cluster")
+        log.warning("database error: %s", " ".join(str(getattr(err, "orig", err)).split())[:300])
+        return JSONResponse(status_code=503, content={"detail": "the service's database is unavailable now; "
+                                                                "retry later (the service log says why)"})
+
     @app.exception_handler(RequestValidationError)
     async def _bad_request(_request, err: RequestValidationError):
         first = err.errors()[0] if err.errors() else {}
         where = ".".join(str(x) for x in first.get("loc", ()) if x not in ("body", "query", "path"))
-        return JSONResponse(status_code=422, content={"detail": f"{where or 'request'} = "
-                                                                f"{str(first.get('input'))[:80]}: {first.get('msg')}"})
+        value = first.get("input")
+        shown = repr(value if not isinstance(value, str) else value[:80])[:100]  # one line, whatever was sent
+        return JSONResponse(status_code=422, content={"detail": f"{where or 'request'} = {shown}: "
+                                                                f"{' '.join(str(first.get('msg')).split())}"})
 
 
     def db():
@@ -322,7 +360,9 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
         if per_user and getattr(scheduler.executor, "runs_here", False) and p.user.os_user:
             check_command(spec, p.user.os_user)  # file system reads: outside the (serialised) transaction
         with sessions.begin() as s:
-            user = s.get(User, p.user.name)
+            # the user's row locked: one submission of a user at a time, so the queued count below holds
+            # under concurrent submissions (PostgreSQL; SQLite serialises every write transaction anyway)
+            user = s.get(User, p.user.name, with_for_update={"key_share": True})  # FOR NO KEY UPDATE
             queued = s.scalar(select(func.count()).select_from(Job).where(Job.user == user.name,
                                                                            Job.state == states.QUEUED))
             if queued >= max_queued:
@@ -620,7 +660,7 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
             raise bad_value(unknown[0], body[unknown[0]], "unknown field; allowed: name, admin, group, os_user")
         if not isinstance(body.get("admin", False), bool):
             raise bad_value("admin", body.get("admin"), "true or false (a JSON boolean)")
-        if not isinstance(name, str) or not specs.NAME_RE.match(name):
+        if not isinstance(name, str) or not specs.NAME_RE.fullmatch(name):  # "$" would let "x\n" through
             raise bad_value("name", name, f"must match {specs.NAME_RE.pattern}")
         token = new_token()
         with sessions.begin() as s:
@@ -662,6 +702,10 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
                 if per_user and user.os_user:
                     accounts.join_group(user.os_user, user.group)
             if "admin" in body:
+                if user.is_admin and not body["admin"] and s.scalar(
+                        select(func.count()).select_from(User).where(User.is_admin)) <= 1:
+                    raise bad_value("admin", False, f"{name} is the only admin: make another user an admin first "
+                                                    "(no one could manage the cluster)")
                 user.is_admin = body["admin"]
             record(s, "user", f"{name} changed by {p.user.name}: {body}")
             return {"name": user.name, "admin": user.is_admin, "group": user.group}
@@ -689,11 +733,11 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
     def add_group(body: dict, p: Principal = Depends(admin)):
         body = object_body(body)
         name = body.get("name")
-        for key in ("data_dir", "env_dir"):
-            value = str_field(body, key, optional=True)
-            if value is not None and not value.startswith("/"):
-                raise bad_value(key, value, "an absolute path")
-        if not isinstance(name, str) or not specs.NAME_RE.match(name):
+        for key in ("data_dir", "env_dir"):  # 512: the column; no NUL: it is in its members' jobs' environment
+            value = str_field(body, key, optional=True, limit=512)
+            if value is not None and (not value.startswith("/") or "\x00" in value):
+                raise bad_value(key, value, "an absolute path without NUL bytes")
+        if not isinstance(name, str) or not specs.NAME_RE.fullmatch(name):  # "$" would let "x\n" through
             raise bad_value("name", name, f"must match {specs.NAME_RE.pattern}")
         with sessions.begin() as s:
             if s.get(UserGroup, name) is not None:

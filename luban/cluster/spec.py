@@ -10,7 +10,7 @@ import yaml
 
 from luban import jobenv
 from luban.cluster import priority as prio
-from luban.errors import LubanError, bad_value
+from luban.errors import LubanError, bad_value, plain_name
 
 MAX_YAML = 64 << 10        # bytes of a YAML job spec
 MAX_TIME_LIMIT = 365 * 24 * 3600
@@ -51,7 +51,7 @@ def _str(data: dict, key: str, required: bool = False, pattern: re.Pattern | Non
     if not isinstance(value, str) or not value.strip():
         raise bad_value(key, value, "a non-empty string")
     _no_nul(key, value)
-    if pattern is not None and not pattern.match(value):
+    if pattern is not None and not pattern.fullmatch(value):  # fullmatch: "$" would let "x\n" through
         raise bad_value(key, value, f"must match {pattern.pattern}")
     return value
 
@@ -82,8 +82,9 @@ def parse(data) -> JobSpec:
     if not isinstance(env, dict):
         raise bad_value("env", env, "a mapping of NAME: value")
     for k, v in env.items():
-        if not isinstance(k, str) or not ENV_RE.match(k):
-            raise bad_value(f"env.{k}", v, "variable names must match " + ENV_RE.pattern)
+        if not isinstance(k, str) or not ENV_RE.fullmatch(k):
+            raise bad_value(f"env.{k}" if plain_name(k) else f"env[{k!r}]", v,
+                            "variable names must match " + ENV_RE.pattern)
         if not isinstance(v, str):  # strict: 5 is not silently "5" (docs/platform.md)
             raise bad_value(f"env.{k}", v, "a string (quote it in YAML: \"5\", \"true\")")
         _no_nul(f"env.{k}", v)
@@ -141,4 +142,7 @@ def parse_yaml(text: str) -> JobSpec:
         data = yaml.load(text, Loader=_NoAliasLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as err:
         raise LubanError(f"job spec is not valid YAML: {err}".replace("\n", " ")) from None
+    except (ValueError, RecursionError) as err:  # an integer of 5000 digits; [[[[...]]]] nested too deeply
+        why = "nested too deeply" if isinstance(err, RecursionError) else str(err).split(";")[0]
+        raise bad_value("yaml", f"<{len(text.encode())} bytes>", f"a job spec YAML luban can read ({why})") from None
     return parse(data)

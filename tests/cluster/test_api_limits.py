@@ -74,6 +74,12 @@ def test_token_is_checked_before_the_body_is_parsed(api):
     ("GET", f"/jobs/{2 ** 63}", None, 404, "not found"),
     ("GET", f"/jobs/{2 ** 70}/events", None, 404, "not found"),
     ("GET", "/samples?since=nan", None, 422, "since"),
+    # a hostile sweep (2026-11-27): a 500, a name with a newline accepted, a detail of two lines
+    ("POST", "/jobs", {"yaml": "name: j\ncommand: x\nnodes: " + "9" * 5000}, 422, "Exceeds the limit"),
+    ("POST", "/jobs", {"spec": {"name": "j", "command": "true", "priority": "²"}}, 422, "priority = '²'"),
+    ("POST", "/jobs", {"spec": {"name": "j\n", "command": "true"}}, 422, "name = 'j\\n'"),
+    ("POST", "/jobs", {"spec": {"name": "j", "command": "true", "env": {"A\nB": "x"}}}, 422, "env['A\\nB']"),
+    ("GET", "/jobs/a%0Ab", None, 422, "job_id = 'a\\nb'"),
 ])
 def test_bad_input_is_a_one_line_4xx_never_a_500(api, method, path, body, status, words):
     svc, token, alice = api
@@ -95,6 +101,14 @@ def test_bad_input_is_a_one_line_4xx_never_a_500(api, method, path, body, status
     ("PATCH", "/users/alice", {"admin": "yes"}, "admin"),
     ("PATCH", "/users/alice", {"group": 7}, "group"),
     ("POST", "/groups", {"name": "g1", "data_dir": "relative/path"}, "data_dir"),
+    # a hostile sweep (2026-11-27): each was accepted, or a 500
+    ("PUT", "/quota", {"owner": "user:alice", "priority": "²", "nodes": 1}, "priority"),
+    ("PUT", "/quota", {"owner": "user:alice", "priority": "9" * 5000, "nodes": 1}, "priority"),
+    ("POST", "/users", {"name": "mallory\n"}, "name = 'mallory\\n'"),
+    ("POST", "/groups", {"name": "g1\n"}, "name = 'g1\\n'"),
+    ("POST", "/groups", {"name": "g1", "data_dir": "/data/a\x00b"}, "data_dir"),  # in every member's job env
+    ("POST", "/groups", {"name": "g1", "env_dir": "/" + "e" * 600}, "env_dir"),  # the column holds 512
+    ("PATCH", "/users/admin", {"admin": False}, "only admin"),  # no one could manage the cluster
 ])
 def test_admin_fields_have_strict_types(api, method, path, body, words):
     svc, _, alice = api
@@ -105,7 +119,9 @@ def test_admin_fields_have_strict_types(api, method, path, body, words):
     assert r.status_code == 422, r.text[:300]
     assert words in r.json()["detail"] and "\n" not in r.json()["detail"]
     users = {u["name"]: u for u in svc.admin().call("GET", "/users")}
-    assert "mallory" not in users and not users["alice"]["admin"]  # nothing was created or raised
+    assert not any(n.startswith("mallory") for n in users) and not users["alice"]["admin"]  # nothing created or raised
+    assert users["admin"]["admin"] and not any(g["name"].startswith("g1") for g in svc.admin().groups())
+    assert [(q["owner"], q["priority_name"]) for q in svc.admin().quota()] == [("user:alice", "NORMAL")]
 
 
 def test_queued_jobs_per_user_are_limited(api):

@@ -149,7 +149,8 @@ def test_concurrent_submissions_and_schedulers_never_exceed_quota(cluster):
     assert peaks == QUOTA, f"peaks {peaks} must reach but never pass the quotas {QUOTA}"
     with sessions() as s:
         states = dict(s.execute(select(Job.state, func.count()).group_by(Job.state)).all())
-    assert states == {"succeeded": 40}
+        others = s.execute(select(Job.id, Job.state, Job.reason).where(Job.state != "succeeded")).all()
+    assert states == {"succeeded": 40}, others
 
 
 def test_two_schedulers_sampling_the_same_instant_do_not_fail(cluster):
@@ -188,3 +189,41 @@ def test_two_schedulers_sampling_the_same_instant_do_not_fail(cluster):
     assert errors == []
     with sessions() as s:
         assert s.scalar(select(func.count()).select_from(Sample).where(Sample.t == now)) == 1
+
+
+def test_racing_submissions_stop_at_the_queued_limit(cluster):
+    """--max-queued was counted without a lock: 30 submissions at once on PostgreSQL queued 5 jobs
+    against a limit of 2 (a hostile sweep, 2026-11-27). The user's row is locked now."""
+    sessions, schedulers, _, tokens = cluster
+    http = TestClient(create_app(sessions, schedulers[0], run_scheduler=False, max_queued=2))
+    barrier, codes = threading.Barrier(12, timeout=BOUND), []
+
+    def submit(i):
+        barrier.wait()
+        codes.append(http.post("/api/jobs", json={"spec": {"name": f"q{i}", "command": "true"}},
+                               headers={"Authorization": f"Bearer {tokens['bob']}"}).status_code)
+
+    threads = [threading.Thread(target=submit, args=(i,)) for i in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        join(t)
+    assert sorted(codes) == [201] * 2 + [429] * 10, codes
+
+
+def test_two_admins_adding_one_user_at_once_is_no_500(cluster, tmp_path):
+    """Both saw no user 'carol' and inserted it: the loser's IntegrityError was a 500 (PostgreSQL)."""
+    _, _, http, _ = cluster
+    admin = {"Authorization": "Bearer " + (tmp_path / "admin.token").read_text().strip()}
+    barrier, codes = threading.Barrier(8, timeout=BOUND), []
+
+    def add():
+        barrier.wait()
+        codes.append(http.post("/api/users", json={"name": "carol"}, headers=admin).status_code)
+
+    threads = [threading.Thread(target=add) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        join(t)
+    assert len(codes) == 8 and codes.count(201) == 1 and set(codes) <= {201, 409, 422}, codes

@@ -79,7 +79,7 @@ def test_a_state_folder_of_an_older_luban_is_still_served(service, tmp_path):
 def test_namespace_mode_as_root_says_what_is_wrong(tmp_path):
     state = tmp_path / "state"
     proc = serve("--state", str(state), "--port", str(free_port()), "--run-jobs-as", "namespace")
-    line = one_line(proc, "--run-jobs-as = 'namespace'", "as root every job would run as root")
+    one_line(proc, "--run-jobs-as = 'namespace'", "as root every job would run as root")
     assert "luban cluster: not root" not in proc.stderr and not state.exists()
 
 
@@ -171,3 +171,21 @@ def test_service_mode_as_root_warns_that_jobs_run_as_root(service):
     svc = service("--nodes", "1", "--run-jobs-as", "service")
     log = svc.log.read_text()
     assert "every job runs as root" in log and "--run-jobs-as user" in log, log[-2000:]
+
+
+@pytest.mark.parametrize("url", ["foo", "http://[::1", "http://head:99999"])
+def test_a_public_url_jobs_could_not_use_is_refused(tmp_path, url):
+    """--public-url is every job's LUBAN_CLUSTER_URL: 'foo' was accepted, and each job's SDK call failed."""
+    state = tmp_path / "state"
+    one_line(serve("--state", str(state), "--port", str(free_port()), "--run-jobs-as", "service",
+                   "--public-url", url), f"--public-url = {url!r}", "http(s)://HOST[:PORT]")
+    assert not state.exists()
+
+
+def test_the_url_jobs_get_for_an_ipv6_host_is_a_url():
+    import httpx
+
+    from luban.cluster.cli import service_url
+
+    assert service_url("::1", 8765) == "http://[::1]:8765" and httpx.URL(service_url("::", 1)).port == 1
+    assert service_url("0.0.0.0", 8765) == "http://0.0.0.0:8765"

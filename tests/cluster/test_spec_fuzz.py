@@ -4,6 +4,7 @@ another exception, and what is accepted is within the declared types and ranges.
 
 import math
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -46,3 +47,32 @@ def test_fuzzed_specs_are_one_line_errors_or_sane(fields, complete):
 @given(st.text(max_size=200))
 def test_fuzzed_yaml_is_a_one_line_error_or_a_sane_spec(text):
     _one_line_error_or_sane(spec.parse_yaml, text)
+
+
+
+@pytest.mark.parametrize("fields,words", [
+    ({"priority": "²"}, "priority = '²'"),                    # str.isdigit() says yes, int() says no
+    ({"priority": "9" * 5000}, "priority = '999"),            # more digits than int() converts
+    ({"priority": "--5"}, "priority = '--5'"),
+    ({"name": "job\n"}, r"name = 'job\n': must match"),      # "$" matched before a trailing newline
+    ({"group": "g\n"}, r"group = 'g\n'"),
+    ({"node_group": "default\n"}, r"node_group = 'default\n'"),
+    ({"env": {"A\nB": "x"}}, r"env['A\nB'] = 'x': variable names"),
+    ({"env": {"A\n": "x"}}, r"env['A\n']"),
+])
+def test_names_and_levels_that_once_passed_or_crashed_are_one_line(fields, words):
+    """A hostile sweep (2026-11-27): '²' or 5000 digits as a priority was a ValueError (HTTP 500,
+    a traceback from `luban submit job.yaml`); names with a trailing newline were accepted."""
+    with pytest.raises(LubanError) as err:
+        spec.parse({"name": "j", "command": "true"} | fields)
+    assert words in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("text,words", [
+    ("name: j\ncommand: x\nnodes: " + "9" * 5000, "Exceeds the limit"),
+    ("name: j\ncommand: x\nargs: " + "[" * 3000 + "]" * 3000, "nested too deeply"),
+])
+def test_yaml_python_cannot_hold_is_one_line(text, words):
+    with pytest.raises(LubanError, match=words) as err:
+        spec.parse_yaml(text)
+    assert "\n" not in str(err.value) and str(err.value).startswith("yaml = '<")
