@@ -42,10 +42,10 @@ def plain_name(key) -> bool:
 SHOWN_CHARS = 200  # a bad value is shown (repr) up to this many characters: a long path whole, a megabyte not
 
 
-def shown(value) -> str:
-    """``repr(value)``, cut to ``SHOWN_CHARS``: one short line whatever the value holds."""
+def shown(value, limit: int = SHOWN_CHARS) -> str:
+    """``repr(value)``, cut to ``limit`` characters: one short line whatever the value holds."""
     text = repr(value)
-    return text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS] + "..."
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def bad_value(key: str, value, allowed: str) -> LubanError:

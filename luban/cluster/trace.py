@@ -14,7 +14,9 @@ from pathlib import Path
 
 from luban import schema
 from luban.cluster.priority import Priority
-from luban.errors import bad_value
+from luban.errors import bad_value, shown
+
+TRACE_SHOWN = 60  # a trace line's bad value or key is shown up to this many characters: one short line
 
 # (value, weight): most jobs are small and short, a few are wide or long (a heavy tail).
 NODE_COUNTS = [(1, 50), (2, 18), (4, 14), (8, 10), (16, 5), (32, 2), (64, 1)]
@@ -26,7 +28,6 @@ NODE_GROUP = "default"  # a trace job's node group unless it names one; the simu
 MAX_TRACE_YEARS = 100
 MAX_TRACE_S = MAX_TRACE_YEARS * 365 * 86400.0
 TRACE_SPAN = f"{MAX_TRACE_S:.0f} s ({MAX_TRACE_YEARS} years)"
-SHOWN_CHARS = 60  # a bad value or key is shown (repr) up to this many characters: errors stay short
 
 
 @dataclasses.dataclass(slots=True)
@@ -109,19 +110,13 @@ def save(jobs: list[TraceJob], path: str | Path) -> None:
         raise bad_value("--output", str(path), f"cannot be written ({err.strerror or err})") from None
 
 
-def _shown(value) -> str:
-    """``repr(value)``, cut to ``SHOWN_CHARS``: one short line whatever a trace holds."""
-    text = repr(value)
-    return text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS] + "..."
-
-
 def _trace_job(raw, line: int | None = None) -> TraceJob:
     """One line's job, every field type- and range-checked (a ValueError says which)."""
     if not isinstance(raw, dict):
         raise ValueError(f"a JSON object, not {type(raw).__name__}")
     for key in raw:
         if key not in FIELDS:
-            raise ValueError(f"unknown key {_shown(key)}; allowed: {', '.join(FIELDS)}")
+            raise ValueError(f"unknown key {shown(key, TRACE_SHOWN)}; allowed: {', '.join(FIELDS)}")
     missing = [name for name in REQUIRED if name not in raw]
     if missing:
         raise ValueError(f"missing key{'s' if len(missing) > 1 else ''} {', '.join(missing)}")
@@ -142,7 +137,7 @@ def _trace_job(raw, line: int | None = None) -> TraceJob:
               ("node_group", isinstance(job.node_group, str) and job.node_group != "", "a non-empty string")]
     for name, ok, allowed in checks:
         if not ok:
-            raise ValueError(f"{name} = {_shown(getattr(job, name))}: {allowed}")
+            raise ValueError(f"{name} = {shown(getattr(job, name), TRACE_SHOWN)}: {allowed}")
     return job
 
 
