@@ -356,3 +356,9 @@ def test_a_server_that_is_not_luban_s_is_named(monkeypatch):
         lambda request: httpx.Response(422, json={"detail": [{"msg": "bad\nthing"}]})))
     with pytest.raises(LubanError, match=r"^\[\{'msg': 'bad\\nthing'\}\] \(HTTP 422\)$"):
         client.call("GET", "/quota")
+
+
+def test_a_huge_bad_value_is_shown_cut_short(capsys):
+    """A megabyte value is still one short line (errors.shown: the first 200 characters of its repr)."""
+    code, err = run(capsys, ["train", "--set", 'train.lr="' + "x" * 1_000_000 + '"'])
+    assert code == 2 and err.startswith("luban: error: train.lr = 'xxx") and "...: " in err and len(err) < 400, err[:500]
