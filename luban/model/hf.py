@@ -414,11 +414,10 @@ def _state(cfg: ModelConfig, tensors: dict[str, torch.Tensor], src: str, hint: s
         if not tensors[k].is_floating_point():
             raise LubanError(f"{src}: tensor {k} has dtype {tensors[k].dtype}; a floating-point weight expected")
     tensors = {k: tensors[k].float() for k in shapes}  # luban's weights are fp32 (bf16 and fp16 widen exactly)
-    for k, t in tensors.items():
-        bad = t.numel() - int(torch.isfinite(t).sum())
-        if bad:  # transformers loads it; every logit it reaches is NaN, and training from it gives NaN losses
-            raise LubanError(f"{src}: tensor {k} has {bad} NaN or infinite value{'s' * (bad > 1)} (of "
-                             f"{t.numel()}); finite weights expected")
+    found = nonfinite(tensors)
+    if found:  # transformers loads it; every logit it reaches is NaN, and training from it gives NaN losses
+        raise LubanError(f"{src}: tensor {found[0]} has {found[1]} (of {tensors[found[0]].numel()}); "
+                         f"finite weights expected")
     state = {ours: (tensors[theirs].t() if t else tensors[theirs]).contiguous()
              for ours, theirs, t in _pairs(cfg, family)}
     if family == "gpt2":
@@ -434,6 +433,16 @@ def _state(cfg: ModelConfig, tensors: dict[str, torch.Tensor], src: str, hint: s
     if cfg.tie_embeddings:
         state["lm_head.weight"] = state["tok_emb.weight"]
     return state
+
+
+def nonfinite(tensors: dict) -> tuple[str, str] | None:
+    """The first floating-point tensor holding NaN or infinite values, and how many ("3 NaN or infinite
+    values"), or None: the one check ``luban import`` and ``luban export`` make of a model's weights."""
+    for name, t in tensors.items():
+        bad = t.numel() - int(torch.isfinite(t).sum()) if t.is_floating_point() else 0
+        if bad:
+            return name, f"{bad} NaN or infinite value{'s' * (bad > 1)}"
+    return None
 
 
 class HfImport(NamedTuple):
@@ -617,8 +626,8 @@ def _identity(path: Path) -> list[int]:
 def _earlier_export(out: Path, names: list[str]) -> dict:
     """The files of ``EXPORT_NAMES`` in ``out`` that an earlier export wrote and nobody changed since (name ->
     identity); one line, nothing changed, if one that this export writes is not such a file. A folder whose
-    marker lists no files (exported before luban kept the list): those this export writes are taken for
-    luban's, as then, and the others are kept."""
+    marker lists no files (exported before 2026-11-27, when luban began to keep the list) is judged by
+    ``_legacy_export``."""
     from luban.owned import MARKER
 
     try:
@@ -628,7 +637,7 @@ def _earlier_export(out: Path, names: list[str]) -> dict:
     listed = marker.get("files") if isinstance(marker, dict) else None
     present = [n for n in EXPORT_NAMES if (out / n).exists() or (out / n).is_symlink()]
     if not isinstance(listed, dict):
-        return {n: None for n in present if n in names}
+        listed = _legacy_export(out, present)
     ours = {}
     for name in present:
         seen = listed.get(name, False)
@@ -644,6 +653,29 @@ def _earlier_export(out: Path, names: list[str]) -> dict:
                                              "after its export); move it away or choose a new or empty folder "
                                              "(nothing was changed)")
     return ours
+
+
+def _legacy_export(out: Path, present: list[str]) -> dict:
+    """The record an export made before 2026-11-27 would have written, rebuilt from the files: that export
+    wrote ``model.safetensors`` first, then the tokenizer files and ``generation_config.json``, and
+    ``config.json`` last, each once. So ``model.safetensors`` and ``config.json`` are luban's, and another
+    of ``EXPORT_NAMES`` is luban's only if it was last modified between those two (a file a user added or
+    changed later, or copied in keeping an older time, is not: a re-export refuses to replace it)."""
+    try:
+        first, last = (out / "model.safetensors").stat().st_mtime_ns, (out / "config.json").stat().st_mtime_ns
+    except OSError:
+        first, last = 1, 0  # not an export that finished: nothing between
+    listed = {}
+    for name in present:
+        try:
+            if (out / name).is_symlink():
+                continue
+            identity = _identity(out / name)
+        except OSError:
+            continue
+        if name in ("model.safetensors", "config.json") or first <= identity[1] <= last:
+            listed[name] = identity
+    return listed
 
 
 def _write_record(out: Path, files: dict) -> None:

@@ -279,13 +279,12 @@ def cmd_export(args) -> int:
 def _check_finite(checkpoint, model) -> None:
     """A diverged run's weights (NaN, inf) are refused before OUT is made: transformers would load them and
     every logit would be NaN (and ``luban import`` refuses them)."""
-    import torch
+    from luban.model.hf import nonfinite
 
-    for name, t in model.state_dict().items():
-        bad = t.numel() - int(torch.isfinite(t).sum()) if t.is_floating_point() else 0
-        if bad:
-            raise bad_value("CHECKPOINT", str(checkpoint), f"its tensor {name} has {bad} NaN or infinite value"
-                            f"{'s' * (bad > 1)}: a diverged run; export an earlier checkpoint (nothing was written)")
+    found = nonfinite(model.state_dict())
+    if found:
+        raise bad_value("CHECKPOINT", str(checkpoint), f"its tensor {found[0]} has {found[1]}: a diverged run; "
+                        f"export an earlier checkpoint (nothing was written)")
 
 
 def _run_tokenizer(meta: dict, vocab: int):

@@ -598,6 +598,36 @@ def test_reexport_replaces_only_its_own_files(small_dataset, tmp_path, capsys):
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
+def test_reexport_into_an_export_made_before_the_record(small_dataset, tmp_path, capsys):
+    """A folder exported before 2026-11-27 has a marker without the list of files: what that export wrote is
+    rebuilt from the files' times (model.safetensors first, config.json last). A tokenizer file the user added
+    afterwards is refused, untouched; the export's own files are replaced."""
+    import os
+
+    from luban.cli import main
+
+    cfg = get_preset("tiny-llama").replace(vocab=257)
+    with_tok = _run_with_dataset(tmp_path / "a", small_dataset, cfg)
+    without = _run_with_dataset(tmp_path / "b", tmp_path / "gone", cfg)
+    export = ["export", "--format", "hf"]
+    for case in ("luban's tokenizer", "user's tokenizer"):
+        out = tmp_path / ("ours" if case == "luban's tokenizer" else "theirs")
+        assert main([*export, str(with_tok if case == "luban's tokenizer" else without), str(out)]) == 0
+        (out / ".luban").write_text('{"luban": "hf-export"}\n')  # as exports wrote it before the record
+        if case == "user's tokenizer":
+            (out / "tokenizer.json").write_text("{}")
+            os.utime(out / "tokenizer.json", ns=(0, (out / "config.json").stat().st_mtime_ns + 10**9))
+        capsys.readouterr()
+        before = {p.name: p.read_bytes() for p in out.iterdir()}
+        code, err = main([*export, str(with_tok), str(out)]), capsys.readouterr().err
+        if case == "luban's tokenizer":
+            assert code == 0, err
+            assert json.loads((out / ".luban").read_text())["files"].keys() == set(os.listdir(out)) - {".luban"}
+        else:
+            assert code == 2 and err.startswith(f"luban: error: OUT = '{out}': holds 'tokenizer.json'"), err
+            assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
 def test_export_of_a_diverged_checkpoint_is_refused(tmp_path, capsys):
     """NaN weights (the trainer does not stop on a NaN loss) would load in transformers as a model whose
     every logit is NaN, and luban import refuses them: one line, OUT not made."""
