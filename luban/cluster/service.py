@@ -702,8 +702,10 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
                 if per_user and user.os_user:
                     accounts.join_group(user.os_user, user.group)
             if "admin" in body:
-                if user.is_admin and not body["admin"] and s.scalar(
-                        select(func.count()).select_from(User).where(User.is_admin)) <= 1:
+                # the admins' rows locked before counting them: two admins demoting each other at once
+                # (PostgreSQL) would each count two and leave none
+                if user.is_admin and not body["admin"] and len(
+                        s.scalars(select(User.name).where(User.is_admin).with_for_update()).all()) <= 1:
                     raise bad_value("admin", False, f"{name} is the only admin: make another user an admin first "
                                                     "(no one could manage the cluster)")
                 user.is_admin = body["admin"]

@@ -11,7 +11,7 @@ from sqlalchemy import func, select
 
 from luban.cluster import db
 from luban.cluster.executors.local import LocalExecutor
-from luban.cluster.models import ACTIVE, Allocation, Job
+from luban.cluster.models import ACTIVE, Allocation, Job, User
 from luban.cluster.scheduler import Scheduler, Settings
 from luban.cluster.service import create_app, ensure_admin
 from tests.cluster.conftest import kill_jobs, wait_for
@@ -227,3 +227,27 @@ def test_two_admins_adding_one_user_at_once_is_no_500(cluster, tmp_path):
     for t in threads:
         join(t)
     assert len(codes) == 8 and codes.count(201) == 1 and set(codes) <= {201, 409, 422}, codes
+
+
+def test_admins_demoting_each_other_at_once_leave_one(cluster, tmp_path):
+    """The last-admin rule counted the admins without a lock: on PostgreSQL, admins demoting each other at
+    once each counted several and left none (no one could manage the cluster)."""
+    sessions, _, http, _ = cluster
+    admin = {"Authorization": "Bearer " + (tmp_path / "admin.token").read_text().strip()}
+    names = [f"boss{i}" for i in range(6)]
+    for name in names:
+        assert http.post("/api/users", json={"name": name, "admin": True}, headers=admin).status_code == 201
+    barrier, codes = threading.Barrier(len(names) + 1, timeout=BOUND), []
+
+    def demote(name):
+        barrier.wait()
+        codes.append(http.patch(f"/api/users/{name}", json={"admin": False}, headers=admin).status_code)
+
+    threads = [threading.Thread(target=demote, args=(name,)) for name in ["admin", *names]]
+    for t in threads:
+        t.start()
+    for t in threads:
+        join(t)
+    with sessions() as s:
+        admins = s.scalars(select(User.name).where(User.is_admin)).all()
+    assert len(admins) == 1 and codes.count(200) == len(names) and codes.count(422) == 1, (admins, codes)
