@@ -234,14 +234,16 @@ def test_admins_demoting_each_other_at_once_leave_one(cluster, tmp_path):
     once each counted several and left none (no one could manage the cluster)."""
     sessions, _, http, _ = cluster
     admin = {"Authorization": "Bearer " + (tmp_path / "admin.token").read_text().strip()}
-    names = [f"boss{i}" for i in range(6)]
+    names, tokens = [f"boss{i}" for i in range(6)], {"admin": admin}
     for name in names:
-        assert http.post("/api/users", json={"name": name, "admin": True}, headers=admin).status_code == 201
+        answer = http.post("/api/users", json={"name": name, "admin": True}, headers=admin)
+        assert answer.status_code == 201, answer.text
+        tokens[name] = {"Authorization": f"Bearer {answer.json()['token']}"}
     barrier, codes = threading.Barrier(len(names) + 1, timeout=BOUND), []
 
-    def demote(name):
+    def demote(name):  # each admin steps down himself: every request is made by an admin
         barrier.wait()
-        codes.append(http.patch(f"/api/users/{name}", json={"admin": False}, headers=admin).status_code)
+        codes.append(http.patch(f"/api/users/{name}", json={"admin": False}, headers=tokens[name]).status_code)
 
     threads = [threading.Thread(target=demote, args=(name,)) for name in ["admin", *names]]
     for t in threads:
