@@ -206,6 +206,26 @@ def critical():
         raise KeyboardInterrupt
 
 
+@contextlib.contextmanager
+def sigterm_unwinds():
+    """Within the block (the main thread), SIGTERM raises ``SystemExit(143)`` instead of ending the process
+    at once, so the block's own ``except``/``finally`` clean-up runs (``cluster serve``'s start-up removes a
+    state folder it made but did not finish); afterwards the handler before it is back. 143 = 128 + SIGTERM,
+    what a shell reads for a process SIGTERM ended."""
+    def _raise(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: a second SIGTERM must not cut the clean-up
+        raise SystemExit(128 + signum)
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.signal(signal.SIGTERM, _raise)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 def quiet_stdout() -> None:
     """After a closed pipe: stdout goes to /dev/null so nothing can fail to flush again."""
     with contextlib.suppress(OSError, ValueError):

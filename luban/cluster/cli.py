@@ -398,37 +398,40 @@ def cmd_serve(args) -> int:
         if why:
             raise bad_value("--run-jobs-as", "namespace", f"{why}; pass --run-jobs-as service to run jobs "
                                                           "unisolated, as this service's account")
-    sock = _listen(args.host, args.port)
-    existed, fresh = state.exists(), owned.owner(state) == "empty"
-    mode = state.stat().st_mode & 0o7777 if existed else None
-    try:
-        engine = db.open_checked(args.db) if args.db else None  # a server: before the state folder exists
-        owned.claim(state, "cluster-state", "--state")
+    from luban import interrupt
+
+    with interrupt.sigterm_unwinds():  # a SIGTERM during start-up (a service manager's stop) cleans up too
+        sock = _listen(args.host, args.port)
+        existed, fresh = state.exists(), owned.owner(state) == "empty"
+        mode = state.stat().st_mode & 0o7777 if existed else None
         try:
-            os.chmod(state, 0o700)  # database, tokens, logs, run records: the service's alone
-        except OSError as err:
-            raise bad_value("--state", args.state, f"cannot make it private ({err.strerror})") from None
-        if engine is None:
-            engine = db.open_checked(str(state / "luban.db"))
-        sessions = db.sessions(engine)
-        options = ({"nodes": args.nodes, "gpus": args.gpus, "zones": args.zones, "node_group": args.node_group}
-                   if args.executor == "local" else {"partition": args.partition, "state_dir": str(state)})
-        settings = Settings(state_dir=str(state), url=args.public_url or service_url(args.host, args.port),
-                            tick=args.tick, quantum=args.quantum, suspend_timeout=args.suspend_timeout,
-                            sample_every=args.sample_every, run_jobs_as=run_as, on_shutdown=args.on_shutdown,
-                            secret_dirs=hidden)
-        scheduler = Scheduler(sessions, make(args.executor, **options), settings)
-        token_path = ensure_admin(sessions, state)
-        app = create_app(sessions, scheduler, max_body=args.max_body, max_queued=args.max_queued)
-    except BaseException:
-        sock.close()
-        if not existed:  # made by this start-up, which did not start: leave nothing behind
-            shutil.rmtree(state, ignore_errors=True)
-        elif fresh:  # an empty folder: empty again, its mode as it was
-            for entry in state.iterdir():
-                shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
-            os.chmod(state, mode)
-        raise
+            engine = db.open_checked(args.db) if args.db else None  # a server: before the state folder exists
+            owned.claim(state, "cluster-state", "--state")
+            try:
+                os.chmod(state, 0o700)  # database, tokens, logs, run records: the service's alone
+            except OSError as err:
+                raise bad_value("--state", args.state, f"cannot make it private ({err.strerror})") from None
+            if engine is None:
+                engine = db.open_checked(str(state / "luban.db"))
+            sessions = db.sessions(engine)
+            options = ({"nodes": args.nodes, "gpus": args.gpus, "zones": args.zones, "node_group": args.node_group}
+                       if args.executor == "local" else {"partition": args.partition, "state_dir": str(state)})
+            settings = Settings(state_dir=str(state), url=args.public_url or service_url(args.host, args.port),
+                                tick=args.tick, quantum=args.quantum, suspend_timeout=args.suspend_timeout,
+                                sample_every=args.sample_every, run_jobs_as=run_as, on_shutdown=args.on_shutdown,
+                                secret_dirs=hidden)
+            scheduler = Scheduler(sessions, make(args.executor, **options), settings)
+            token_path = ensure_admin(sessions, state)
+            app = create_app(sessions, scheduler, max_body=args.max_body, max_queued=args.max_queued)
+        except BaseException:
+            sock.close()
+            if not existed:  # made by this start-up, which did not start: leave nothing behind
+                shutil.rmtree(state, ignore_errors=True)
+            elif fresh:  # an empty folder: empty again, its mode as it was
+                for entry in state.iterdir():
+                    shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
+                os.chmod(state, mode)
+            raise
     if run_as == "namespace":
         jobguard.undumpable()  # jobs share our uid: they must not read /proc/<service>/environ|mem|root
         print(f"luban cluster: not root: jobs run as this service's OS account ({getpass.getuser()}) in namespaces "
@@ -444,8 +447,6 @@ def cmd_serve(args) -> int:
               f"share it only with users you trust; {fix}", file=sys.stderr, flush=True)
     if token_path:
         print(f"luban cluster: admin token written to {token_path}", flush=True)
-    from luban import interrupt
-
     with interrupt.own_handling():  # Ctrl-C: uvicorn's graceful shutdown, then one line and 130
         uvicorn.Server(uvicorn.Config(app, log_level=args.log_level)).run(sockets=[sock])
     return 0

@@ -70,3 +70,38 @@ def test_ctrl_c_on_serve_shuts_down_then_130(tmp_path):
     code, err, took = serve.ctrl_c()
     assert code == 130 and "Traceback" not in err and err.endswith("luban: interrupted\n"), (code, err)
     assert err.count("luban: interrupted") == 1
+
+
+def test_sigterm_during_serve_start_up_leaves_nothing_behind(tmp_path):
+    """A service manager's stop (SIGTERM) while ``cluster serve`` sets up its state folder: the folder it
+    made is removed (one that existed empty is empty again, its mode as it was), exit 143, no traceback.
+    Before, SIGTERM's default action ended the process there and left a marked folder with part of a state.
+    The signal goes the moment the marker appears, the first thing the set-up writes."""
+    import os
+    import signal
+    import time
+
+    from tests.cluster.conftest import free_port
+
+    given = tmp_path / "given"
+    given.mkdir(mode=0o751)
+    os.chmod(given, 0o751)
+    for state in (tmp_path / "new", given):
+        proc = subprocess.Popen([*LUBAN, "cluster", "serve", "--state", str(state), "--port", str(free_port()),
+                                 "--run-jobs-as", "service"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                env=env())
+        deadline = time.monotonic() + 120
+        while not (state / ".luban").exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.0005)
+        proc.send_signal(signal.SIGTERM)
+        try:
+            _, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, err = proc.communicate()
+        err = err.decode(errors="replace")
+        assert proc.returncode == 143 and "Traceback" not in err, (state, proc.returncode, err)
+        if state == given:
+            assert list(state.iterdir()) == [] and state.stat().st_mode & 0o7777 == 0o751
+        else:
+            assert not state.exists(), sorted(os.listdir(state))
