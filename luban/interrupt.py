@@ -13,6 +13,8 @@ instead: ``luban.train.preempt``).
 - **Closed stdout** (``luban jobs | head -1``): the write raises ``BrokenPipeError``;
   ``luban.cli.main`` points stdout at /dev/null (so the interpreter's last flush cannot fail
   again) and exits ``EXIT_PIPE`` (141, as a process killed by SIGPIPE reads in a shell), quietly.
+- **SIGTERM** keeps its default action (the process ends), except inside ``sigterm_unwinds()``: a
+  start-up that must not leave half a state behind (``cluster serve``) unwinds through its clean-up.
 """
 
 from __future__ import annotations
