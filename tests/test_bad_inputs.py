@@ -341,6 +341,29 @@ def test_issue24_file_cases(capsys, tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "list.json", "t5.toml"]
 
 
+def test_a_stale_rank_environment_is_one_line(capsys, tmp_path, monkeypatch):
+    """WORLD_SIZE left exported in a shell makes ``luban train`` a rank: without RANK or MASTER_ADDR,
+    or with them garbled, it was torch's env:// ValueError (or int()'s) traceback (a hostile sweep,
+    2026-11-27); now one line naming the variable, and nothing written."""
+    for key in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID"):
+        monkeypatch.delenv(key, raising=False)
+    argv = ["train", "--set", f'run.dir="{tmp_path / "run"}"', "--set", "parallel.dp=2"]
+    cases = [({"WORLD_SIZE": "2"}, "RANK = (unset): set by the launcher of a job's ranks"),
+             ({"WORLD_SIZE": "two"}, "WORLD_SIZE = 'two': an integer from 1 to 16777216"),
+             ({"WORLD_SIZE": "2", "RANK": "0"}, "MASTER_ADDR = (unset): "),
+             ({"WORLD_SIZE": "2", "RANK": "5", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"},
+              "RANK = '5': an integer from 0 to 1 (WORLD_SIZE = 2)"),
+             ({"WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0x10"},
+              "MASTER_PORT = '0x10': an integer from 1 to 65535")]
+    for env, words in cases:
+        with monkeypatch.context() as m:
+            for key, value in env.items():
+                m.setenv(key, value)
+            code, err = run(capsys, argv)
+        assert code == 2 and err.startswith("luban: error: ") and err.count("\n") == 1 and words in err, (env, err)
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_server_that_is_not_luban_s_is_named(monkeypatch):
     """A web server's empty 404 printed 'luban: error:  (HTTP 404)' (a hostile sweep, 2026-11-27)."""
     import httpx

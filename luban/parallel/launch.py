@@ -10,7 +10,10 @@ own (a terminal's Ctrl-C reaches them once, through the launcher), ask for SIGKI
 launcher dies (``LUBAN_LAUNCHER_PID``), start with the forwarded signals blocked until their
 handlers are installed, and whatever is left of them is killed when ``launch`` returns. The
 forwarding handlers are installed before the first rank starts, and a signal recorded before
-``launch`` was called ends it with 75 without starting any rank. Under Slurm the node count, node rank and
+``launch`` was called ends it with 75 without starting any rank; one while a rank waits in a
+rendezvous that cannot complete ends that rank with 75 ``JOIN_GRACE_S`` later (``init_distributed``).
+A rendezvous that could not work (no agreed port across nodes, a port in use, an address that does
+not resolve) is refused, one line, before any rank starts. Under Slurm the node count, node rank and
 master address default to SLURM_NNODES/SLURM_NODEID/SLURM_JOB_NODELIST, and a process
 started directly by ``srun`` (one task per rank) takes its rank from SLURM_PROCID.
 
@@ -22,18 +25,21 @@ The planner's CPU model (``luban.plan.time.cpu_terms``) assumes the same rule.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 from luban import procs
-from luban.errors import EXIT_SUSPENDED
+from luban.errors import EXIT_SUSPENDED, LubanError, bad_value
 from luban.train import preempt
 
 FORWARDED = preempt.HANDLED  # the suspend signals: forwarded to every rank
+MAX_WORLD = 1 << 24  # ranks of one job (RENDEZVOUS in luban.train.cli bounds nproc and nnodes apart)
 
 
 # ports handed out for a rendezvous lie below the kernel's ephemeral range (Linux default
@@ -63,6 +69,17 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def port_free(port: int) -> bool:
+    """Whether a rendezvous server could listen on ``port`` (all addresses, as torch's TCPStore does)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port in TIME_WAIT is free to it too
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+    return True
 
 
 def rank_threads(cores: int, nproc: int) -> int:
@@ -102,8 +119,17 @@ def launch(argv: list[str], nproc: int, nnodes: int = 1, node_rank: int = 0, mas
         master_port = master_port or (slurm["master_port"] if nnodes > 1 else 0)
     if master_port == 0:
         if nnodes > 1:
-            raise ValueError("a multi-node launch needs an agreed master_port")
+            raise bad_value("--master-port", master_port, "a port from 1 to 65535, the same on every node: a "
+                            "multi-node launch needs an agreed one")
         master_port = free_port()
+    elif node_rank == 0 and not port_free(master_port):  # rank 0 would fail to serve the rendezvous on it
+        raise bad_value("--master-port", master_port, "a port free on this node (rank 0 serves the rendezvous "
+                        "on it; it is in use): pick another, or leave it out on one node")
+    try:  # a name no rank can resolve would leave every rank retrying its rendezvous for 30 minutes
+        socket.getaddrinfo(master_addr, master_port, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError, ValueError) as err:
+        raise bad_value("--master-addr", master_addr, "a host name or address of the node running rank 0 "
+                        f"that this node can resolve ({getattr(err, 'strerror', None) or err})") from None
     world = nproc * nnodes
     threads = os.environ.get("OMP_NUM_THREADS") or str(rank_threads(host_cores(), nproc))
     children: list[subprocess.Popen] = []
@@ -219,6 +245,29 @@ def rank_env(env=os.environ) -> dict:
     return {"RANK": env["SLURM_PROCID"], "WORLD_SIZE": env["SLURM_NTASKS"], "LOCAL_RANK": env.get("SLURM_LOCALID", "0")}
 
 
+def check_rank_env(env=os.environ) -> int:
+    """The world size of a process started as a rank (``WORLD_SIZE`` set), after checking the
+    variables torch's env:// rendezvous reads: a stale or partial set (WORLD_SIZE left exported in a
+    shell) is one line, not a traceback."""
+    ranks = rank_env(env)
+    launched = ("set by the launcher of a job's ranks (luban train --nproc, torchrun, srun); a WORLD_SIZE left "
+                "in the environment makes this process one of them: unset it, and start ranks with --nproc")
+    world = ranks.get("WORLD_SIZE", "1")
+    if not (world.isascii() and world.isdigit() and 0 < int(world) <= MAX_WORLD):
+        raise bad_value("WORLD_SIZE", world, f"an integer from 1 to {MAX_WORLD}, {launched}")
+    if int(world) == 1:
+        return 1
+    for key in ("RANK", "MASTER_ADDR", "MASTER_PORT"):
+        if key not in {**env, **ranks}:
+            raise LubanError(f"{key} = (unset): {launched}")
+    rank, port = ranks["RANK"], env["MASTER_PORT"]
+    if not (rank.isascii() and rank.isdigit() and int(rank) < int(world)):
+        raise bad_value("RANK", rank, f"an integer from 0 to {int(world) - 1} (WORLD_SIZE = {world}), {launched}")
+    if not (port.isascii() and port.isdigit() and 0 < int(port) < 65536):
+        raise bad_value("MASTER_PORT", port, f"an integer from 1 to 65535, {launched}")
+    return int(world)
+
+
 def world_size() -> int:
     return int(rank_env().get("WORLD_SIZE", "1"))
 
@@ -244,4 +293,49 @@ def init_distributed(device) -> None:
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    with _suspend_if_joining_stalls():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+
+
+JOIN_GRACE_S = 5.0  # a healthy rendezvous ends within this of a signal: the trainer then suspends as usual
+
+
+@contextlib.contextmanager
+def _suspend_if_joining_stalls():
+    """A suspend signal while this rank waits in the rendezvous for ranks that do not come (a node that
+    never starts, a master address nobody serves) ends it with 75 ``JOIN_GRACE_S`` later: the
+    rendezvous blocks in C++ for up to 30 minutes, and Python runs the signal's handler only after
+    it. The C-level handler still writes the signal's number to the wake-up fd; a thread reads it.
+    A rendezvous that completes within the grace leaves the signal to the trainer (all ranks agree)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    read, write = os.pipe()
+    os.set_blocking(read, False), os.set_blocking(write, False)
+    previous = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+    joined = threading.Event()
+
+    def watch():
+        reason = preempt.early_signal()  # came before the rendezvous began
+        since = time.monotonic() if reason else None
+        while not joined.wait(0.1):
+            try:
+                got = [signal.Signals(n).name for n in os.read(read, 64) if n in FORWARDED]
+            except BlockingIOError:
+                got = []
+            if got and since is None:
+                reason, since = got[0], time.monotonic()
+            if since is not None and time.monotonic() - since > JOIN_GRACE_S:
+                print(f"suspended on {reason} while waiting for the other ranks to join; exit {EXIT_SUSPENDED} "
+                      "(nothing to save; run again with --resume auto)", flush=True)
+                os._exit(EXIT_SUSPENDED)
+
+    thread = threading.Thread(target=watch, name="luban-join", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        joined.set()
+        thread.join()
+        signal.set_wakeup_fd(previous)
+        os.close(read), os.close(write)

@@ -13,6 +13,7 @@ collectives stay inside a node (Narayanan et al. 2021, Sec. 3.3).
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 from luban.errors import bad_value, unknown_key
@@ -30,6 +31,9 @@ HOST_STATE_OFFLOADS = ("optimizer", "params")  # model states kept on the host b
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")  # fp8: the planner only (RuntimeRules.precisions)
 LOSS_SCALES = ("dynamic", "none")
 MESH_DIMS = ("pp", "dp", "cp", "tp")
+# any integer key (a degree, micro_batch, bucket_mb in MiB): beyond every cluster, and small enough that
+# the nearest-value hints stay quick and DDP's bucket size in bytes stays a C int64 (2**63 MiB overflowed it)
+MAX_DEGREE = 1 << 24
 
 
 @dataclass(frozen=True)
@@ -92,6 +96,8 @@ class ParallelLayout:
             elif isinstance(default, int):
                 if not _is_int(value) or value < (0 if key == "zero" else 1):
                     raise bad_value(f"{section}.{key}", value, "must be a positive integer")
+                if value > MAX_DEGREE:
+                    raise bad_value(f"{section}.{key}", value, f"at most {MAX_DEGREE:,}")
             elif isinstance(default, str) and not isinstance(value, str):
                 raise bad_value(f"{section}.{key}", value, "must be a string")
             values[key] = value
@@ -253,7 +259,8 @@ def _is_int(v) -> bool:
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    low = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted({*low, *(n // d for d in low)})
 
 
 def _common_divisors(*ns: int) -> list[int]:

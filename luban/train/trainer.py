@@ -24,6 +24,7 @@ from luban.errors import EXIT_SUSPENDED, LubanError, bad_value
 from luban.model import flops
 from luban.model.config import ModelConfig
 from luban.parallel.engine import Engine, OptimizerConfig, build_engine, resolve_compile
+from luban.parallel.launch import check_rank_env
 from luban.parallel.layout import check_layout
 from luban.parallel.recompute import recomputed_flops_mode
 from luban.train import checkpoint
@@ -87,7 +88,7 @@ class Trainer:
         self.run_dir = Path(cfg.run.dir)
         self.ckpt_root = self.run_dir / "checkpoints"
         self.device = pick_device(cfg.run.device)
-        world = int(os.environ.get("WORLD_SIZE", "1"))
+        world = check_rank_env()  # a stale WORLD_SIZE without the rest: one line, not torch's traceback
         check_layout(cfg.parallel, cfg.model, cfg.train.global_batch, world, cfg.seq_len)
         if "WORLD_SIZE" not in os.environ:  # one process, not launched: no launcher checked the memory
             from luban.train.memcheck import check_fits

@@ -1,4 +1,4 @@
-"""A rank process for test_launch: behaviour chosen by argv[1] (env | suspend | fail)."""
+"""A rank process for test_launch: behaviour chosen by argv[1] (env | suspend | fail | join)."""
 
 import json
 import os
@@ -28,3 +28,13 @@ if mode == "fail":  # rank 1 crashes once rank 0 runs; rank 0 would hang forever
             time.sleep(0.05)
         sys.exit(3)
     time.sleep(3600)  # the test fails on its bound unless a signal or the launcher ends this
+if mode == "join":  # a rank of luban's (the suspend handlers in) joining a rendezvous no other rank comes to
+    from luban.parallel.launch import init_distributed
+    from luban.train import preempt
+
+    preempt.install()
+    import torch.distributed  # noqa: F401 - loaded: ready means about to join
+
+    (out / f"ready{rank}").touch()
+    init_distributed("cpu")  # blocks up to torch's 30-minute timeout: the test's bound fails first
+    sys.exit(0)

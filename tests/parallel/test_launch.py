@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import sys
 import time
 
 import pytest
 
-from luban.parallel.launch import host_cores, launch, rank_env, rank_threads, slurm_defaults
+from luban.errors import LubanError
+from luban.parallel.launch import free_port, host_cores, launch, rank_env, rank_threads, slurm_defaults
 from tests.child import Child
 
 CHILD = "tests.parallel._launch_child"
@@ -33,14 +35,14 @@ def test_rank_threads_share_the_cores():
     assert rank_threads(2, 4) == 1 and rank_threads(3, 2) == 1
 
 
-def _launch_in_subprocess(mode, tmp_path) -> Child:
-    """A launch of 2 ranks of _launch_child in a child process, once both ranks are ready."""
+def _launch_in_subprocess(mode, tmp_path, how="nproc=2", ranks=(0, 1)) -> Child:
+    """A launch (``how``: its arguments) of _launch_child in a child process, once ``ranks`` are ready."""
     code = (f"import sys; from luban.parallel.launch import launch; "
-            f"sys.exit(launch([{mode!r}, {str(tmp_path)!r}], nproc=2, module={CHILD!r}))")
+            f"sys.exit(launch([{mode!r}, {str(tmp_path)!r}], {how}, module={CHILD!r}))")
     child = Child([sys.executable, "-c", code], log=tmp_path / "launch.log", cwd=os.getcwd(),
                   start_new_session=False)  # signals go to the launcher, as from a terminal or scheduler
     deadline = time.monotonic() + 300
-    while not all((tmp_path / f"ready{r}").exists() for r in (0, 1)):
+    while not all((tmp_path / f"ready{r}").exists() for r in ranks):
         if child.poll() is not None or time.monotonic() > deadline:
             child.kill()
             raise AssertionError(f"ranks not ready (launcher exit {child.returncode})\n{child.tail()}")
@@ -68,6 +70,30 @@ def test_slurm_variables():
     assert rank_env({**env, "RANK": "0", "WORLD_SIZE": "2"}) == {"RANK": "0", "WORLD_SIZE": "2"}
 
 
-def test_multinode_needs_a_port():
-    with pytest.raises(ValueError, match="master_port"):
-        launch(["env", "/nonexistent"], nproc=1, nnodes=2, module=CHILD)
+def test_bad_rendezvous_is_one_line_before_any_rank_starts(tmp_path):
+    """A hostile sweep, 2026-11-27: --nnodes 2 without --master-port was a ValueError traceback; a
+    --master-port in use a traceback from rank 0's TCPStore (EADDRINUSE, exit 1); an unresolvable
+    --master-addr left the ranks retrying for torch's 30-minute rendezvous timeout."""
+    with pytest.raises(LubanError, match="^--master-port = 0: a port from 1 to 65535, the same on every node"):
+        launch(["env", str(tmp_path)], nproc=1, nnodes=2, module=CHILD)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(LubanError, match=f"^--master-port = {port}: a port free on this node"):
+            launch(["env", str(tmp_path)], nproc=1, master_port=port, module=CHILD)
+    with pytest.raises(LubanError, match="^--master-addr = 'no such host!': a host name or address"):
+        launch(["env", str(tmp_path)], nproc=1, master_addr="no such host!", module=CHILD)
+    assert list(tmp_path.iterdir()) == []  # no rank ran
+
+
+def test_a_signal_ends_a_rendezvous_that_cannot_complete(tmp_path):
+    """Node 0 of 2 whose other node never comes: its rank waits in the rendezvous (C++, torch's
+    30-minute timeout) where Python cannot run the suspend handler. A SIGTERM to the launcher
+    ends it with 75 after ``JOIN_GRACE_S`` (it hung for the whole timeout: a hostile sweep, 2026-11-27)."""
+    how = f"nproc=1, nnodes=2, node_rank=0, master_port={free_port()}"
+    with _launch_in_subprocess("join", tmp_path, how, ranks=(0,)) as proc:
+        time.sleep(1.0)  # into the rendezvous (a signal before it takes the same path)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(120) == 75, proc.tail()
+        assert "suspended on SIGTERM while waiting for the other ranks to join" in proc.output(), proc.tail()

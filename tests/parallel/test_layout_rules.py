@@ -58,6 +58,17 @@ def test_bucket_size_is_a_layout_key():
     assert ParallelLayout.from_dict({"bucket_mb": 50}).bucket_mb == 50
 
 
+def test_integer_keys_are_bounded():
+    """A hostile sweep, 2026-11-27: bucket_mb = 2**63 - 1 passed and crashed every rank in DDP (bytes
+    overflow a C int64, a traceback per rank); dp = 10**12 with dp_replicate = 7 hung the launcher
+    listing dp's divisors for its 'nearest' hint (a SIGTERM did not end it)."""
+    for key, value in (("bucket_mb", 2**63 - 1), ("dp", 10**12), ("micro_batch", 10**12 + 7)):
+        with pytest.raises(LubanError, match=rf"parallel.{key} = {value}: at most 16,777,216"):
+            ParallelLayout.from_dict({key: value, "dp_replicate": 7})
+    with pytest.raises(LubanError, match="nearest: \\[1, 16777213\\]"):  # a prime's divisors, at once
+        ParallelLayout.from_dict({"dp": 16777213, "dp_replicate": 7})
+
+
 def test_auto_split_balances_cost_and_counts_the_head():
     big_head = CFG.replace(vocab=50000)  # LM head ~ several layers: the last stage gets fewer layers
     assert [len(r) for r in split_layers(big_head, 2)] == [3, 1]
