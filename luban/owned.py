@@ -37,6 +37,14 @@ def _names(path: Path) -> list[str]:
     return sorted(p.name for p in path.iterdir())
 
 
+def _read_json(path: Path):
+    """What the regular file ``path`` holds, as JSON; anything else by that name (a named pipe, a device)
+    is not opened, since a read of it could wait for a writer forever or never end (``OSError``)."""
+    if not path.is_file():
+        raise OSError(f"{path} is not a regular file")
+    return json.loads(path.read_text())
+
+
 def _is_run(path: Path) -> bool:
     """A run folder written before the marker: only luban's run files, and either a checkpoint
     (``checkpoints/step_NNNNNNN/meta.json``) or a ``config.json`` that is a luban run config."""
@@ -48,7 +56,7 @@ def _is_run(path: Path) -> bool:
     if ckpts.is_dir() and any((p / "meta.json").is_file() for p in ckpts.iterdir() if _STEP.match(p.name)):
         return True
     try:
-        cfg = json.loads((path / "config.json").read_text())
+        cfg = _read_json(path / "config.json")
     except (OSError, ValueError, UnicodeDecodeError, RecursionError):
         return False
     return isinstance(cfg, dict) and {"model", "data", "train", "parallel", "run"} <= set(cfg)
@@ -80,7 +88,7 @@ _LEGACY = {"run": _is_run, "dataset": _is_dataset, "cluster-state": _is_cluster_
 def marked_kind(path: Path) -> str | None:
     """The kind named by ``path``'s marker, or None (no marker, or not one luban wrote)."""
     try:
-        data = json.loads((Path(path) / MARKER).read_text())
+        data = _read_json(Path(path) / MARKER)
     except (OSError, ValueError, UnicodeDecodeError, RecursionError):
         return None
     kind = data.get("luban") if isinstance(data, dict) else None

@@ -188,3 +188,53 @@ def test_sample_edges_on_a_real_run(small_dataset, tmp_path):
               for seed in (0, 1)]
     assert greedy[0] == greedy[1] and "--- sample 1" in greedy[0]
     assert "--- sample 1" in luban("sample", run, "--tokens", 8, "--top-k", 100000, check=0).stdout
+
+
+def _sample_run(tmp_path, dataset, scale: float = 1.0, nan: bool = False) -> Path:
+    """A one-layer run folder whose checkpoint names ``dataset``; its weights times ``scale``, or one NaN."""
+    from luban.model.config import ModelConfig
+    from luban.model.presets import get_preset
+    from luban.model.transformer import build_model
+    from luban.train import checkpoint
+
+    cfg = ModelConfig.from_dict({**get_preset("tiny").to_dict(), "layers": 1, "vocab": 257})
+    state = build_model(cfg, seed=3).state_dict()
+    for tensor in {t.data_ptr(): t for t in state.values()}.values():  # a tied weight once
+        tensor.mul_(scale)
+    if nan:
+        state["layers.0.attn.wq.weight"][0, 0] = float("nan")
+    meta = {"step": 0, "config": {"model": cfg.to_dict()}, "world_size": 1, "dataset": str(dataset)}
+    checkpoint.save(tmp_path / "run/checkpoints", 0, {"model": state}, meta, keep=1)
+    return tmp_path / "run"
+
+
+@pytest.mark.parametrize("temperature", ["0", "0.8"])
+def test_sample_refuses_a_diverged_checkpoint(small_dataset, tmp_path, capsys, temperature):
+    """NaN weights (the trainer does not stop on a NaN loss), or finite ones so large that the logits
+    overflow, gave torch.multinomial's RuntimeError traceback (or, greedy, tokens from NaN logits): a
+    hostile sweep, 2026-11-27. One line, exit 2, as `luban export` says it."""
+    run = _sample_run(tmp_path, small_dataset, nan=True)
+    capsys.readouterr()
+    assert main(["sample", str(run), "--tokens", "3", "--temperature", temperature]) == 2
+    assert capsys.readouterr().err == (f"luban: error: CHECKPOINT = '{run}': its tensor layers.0.attn.wq.weight has "
+                                       "1 NaN or infinite value: a diverged run; sample an earlier checkpoint\n")
+    run = _sample_run(tmp_path / "huge", small_dataset, scale=1e30)
+    assert main(["sample", str(run), "--tokens", "3", "--temperature", temperature]) == 2
+    assert capsys.readouterr().err == (f"luban: error: CHECKPOINT = '{run}': its logits are not finite numbers "
+                                       "(weights so large they overflow: a diverged run); sample an earlier checkpoint\n")
+
+
+def test_sample_and_export_refuse_a_model_larger_than_memory(small_dataset, tmp_path, capsys, monkeypatch):
+    """A checkpoint of a model bigger than this machine's memory (trained on a cluster) was built anyway:
+    the allocator's RuntimeError traceback, or the kernel's OOM kill (a hostile sweep, 2026-11-27)."""
+    from luban.train import memcheck
+
+    run = _sample_run(tmp_path, small_dataset)
+    monkeypatch.setattr(memcheck, "mem_available", lambda: 1 << 10)
+    capsys.readouterr()
+    for argv in (["sample", str(run), "--tokens", "1"], ["export", str(run), str(tmp_path / "out")]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"luban: error: CHECKPOINT = '{run}': its model (tiny, 247,808 parameters) ") and err.endswith(
+            "GiB of host memory in float32, but 0.0 GiB is available; read it on a machine with more memory\n"), err
+    assert not (tmp_path / "out").exists()

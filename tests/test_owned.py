@@ -6,6 +6,9 @@ tests/cluster/test_service_errors.py."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -157,3 +160,19 @@ def test_a_luban_folder_holding_a_symbolic_link_is_refused(tmp_path):
 def test_a_nul_character_in_a_folder_path_is_one_line(tmp_path):
     with pytest.raises(LubanError, match=r"^run\.dir = '.*\\x00x': a folder path without a NUL character"):
         owned.claim(f"{tmp_path}/\0x", "run", "run.dir")
+
+
+@pytest.mark.parametrize("name", [owned.MARKER, "config.json"])
+def test_a_named_pipe_in_a_folder_is_refused_not_waited_on(tmp_path, name):
+    """A named pipe called .luban or config.json in --out (or run.dir) made the ownership check wait
+    forever for a writer (a hostile sweep, 2026-11-27: `luban plan study --out`, `luban train` hung).
+    A child process, so that the old behaviour fails the test at its timeout instead of hanging it."""
+    out = tmp_path / "out"
+    out.mkdir()
+    os.mkfifo(out / name)
+    proc = subprocess.run([sys.executable, "-m", "luban", "plan", "study", "seed003", "--out", str(out)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stderr == (
+        f"luban: error: --out = '{out}': holds '{name}', which luban did not write; choose a new or empty "
+        "folder, or one luban made for a planner study (nothing was changed)\n"), proc.stderr
+    assert os.listdir(out) == [name]

@@ -66,6 +66,8 @@ def cmd_submit(args) -> int:
         path = Path(file)
         if not path.exists():
             raise bad_value("job file", file, "no such file")
+        if not (path.is_file() or path.is_dir()):  # a named pipe would block the read, a device never end it
+            raise bad_value("job file", file, "a regular file (this is a named pipe, a device or a socket)")
         import yaml
 
         try:

@@ -62,7 +62,8 @@ class Client:
             detail = body.get("detail") if isinstance(body, dict) else None
             if detail is None or not str(detail).strip():  # not luban's service (a web server's empty 404)
                 detail = f"{method} {path} answered without a message: is {self.url} a luban cluster service?"
-            raise LubanError(f"{' '.join(str(detail).split())[:2000]} (HTTP {response.status_code})")
+            detail = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in " ".join(str(detail).split()))
+            raise LubanError(f"{detail[:2000]} (HTTP {response.status_code})")  # no terminal control codes
         if body is None or SERVICE_HEADER not in response.headers:  # another web server or API at the URL
             raise LubanError(f"{method} {path} answered HTTP {response.status_code} "
                              f"({response.headers.get('content-type') or 'no content type'}) without luban's mark: "

@@ -6,6 +6,9 @@ import argparse
 import json
 import time
 
+from luban import schema
+
+DATASET_DIR = schema.text(allowed="a dataset folder")  # not '' (which would be the current folder)
 
 
 def register(subparsers) -> None:
@@ -44,12 +47,12 @@ def register(subparsers) -> None:
                             description="Check the manifest; every shard's sizes, header, index, token-chunk "
                             "CRCs and token ids; the tokenizer file, its SHA-256 and vocabulary; exit 2 "
                             "naming the file on error.")
-    verify.add_argument("dir", metavar="DIR")
+    verify.add_argument("dir", metavar="DIR", type=DATASET_DIR)
     verify.set_defaults(func=_verify)
 
     info = sub.add_parser("info", help="describe a dataset",
                           description="Print a dataset's tokenizer, splits, shards and sizes.")
-    info.add_argument("dir", metavar="DIR")
+    info.add_argument("dir", metavar="DIR", type=DATASET_DIR)
     info.add_argument("--json", action="store_true", help="print the manifest as JSON")
     info.set_defaults(func=_info)
 

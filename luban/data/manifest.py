@@ -111,6 +111,9 @@ def load_manifest(dataset_dir: str | Path) -> dict:
         raise bad_value("dataset_dir", str(dataset_dir),
                         "no such directory; build one with `luban data build --out DIR`")
     path = dataset_dir / MANIFEST
+    if path.exists() and not path.is_file():  # a named pipe would block the read, a device never end it
+        raise LubanError(f"{path}: not a regular file, so {dataset_dir} is not a luban dataset; "
+                         "build one with `luban data build --out DIR`")
     try:
         manifest = json.loads(path.read_text())
     except FileNotFoundError:

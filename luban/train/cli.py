@@ -211,6 +211,7 @@ def cmd_sample(args) -> int:
     from luban.train.sample import generate, load_model
 
     model, meta = load_model(args.checkpoint)
+    _check_finite(args.checkpoint, model, "sample an earlier checkpoint")
     data = args.data or meta.get("dataset")
     if args.data and not Path(data, "manifest.json").is_file():
         raise bad_value("--data", data, "a luban dataset (a folder with manifest.json: `luban data build`), for its tokenizer")
@@ -222,7 +223,11 @@ def cmd_sample(args) -> int:
     _check_same_tokenizer(args, meta, data, model.cfg.vocab)
     prompt = tok.encode(args.prompt) or [tok.eos_id]  # nothing to continue: start a new document
     for i in range(args.samples):
-        ids = generate(model, prompt, args.tokens, args.temperature, args.top_k, args.seed + i)
+        try:
+            ids = generate(model, prompt, args.tokens, args.temperature, args.top_k, args.seed + i)
+        except FloatingPointError:  # finite weights, so large that the logits overflow
+            raise bad_value("CHECKPOINT", str(args.checkpoint), "its logits are not finite numbers (weights so "
+                            "large they overflow: a diverged run); sample an earlier checkpoint") from None
         print(f"--- sample {i + 1} (step {meta['step']}) ---")
         print(tok.decode([t for t in ids if t < tok.vocab_size]))
     return 0
@@ -276,15 +281,16 @@ def cmd_export(args) -> int:
     return 0
 
 
-def _check_finite(checkpoint, model) -> None:
-    """A diverged run's weights (NaN, inf) are refused before OUT is made: transformers would load them and
-    every logit would be NaN (and ``luban import`` refuses them)."""
+def _check_finite(checkpoint, model, advice: str = "export an earlier checkpoint (nothing was written)") -> None:
+    """A diverged run's weights (NaN, inf) are refused: before an export's OUT is made (transformers would
+    load them and every logit would be NaN, and ``luban import`` refuses them), and before sampling (no
+    token can be drawn from NaN probabilities)."""
     from luban.model.hf import nonfinite
 
     found = nonfinite(model.state_dict())
     if found:
         raise bad_value("CHECKPOINT", str(checkpoint), f"its tensor {found[0]} has {found[1]}: a diverged run; "
-                        f"export an earlier checkpoint (nothing was written)")
+                        f"{advice}")
 
 
 def _run_tokenizer(meta: dict, vocab: int):

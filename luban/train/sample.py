@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -41,6 +42,7 @@ def load_model(path: str) -> tuple[Transformer, dict]:
     except (OSError, ValueError, KeyError, TypeError, RecursionError) as err:
         raise LubanError(f"CHECKPOINT = {path!r}: meta.json has no readable model config "
                          f"({err})".replace("\n", " ")) from None
+    _check_fits(path, cfg)
     model = build_model(cfg)
     state = {"model": model.state_dict()}
     try:
@@ -53,15 +55,32 @@ def load_model(path: str) -> tuple[Transformer, dict]:
     return model.eval(), meta
 
 
+def _check_fits(path: str, cfg: ModelConfig) -> None:
+    """The model is built here in float32, in host memory: one that cannot fit (a checkpoint trained on a
+    cluster, read on a laptop) is refused in one line, not failed in the allocator or killed by the kernel."""
+    from luban.model.flops import param_count
+    from luban.train.memcheck import GIB, mem_available
+
+    params, available = param_count(cfg), mem_available()
+    if os.environ.get("LUBAN_SKIP_MEMORY_CHECK") or available is None or 4 * params <= available:
+        return
+    raise LubanError(f"CHECKPOINT = {path!r}: its model ({cfg.name}, {params:,} parameters) needs "
+                     f"{4 * params / GIB:.1f} GiB of host memory in float32, but {available / GIB:.1f} GiB is "
+                     "available; read it on a machine with more memory")
+
+
 @torch.no_grad()
 def generate(model: Transformer, prompt: list[int], max_new_tokens: int, temperature: float = 0.8,
              top_k: int = 40, seed: int = 0) -> list[int]:
-    """Autoregressive sampling with temperature and top-k (greedy when temperature is 0)."""
+    """Autoregressive sampling with temperature and top-k (greedy when temperature is 0).
+    ``FloatingPointError`` if the model computes a NaN or infinite logit."""
     gen = torch.Generator().manual_seed(seed)
     ids = list(prompt)
     for _ in range(max_new_tokens):
         context = torch.tensor([ids[-model.cfg.seq_len:]])
         logits = model(context)[0, -1].float()
+        if not torch.isfinite(logits).all():  # finite weights whose logits overflow: a diverged run
+            raise FloatingPointError("the model's logits are not finite numbers")
         if temperature <= 0:
             ids.append(int(logits.argmax()))
             continue

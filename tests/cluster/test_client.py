@@ -68,3 +68,28 @@ def test_a_command_that_is_not_a_job_name_still_submits(capsys, monkeypatch):
     assert cli.main(["submit", "--url", "http://127.0.0.1:9", "--token", "x", "--", "./a b ü"]) == 2
     err = capsys.readouterr().err
     assert "is unreachable" in err and "name" not in err, err
+
+
+def test_a_job_file_that_is_a_named_pipe_is_refused_not_waited_on(tmp_path):
+    """`luban submit job.yaml` waited forever on a named pipe (and read a link to /dev/zero until memory ran
+    out): a hostile sweep, 2026-11-27. A child process, so that a hang fails at the timeout."""
+    import os
+    import subprocess
+
+    from tests.cluster.conftest import LUBAN
+
+    os.mkfifo(tmp_path / "job.yaml")
+    (tmp_path / "zero.yaml").symlink_to("/dev/zero")
+    for name in ("job.yaml", "zero.yaml"):
+        proc = subprocess.run([*LUBAN, "submit", "--url", "http://127.0.0.1:9", "--token", "x", name],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and proc.stderr == (f"luban: error: job file = '{name}': a regular file (this "
+                                                        "is a named pipe, a device or a socket)\n"), proc.stderr
+
+
+def test_a_foreign_server_s_control_codes_are_not_printed():
+    """An error answer's message reached the terminal raw, escape sequences and all (a hostile sweep,
+    2026-11-27: a web server answering HTTP 500 with {"detail": "\\x1b[31m..."})."""
+    with pytest.raises(LubanError) as err:
+        answering(httpx.Response(500, json={"detail": "bad \x1b[31mred\x07"})).call("GET", "/jobs")
+    assert str(err.value) == "bad \\x1b[31mred\\x07 (HTTP 500)"

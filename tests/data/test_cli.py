@@ -77,6 +77,24 @@ def test_verify_and_info_of_a_non_dataset(tmp_path):
     assert_one_line_error(luban("info", tmp_path), "manifest.json: missing")
 
 
+@pytest.mark.parametrize("action", ["verify", "info"])
+def test_an_empty_dataset_path_is_not_the_current_folder(small_dataset, action):
+    """`luban data verify ''` verified (and `info ''` described) the current folder: a hostile sweep, 2026-11-27."""
+    proc = luban(action, "", cwd=small_dataset)
+    assert proc.returncode == 2 and proc.stderr == "luban: error: DIR = '': a dataset folder\n", proc.stderr
+
+
+@pytest.mark.parametrize("action", ["verify", "info"])
+def test_a_manifest_that_is_a_named_pipe_is_refused_not_waited_on(tmp_path, action):
+    """``luban data verify``/``info`` (and training, which reads the manifest the same way) waited
+    forever on a manifest.json that is a named pipe (a hostile sweep, 2026-11-27)."""
+    import os
+
+    (tmp_path / "ds").mkdir()
+    os.mkfifo(tmp_path / "ds" / "manifest.json")
+    assert_one_line_error(luban(action, tmp_path / "ds"), "manifest.json: not a regular file")
+
+
 @pytest.mark.parametrize("action", ["build", "verify", "info"])
 def test_help(action):
     proc = luban(action, "--help")
