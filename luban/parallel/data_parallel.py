@@ -48,6 +48,7 @@ history of DDP's (``pipeline._Stage``).
 from __future__ import annotations
 
 import contextlib
+import inspect
 
 import torch
 from torch import nn
@@ -58,6 +59,12 @@ from luban.parallel.expert_parallel import expert_params
 from luban.parallel.layout import ParallelLayout
 from luban.parallel.mesh import LayoutMesh
 from luban.parallel.precision import DTYPES
+
+# DDP's flag for syncing buffers in every forward: torch 2.13 renamed ``broadcast_buffers`` (deprecated
+# there) to ``forward_sync_buffers``; torch 2.11 and 2.12 have only the old name
+NO_BUFFER_SYNC = ({"forward_sync_buffers": False}
+                  if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+                  else {"broadcast_buffers": False})
 
 
 def data_parallel_size(layout: ParallelLayout) -> int:
@@ -80,7 +87,7 @@ def apply_data_parallel(module: nn.Module, layout: ParallelLayout, mesh: LayoutM
         # gradient order and fail).
         # No buffer sync per forward: the only buffers are MoE routers' balancing bias (updated
         # identically on every rank from all-reduced loads) and per-rank load counters.
-        return DistributedDataParallel(module, process_group=mesh["dp_cp"].get_group(), forward_sync_buffers=False,
+        return DistributedDataParallel(module, process_group=mesh["dp_cp"].get_group(), **NO_BUFFER_SYNC,
                                        bucket_cap_mb=layout.bucket_mb, find_unused_parameters=True,
                                        device_ids=[torch.cuda.current_device()] if device.type == "cuda" else None)
     dp_mesh = mesh["dp_replicate", "dp_shard_cp"] if layout.dp_replicate > 1 else mesh["dp_shard_cp"]

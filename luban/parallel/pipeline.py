@@ -111,9 +111,26 @@ class _Stage(PipelineStage):
         keeps a forward from arming the reducer, it does not disarm it), and the first step of
         every process — a resumed one's too — summed in another order than later steps: resume
         was not bitwise."""
+        with self._inferring():
+            return super()._forward_metadata_inference(*args, **kwargs)
+
+    def _shape_inference(self, *args, **kwargs):
+        """torch 2.11's name for the same forward (``_forward_metadata_inference`` since 2.12)."""
+        with self._inferring():
+            return super()._shape_inference(*args, **kwargs)
+
+    def _get_init_p2p_neighbors_ops(self):
+        """The first batch of sends that connects neighbouring stages, without those to this rank itself:
+        a V-shaped schedule (dualpipev) holds stages 1 and 2 on one rank, and torch 2.11 sends between
+        them through the group (gloo refuses: "Pair is not connected"); torch 2.12 warms up otherwise."""
+        me = dist.get_rank(self.group)
+        return [op for op in super()._get_init_p2p_neighbors_ops() if op.group_peer != me]
+
+    @contextlib.contextmanager
+    def _inferring(self):
         quiet = self.submod.no_sync() if isinstance(self.submod, DistributedDataParallel) else contextlib.nullcontext()
         with moe.not_counted(self.submod), quiet:
-            return super()._forward_metadata_inference(*args, **kwargs)
+            yield
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, *args, **kwargs):
         if backward_type in ("input", "weight"):
@@ -156,7 +173,9 @@ class Pipeline:
         """Run all micro-batches of ``inputs`` forward and backward (gradients accumulate as the
         mean over micro-batches); return the mean loss on every pp rank."""
         losses: list = []
-        args = (inputs,) if self.has_first else ()
+        # contiguous: the loader's inputs are a view (tokens[:, :-1]) whose strides torch 2.11's stage
+        # check compares with the contiguous micro-batch it expects ("stride mismatch")
+        args = (inputs.contiguous(),) if self.has_first else ()
         self._schedule(loss_fn).step(*args, target=labels if self.has_last else None, losses=losses)
         return self._mean_loss(losses, inputs.device)
 

@@ -20,7 +20,14 @@
 
 The saved outputs live in SAC's own cache, not behind saved-tensor hooks, so the memory
 accounting (``ActivationCounter``) and the activation offload cannot see them there: the
-policy reports each one to ``observers`` (they stay on the device under activation offload).
+forward mode (``_Saving``) reports each one to ``observers`` (they stay on the device under
+activation offload).
+
+The two dispatch modes are PyTorch's own (``_CachingTorchDispatchMode`` records in forward,
+``_CachedTorchDispatchMode`` replays in the recompute; private names of torch.utils.checkpoint,
+present in torch 2.11-2.13), subclassed here for two things PyTorch lacks: reporting the saved
+outputs (torch 2.11 calls the policy before the operator runs, without its output), and a cache
+that a second backward pass may read again (``_Entries``, ``_Queue``).
 """
 
 from __future__ import annotations
@@ -29,13 +36,12 @@ import collections
 import contextlib
 
 import torch
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts, noop_context_fn
+from torch.utils.checkpoint import (CheckpointPolicy, _CachedTorchDispatchMode, _CachingTorchDispatchMode,
+                                    noop_context_fn)
 
-try:  # SAC's two dispatch modes (what ``create_selective_checkpoint_contexts`` returns), built here
-    # on a cache whose entries a second backward pass may read again (``_Entries``); private names
-    # of torch.utils.checkpoint, present in torch 2.11-2.13
-    from torch.utils.checkpoint import _CONSUMED, _CachedTorchDispatchMode, _CachingTorchDispatchMode
-except ImportError:  # a torch without them: PyTorch's own contexts (a split backward then fails loudly)
+try:  # torch 2.13: the cache is keyed by call index, and a read entry is overwritten with this marker
+    from torch.utils.checkpoint import _CONSUMED
+except ImportError:  # torch 2.11, 2.12: a list per operator, its entries popped in call order
     _CONSUMED = None
 
 from luban.parallel.layout import parse_recompute
@@ -84,32 +90,63 @@ def _report(out) -> None:
 
 def save_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     """SAC policy: save GEMMs, fused attention and collectives; recompute the rest."""
-    if op in SAVED_OPS:
-        if observers and ctx.op_output is not None:
-            _report(ctx.op_output)
-        return CheckpointPolicy.MUST_SAVE
-    return CheckpointPolicy.PREFER_RECOMPUTE
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
+
+class _Saving(_CachingTorchDispatchMode):
+    """SAC's forward mode, which also hands each saved output to ``observers``."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if observers and func in SAVED_OPS:
+            _report(out)
+        return out
+
+
+# The split-backward pipeline schedules (zero-bubble, dualpipev) run two backward passes over one
+# forward — inputs first, then weights — and each recomputes the block; PyTorch's SAC lets each
+# saved output be read once ("backward an extra time"). The two caches below keep them instead,
+# freed with the checkpoint's frame: when autograd frees the block's graph.
 
 class _Entries(dict):
-    """One operator's cached outputs that survive being read. PyTorch's SAC marks an entry
-    consumed when the recompute reads it and refuses a second read ("backward an extra time"),
-    but the split-backward pipeline schedules (zero-bubble, dualpipev) run two backward passes
-    over one forward — inputs first, then weights — and each recomputes the block. The entries
-    are freed with the checkpoint's frame instead: when autograd frees the block's graph."""
+    """torch 2.13: one operator's outputs by call index; the marker for "read" is not written."""
 
     def __setitem__(self, key, value):
         if value is not _CONSUMED:
             super().__setitem__(key, value)
 
 
+class _Queue(list):
+    """torch 2.11, 2.12: one operator's outputs in call order; ``pop(0)`` (how the recompute reads
+    them) returns the next one without removing it, and each recompute starts at the first."""
+
+    def __init__(self):
+        super().__init__()
+        self.read = 0
+
+    def pop(self, index=-1):
+        assert index == 0, index
+        self.read += 1
+        return self[self.read - 1]
+
+
+class _Replaying(_CachedTorchDispatchMode):
+    """SAC's recompute mode; on torch 2.11-2.12 it starts each recompute at the cache's first entries
+    (torch 2.13 resets its own call counter on entry)."""
+
+    def __enter__(self):
+        for entries in self.storage.values():
+            if isinstance(entries, _Queue):
+                entries.read = 0
+        return super().__enter__()
+
+
 def selective_context():
-    """``context_fn`` for ``torch.utils.checkpoint.checkpoint`` under selective recompute:
-    ``create_selective_checkpoint_contexts(save_policy)`` with entries kept for a second pass."""
-    if _CONSUMED is None:
-        return create_selective_checkpoint_contexts(save_policy)
-    storage = collections.defaultdict(_Entries)
-    return _CachingTorchDispatchMode(save_policy, storage), _CachedTorchDispatchMode(save_policy, storage)
+    """``context_fn`` for ``torch.utils.checkpoint.checkpoint`` under selective recompute: what
+    ``create_selective_checkpoint_contexts(save_policy)`` makes, with the saved outputs reported and
+    kept for a second backward pass."""
+    storage = collections.defaultdict(_Queue if _CONSUMED is None else _Entries)
+    return _Saving(save_policy, storage), _Replaying(save_policy, storage, False)
 
 
 def apply_recompute(module, recompute: str, ring_attention: bool = False) -> None:

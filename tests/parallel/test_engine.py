@@ -35,6 +35,25 @@ def test_recompute_modes_give_identical_gradients(preset):
     assert acts["full"] < acts["full:2"] < acts["none"] and acts["selective"] < acts["none"]
 
 
+def test_selective_recompute_cache_serves_a_second_backward_on_every_torch():
+    """The split-backward schedules recompute each block twice. torch 2.13 keys SAC's cache by call index
+    (``_Entries``); torch 2.11-2.12 keep a list per operator that the recompute pops (``_Queue``: read in
+    order, never emptied, restarted by ``_Replaying`` at each recompute). The 2.11 path runs in CI only
+    through this test; ``bash .ci/torch-floor`` runs the layouts on torch 2.11 itself."""
+    from luban.parallel import recompute
+
+    queue = recompute._Queue()
+    queue.append("first"), queue.append("second")
+    mode = recompute._Replaying(recompute.save_policy, {torch.ops.aten.mm.default: queue}, False)
+    for _ in range(2):  # two backward passes
+        with mode:
+            assert [queue.pop(0), queue.pop(0)] == ["first", "second"] and len(queue) == 2
+    entries = recompute._Entries()
+    entries[0] = "saved"
+    entries[0] = recompute._CONSUMED or "saved"  # torch 2.13 marks a read entry; the mark is not kept
+    assert entries == {0: "saved"}
+
+
 def test_memory_report_is_exact():
     e, cfg = engine("tiny-llama", optim=OptimizerConfig(name="adamw"))
     e.forward_backward(*batch(0, 4, cfg))
