@@ -57,8 +57,8 @@ def test_optional_fields_default_from_the_others():
     ("framework_overhead_bytes=inf", "a number > 0 and <= 1e"), ("peak_tflops.bf16=inf", "FLOP/s per precision"),
     # what once overflowed into a traceback or printed inf / NaN (a hostile sweep, 2026-11-27)
     ("nvlink_domain=1e19", "positive integer up to 16,777,216"), ("nvlink_latency=1e308", "<= 3600"),
-    ("nvlink_gbps=1e-300", "a number >= 1 and"), ("peak_flops.bf16=1e-300", "each from 1 to 1e\+24"),
-    ("peak_flops.bf16=1e308", "each from 1 to 1e\+24"), ("efficiency.elementwise_traffic=1e300", "<= 1000"),
+    ("nvlink_gbps=1e-300", "a number >= 1 and"), ("peak_flops.bf16=1e-300", r"each from 1 to 1e\+24"),
+    ("peak_flops.bf16=1e308", r"each from 1 to 1e\+24"), ("efficiency.elementwise_traffic=1e300", "<= 1000"),
     ("efficiency.hbm_efficiency=5", "a number > 0 and <= 1"),
 ])
 def test_bad_overrides_are_one_line_errors(item, match):
