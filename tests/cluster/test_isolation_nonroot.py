@@ -4,7 +4,8 @@ the admin token, the database, the state directory, the service's /proc entries 
 another job's environment. A normal job still runs, and ``luban train`` works inside one.
 
 The venv's interpreter lives under /root (mode 700), which ``nobody`` cannot open: the service
-runs /usr/bin/python3.11 with this checkout and the venv's site-packages on PYTHONPATH. Where
+runs the system's interpreter of the same version (/usr/bin/python3.11 under a 3.11 venv: the venv's
+compiled packages are built for it) with this checkout and the venv's site-packages on PYTHONPATH. Where
 ``nobody`` cannot reach those either (a clone in a mode-700 temporary folder, as CI makes), they are
 mirrored by hard links (``cp -al``: no data copied, file modes kept) into a folder it can read."""
 
@@ -24,10 +25,10 @@ from luban.cluster.client import Client
 from tests.cluster.conftest import LUBAN, ROOT, Service, wait_for
 from tests.conftest import tiny_toml
 
-SYSTEM_PYTHON = Path("/usr/bin/python3.11")
+SYSTEM_PYTHON = Path(f"/usr/bin/python{sys.version_info.major}.{sys.version_info.minor}")
 SITE = next(p for p in sys.path if p.endswith("site-packages"))
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not SYSTEM_PYTHON.exists() or shutil.which("setpriv") is None,
-                                reason="needs root to drop to nobody (setpriv) and /usr/bin/python3.11")
+                                reason=f"needs root to drop to nobody (setpriv) and {SYSTEM_PYTHON}")
 NOBODY = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups"]
 
 
