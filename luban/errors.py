@@ -48,6 +48,20 @@ def shown(value, limit: int = SHOWN_CHARS) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
+def escaped(text: str, keep: str = "") -> str:
+    """``text`` with every non-printable character but those in ``keep`` written as its escape (ESC as
+    ``\\x1b``, U+202E as ``\\u202e``): text that another user, a foreign server or a model wrote cannot
+    drive the terminal it is printed on (set its title, write its clipboard, reorder what it shows)."""
+    return "".join(c if c.isprintable() or c in keep else ascii(c)[1:-1] for c in text)
+
+
+def for_terminal(text: str, stream, keep: str = "\n\t\r") -> str:
+    """``text`` as ``escaped`` where ``stream`` is a terminal, as is where it is a file or a pipe
+    (whose reader asked for the bytes as written)."""
+    isatty = getattr(stream, "isatty", None)
+    return escaped(text, keep) if isatty is not None and isatty() else text
+
+
 def bad_value(key: str, value, allowed: str) -> LubanError:
     """The standard message: ``<key> = <value>: <what is allowed>``."""
     return LubanError(f"{key} = {shown(value)}: {allowed}")

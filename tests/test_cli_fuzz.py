@@ -238,3 +238,24 @@ def test_sample_and_export_refuse_a_model_larger_than_memory(small_dataset, tmp_
         assert err.startswith(f"luban: error: CHECKPOINT = '{run}': its model (tiny, 247,808 parameters) ") and err.endswith(
             "GiB of host memory in float32, but 0.0 GiB is available; read it on a machine with more memory\n"), err
     assert not (tmp_path / "out").exists()
+
+
+def test_sample_escapes_a_models_control_codes_on_a_terminal(small_dataset, tmp_path, monkeypatch):
+    """A model can generate any byte, ESC and BEL among them (a terminal escape sets the title, OSC 52
+    writes the clipboard): on a terminal they are printed escaped; into a pipe or a file, as generated."""
+    from luban.data.tokenizer import load_tokenizer
+    from luban.train import sample
+
+    text = "hi\x1b]52;c;ZWNobyBoaQ==\x07\tthere\n"
+    ids = load_tokenizer(small_dataset).encode(text)
+    monkeypatch.setattr(sample, "generate", lambda model, prompt, *args: prompt + ids)
+    run = _sample_run(tmp_path, small_dataset)
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    for stream, expected in ((io.StringIO(), text), (Terminal(), "hi\\x1b]52;c;ZWNobyBoaQ==\\x07\tthere\n")):
+        with contextlib.redirect_stdout(stream):
+            assert main(["sample", str(run), "--prompt", "", "--tokens", "1"]) == 0
+        assert expected in stream.getvalue(), stream.getvalue()

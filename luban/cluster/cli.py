@@ -19,7 +19,7 @@ from luban import schema
 from luban.cluster import priority as prio
 from luban.cluster import trace as traces
 from luban.cluster.spec import MAX_TIME_LIMIT, NAME_RE
-from luban.errors import LubanError, bad_value
+from luban.errors import LubanError, bad_value, for_terminal
 
 # the flags' declarations (luban.schema); what the service checks again, the client checks first
 NAME = schema.text(NAME_RE.pattern, f"a name matching {NAME_RE.pattern}")
@@ -247,7 +247,7 @@ def cmd_logs(args) -> int:
     client = _client(args)
     if args.follow:  # until the chain ends; then exit with its status, as a foreground job would
         for text in client.follow(args.job, args.rank):
-            sys.stdout.write(text)
+            sys.stdout.write(text if args.raw else for_terminal(text, sys.stdout))
             sys.stdout.flush()
         job = client.latest(args.job)
         print(f"== job {job['id']} {job['state']}: {job['reason']} ==", file=sys.stderr)
@@ -256,7 +256,7 @@ def cmd_logs(args) -> int:
         offset = 0
         while True:
             chunk = client.logs(args.job, args.rank, offset)
-            sys.stdout.write(chunk["text"])
+            sys.stdout.write(chunk["text"] if args.raw else for_terminal(chunk["text"], sys.stdout))
             if not chunk["text"]:
                 break
             offset = chunk["offset"]
@@ -515,6 +515,8 @@ def register(subparsers) -> None:
     p.add_argument("job", type=JOB_ID)
     p.add_argument("-f", "--follow", action="store_true", help="keep printing until the chain ends")
     p.add_argument("--rank", type=schema.integer(0, schema.CLUSTER_NODES[1] - 1), default=0)
+    p.add_argument("--raw", action="store_true", help="on a terminal too, print control characters as the job "
+                   "wrote them (default there: escaped, ESC as \\x1b, so a job's output cannot drive the terminal)")
     p.set_defaults(func=cmd_logs)
 
     for name, text in (("stop", "stop jobs"), ("suspend", "suspend jobs (checkpoint, requeue)")):

@@ -13,7 +13,7 @@ from urllib.parse import quote
 
 import httpx
 
-from luban.errors import LubanError, bad_value
+from luban.errors import LubanError, bad_value, escaped
 
 SERVICE_HEADER = "x-luban-cluster"  # luban.cluster.service marks every answer with it
 
@@ -62,7 +62,7 @@ class Client:
             detail = body.get("detail") if isinstance(body, dict) else None
             if detail is None or not str(detail).strip():  # not luban's service (a web server's empty 404)
                 detail = f"{method} {path} answered without a message: is {self.url} a luban cluster service?"
-            detail = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in " ".join(str(detail).split()))
+            detail = escaped(" ".join(str(detail).split()))
             raise LubanError(f"{detail[:2000]} (HTTP {response.status_code})")  # no terminal control codes
         if body is None or SERVICE_HEADER not in response.headers:  # another web server or API at the URL
             raise LubanError(f"{method} {path} answered HTTP {response.status_code} "

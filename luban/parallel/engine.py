@@ -397,9 +397,9 @@ def build_engine(model_cfg: ModelConfig, layout: ParallelLayout, optim_cfg: Opti
                  global_batch: int, seed: int, device: torch.device, compile: bool = False) -> Engine:
     """The engine for the current process group and layout (after ``check_layout``);
     ``compile``: ``apply_compile`` (``resolve_compile`` turns ``[train] compile`` into it)."""
-    from luban.parallel.launch import world_size
+    from luban.parallel.launch import check_rank_env
 
-    check_layout(layout, model_cfg, global_batch, world_size=world_size())
+    check_layout(layout, model_cfg, global_batch, world_size=check_rank_env())
     return Engine(model_cfg, layout, optim_cfg, global_batch, seed, device, compile)
 
 

@@ -268,10 +268,6 @@ def check_rank_env(env=os.environ) -> int:
     return int(world)
 
 
-def world_size() -> int:
-    return int(rank_env().get("WORLD_SIZE", "1"))
-
-
 def shutdown_distributed() -> None:
     """Destroy every process group before the interpreter exits: left to C++ destructors at exit,
     gloo's threads can be torn down while joinable (std::terminate, exit 134 — seen when ranks

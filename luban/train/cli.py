@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from luban import schema
-from luban.errors import EXIT_SUSPENDED, LubanError, bad_value
+from luban.errors import EXIT_SUSPENDED, LubanError, bad_value, for_terminal
 from luban.model.config import MAX_SIZE
 
 DEMO_CONFIG = Path(__file__).with_name("demo.toml")
@@ -229,7 +229,7 @@ def cmd_sample(args) -> int:
             raise bad_value("CHECKPOINT", str(args.checkpoint), "its logits are not finite numbers (weights so "
                             "large they overflow: a diverged run); sample an earlier checkpoint") from None
         print(f"--- sample {i + 1} (step {meta['step']}) ---")
-        print(tok.decode([t for t in ids if t < tok.vocab_size]))
+        print(for_terminal(tok.decode([t for t in ids if t < tok.vocab_size]), sys.stdout))  # a model's bytes
     return 0
 
 

@@ -148,3 +148,54 @@ def test_cli_errors_are_one_line_with_exit_code_2(svc, hank, tmp_path):
         assert result.returncode == 2, (args, result.stderr)
         assert result.stderr.startswith("luban: error: ") and result.stderr.count("\n") == 1, result.stderr
         assert message in result.stderr
+
+
+def _on_a_terminal(svc, *args: str) -> str:
+    """What ``luban cluster ARGS`` writes to a terminal (a pty as its stdout), read until it exits."""
+    import os
+    import pty
+    import select
+    import subprocess
+    import time
+
+    from tests.cluster.conftest import LUBAN
+
+    leader, follower = pty.openpty()
+    env = dict(os.environ, LUBAN_CLUSTER_URL=svc.url, LUBAN_CLUSTER_TOKEN=svc.admin_token)
+    proc = subprocess.Popen([*LUBAN, *args], env=env, stdout=follower, stderr=subprocess.PIPE)
+    os.close(follower)
+    out, deadline = b"", time.monotonic() + 120
+    try:
+        while time.monotonic() < deadline:
+            if select.select([leader], [], [], 1.0)[0]:
+                try:
+                    data = os.read(leader, 65536)
+                except OSError:  # EIO: the child closed the terminal
+                    break
+                if not data:
+                    break
+                out += data
+            elif proc.poll() is not None:
+                break
+        assert proc.wait(timeout=30) == 0, (out, proc.stderr.read())
+    finally:
+        proc.kill()
+        proc.stderr.close()
+        os.close(leader)
+    return out.decode()
+
+
+def test_a_jobs_control_codes_do_not_reach_an_admins_terminal(svc):
+    """A user's job writes terminal escapes (set the title, write the clipboard: OSC 0 and 52) and a
+    right-to-left override; an admin reading its log on a terminal sees them escaped; piped, or with
+    --raw, the bytes are as the job wrote them."""
+    _, ivan = svc.user("ivan", {"NORMAL": 1})
+    payload = "before\\x1b]0;owned\\x07\\x1b]52;c;ZWNobyBoaQ==\\x07\\u202eafter\\tend"
+    job = ivan.submit({"name": "escapes", "command": PYTHON, "args": ["-c", f"print('{payload}')"]})["id"]
+    assert ivan.wait(job, timeout=120)["state"] == "succeeded"
+    raw = "before\x1b]0;owned\x07\x1b]52;c;ZWNobyBoaQ==\x07\u202eafter\tend"
+    assert raw in svc.cli("logs", str(job)).stdout  # a pipe: as written
+    shown = _on_a_terminal(svc, "logs", str(job))
+    assert "\x1b" not in shown and "\x07" not in shown and "\u202e" not in shown, shown
+    assert "before\\x1b]0;owned\\x07\\x1b]52;c;ZWNobyBoaQ==\\x07\\u202eafter\tend" in shown, shown
+    assert raw in _on_a_terminal(svc, "logs", "--raw", str(job))
