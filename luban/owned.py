@@ -141,19 +141,22 @@ def check(path: str | Path, kind: str, key: str) -> None:
 
 
 def _refuse_links(path: Path, key: str) -> None:
-    """luban makes no symbolic links in its folders: one there (``metrics.jsonl`` -> a user's file)
-    would have luban write through it, so its folder is refused as if foreign. Checked: the
-    folder's entries and those of its ``checkpoints`` folder."""
+    """luban makes no symbolic links and no special files (named pipes, sockets, devices) in its
+    folders: a link there (``metrics.jsonl`` -> a user's file) would have luban write through it, and
+    a write to a named pipe waits for a reader forever, so its folder is refused as if foreign.
+    Checked: the folder's entries and those of its ``checkpoints`` folder."""
     try:
         entries = list(path.iterdir())
         if (path / "checkpoints").is_dir() and not (path / "checkpoints").is_symlink():
             entries += list((path / "checkpoints").iterdir())
     except OSError as err:
         raise bad_value(key, str(path), f"cannot be read ({err.strerror}); choose a new or empty folder") from None
-    link = next((p for p in sorted(entries) if p.is_symlink()), None)
-    if link is not None:
-        raise bad_value(key, str(path), f"holds {str(link.relative_to(path))!r}, a symbolic link luban did not make; "
-                                        "remove it, or choose a new or empty folder (nothing was changed)")
+    for entry in sorted(entries):
+        what = ("a symbolic link" if entry.is_symlink() else None if entry.is_file() or entry.is_dir()
+                else "a named pipe" if entry.is_fifo() else "a socket" if entry.is_socket() else "a device file")
+        if what is not None:
+            raise bad_value(key, str(path), f"holds {str(entry.relative_to(path))!r}, {what} luban did not make; "
+                                            "remove it, or choose a new or empty folder (nothing was changed)")
 
 
 def mark(path: str | Path, kind: str) -> None:

@@ -157,6 +157,25 @@ def test_a_luban_folder_holding_a_symbolic_link_is_refused(tmp_path):
     assert victim.read_text() == "mine"
 
 
+def test_a_luban_folder_holding_a_named_pipe_or_socket_is_refused(tmp_path):
+    """A named pipe at a name luban writes in its own run folder (config.json, plan.json) made the
+    write wait for a reader forever (known since session 18): refused like a link, untouched."""
+    import socket
+
+    run = owned.claim(tmp_path / "run", "run", "run.dir")
+    os.mkfifo(run / "plan.json")
+    with pytest.raises(LubanError, match=r"holds 'plan.json', a named pipe luban did not make; remove it"):
+        owned.claim(run, "run", "run.dir")
+    (run / "plan.json").unlink()
+    (run / "checkpoints").mkdir()
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.bind(str(run / "checkpoints" / "latest"))
+        with pytest.raises(LubanError, match=r"holds 'checkpoints/latest', a socket luban did not make"):
+            owned.claim(run, "run", "run.dir")
+    (run / "checkpoints" / "latest").unlink()
+    owned.claim(run, "run", "run.dir")  # regular files and folders only: its own again
+
+
 def test_a_nul_character_in_a_folder_path_is_one_line(tmp_path):
     with pytest.raises(LubanError, match=r"^run\.dir = '.*\\x00x': a folder path without a NUL character"):
         owned.claim(f"{tmp_path}/\0x", "run", "run.dir")
