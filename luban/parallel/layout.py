@@ -34,6 +34,7 @@ MESH_DIMS = ("pp", "dp", "cp", "tp")
 # any integer key (a degree, micro_batch, bucket_mb in MiB): beyond every cluster, and small enough that
 # the nearest-value hints stay quick and DDP's bucket size in bytes stays a C int64 (2**63 MiB overflowed it)
 MAX_DEGREE = 1 << 24
+MAX_GLOBAL_BATCH = 1 << 20  # train.global_batch (luban.config.RANGES): sequences a step, beyond any published run
 
 
 @dataclass(frozen=True)
@@ -216,10 +217,12 @@ def check_layout(layout: ParallelLayout, model: ModelConfig, global_batch: int, 
                             f"needs {stages} positive layer counts summing to layers = {model.layers}")
     per_step = layout.dp * layout.micro_batch
     if global_batch % per_step:
-        ok = [b for b in _divisors(global_batch // layout.dp if global_batch % layout.dp == 0 else 1)]
-        raise bad_value("train.global_batch", global_batch, f"must be divisible by dp * micro_batch = {per_step}; "
-                        f"nearest global_batch: {_nearest([k * per_step for k in range(1, 2 * global_batch // per_step + 2)], global_batch)}"
-                        f"{'' if global_batch % layout.dp else f', or micro_batch in {ok}'}")
+        batches = [k * per_step for k in range(1, min(2 * global_batch, MAX_GLOBAL_BATCH) // per_step + 1)]
+        hints = [f"nearest global_batch: {_nearest(batches, global_batch)}"] if batches else []
+        if global_batch % layout.dp == 0:  # a micro_batch that divides the per-rank batch
+            hints.append(f"micro_batch in {_nearest(_divisors(global_batch // layout.dp), layout.micro_batch)}")
+        raise bad_value("train.global_batch", global_batch, f"must be divisible by dp * micro_batch = {per_step}"
+                        + (f"; {', or '.join(hints)}" if hints else f", at most {MAX_GLOBAL_BATCH:,}: a smaller dp * micro_batch"))
     n_micro = layout.num_microbatches(global_batch)
     if layout.pp > 1:
         need = min_microbatches(layout)

@@ -69,6 +69,26 @@ def test_integer_keys_are_bounded():
         ParallelLayout.from_dict({"dp": 16777213, "dp_replicate": 7})
 
 
+def test_batch_hints_stay_within_the_allowed_global_batch():
+    """The nearest-global_batch hint offered values above train.global_batch's maximum (2**20) and
+    every divisor as a micro_batch (21 of them); now only allowed values, the three nearest."""
+    from luban.parallel.layout import MAX_GLOBAL_BATCH
+
+    def message(global_batch, **layout):
+        with pytest.raises(LubanError) as err:
+            check_layout(ParallelLayout(**layout), CFG, global_batch=global_batch)
+        return str(err.value)
+
+    assert message(MAX_GLOBAL_BATCH, micro_batch=3 << 19) == (
+        "train.global_batch = 1048576: must be divisible by dp * micro_batch = 1572864; "
+        "micro_batch in [262144, 524288, 1048576]")
+    assert message(MAX_GLOBAL_BATCH, micro_batch=3).endswith(
+        "nearest global_batch: [1048569, 1048572, 1048575], or micro_batch in [1, 2, 4]")
+    assert message(MAX_GLOBAL_BATCH - 1, dp=2, zero=1, micro_batch=1 << 20).endswith(
+        "dp * micro_batch = 2097152, at most 1,048,576: a smaller dp * micro_batch")
+    assert message(10, micro_batch=4).endswith("nearest global_batch: [4, 8, 12], or micro_batch in [1, 2, 5]")
+
+
 def test_auto_split_balances_cost_and_counts_the_head():
     big_head = CFG.replace(vocab=50000)  # LM head ~ several layers: the last stage gets fewer layers
     assert [len(r) for r in split_layers(big_head, 2)] == [3, 1]
