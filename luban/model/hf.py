@@ -317,9 +317,9 @@ def _llama_fields(keys: _Keys, kind: str, notes: list[str], extra: dict) -> dict
                 "expert_ffn_hidden": ffn}
     if not keys.get("norm_topk_prob", bool):
         raise keys.bad("norm_topk_prob", False, "true (luban's softmax router renormalises the top-k weights)")
-    layers, step = fields["layers"], keys.get("decoder_sparse_step", int)
+    layers, step = fields["layers"], keys.get("decoder_sparse_step", "size")  # 0: transformers divides by it
     only = keys.get("mlp_only_layers", list, nullable=True) or []
-    sparse = [i for i in range(layers) if i not in only and step and (i + 1) % step == 0]
+    sparse = [i for i in range(layers) if i not in only and (i + 1) % step == 0]
     dense = layers - len(sparse)
     if sparse != list(range(dense, layers)):
         raise LubanError(f"{keys.src}: mlp_only_layers = {only}, decoder_sparse_step = {step}: luban keeps dense "
@@ -343,8 +343,10 @@ def _rope_theta(keys: _Keys, seq: int, notes: list[str], extra: dict) -> float:
                                                   "partial_rotary_factor": keys.get("partial_rotary_factor", float),
                                                   "original_max_position_embeddings": seq})
     theta, kind = nested.get("rope_theta", float), nested.get("rope_type", str)
-    if nested.get("partial_rotary_factor", float) != 1.0:
-        raise nested.bad("partial_rotary_factor", rope["partial_rotary_factor"], "1.0 (luban rotates every dimension)")
+    factor = nested.get("partial_rotary_factor", float)
+    if factor != 1.0:  # under rope_parameters (5.x) or at the top (4.x; 5.x moves it under rope_parameters)
+        where_factor = nested if "partial_rotary_factor" in rope else keys
+        raise where_factor.bad("partial_rotary_factor", factor, "1.0 (luban rotates every dimension)")
     if kind == "dynamic" and nested.get("original_max_position_embeddings", int) >= seq:
         notes.append(f"{where}.rope_type = 'dynamic': NTK scaling starts only beyond max_position_embeddings = {seq}, "
                      "the longest sequence luban runs, so the model is exact; written back on export")
@@ -405,6 +407,13 @@ def _state(cfg: ModelConfig, tensors: dict[str, torch.Tensor], src: str, hint: s
     if unexpected:
         raise LubanError(f"{src}: tensor {unexpected[0]} ({len(unexpected)} unexpected) is not part of the "
                          f"{family} model of config.json; luban would drop it{hint}")
+    head, embedding = tensors.get("lm_head.weight"), tensors[names[0]]  # names[0]: the token embedding
+    if cfg.tie_embeddings and head is not None and not (head.shape == embedding.shape
+                                                        and torch.equal(head.to(embedding.dtype), embedding)):
+        # transformers 5 loads the saved head untied (warning), 4.x ties the two again: ambiguous
+        raise LubanError(f"{src}: tensor lm_head.weight differs from {names[0]}, which config.json ties it to "
+                         "(tie_word_embeddings = true): which one the head is depends on the transformers version; "
+                         "set tie_word_embeddings = false in config.json to import the saved head")
     with torch.device("meta"):
         shapes = {k: tuple(v.shape) for k, v in to_hf(cfg, Transformer(cfg).state_dict())[1].items()}
     assert set(shapes) == expected, set(shapes) ^ expected
@@ -501,9 +510,10 @@ def _read_tensors(folder: Path) -> tuple[dict[str, torch.Tensor], str]:
         return _load_weights(found), str(found)
     index = _read_json(found)
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
-    names = sorted(set(weight_map.values())) if isinstance(weight_map, dict) else []
-    if not names or not all(isinstance(n, str) and n and Path(n).name == n and n not in (".", "..") for n in names):
+    shards = list(weight_map.values()) if isinstance(weight_map, dict) else []
+    if not shards or not all(isinstance(n, str) and n and Path(n).name == n and n not in (".", "..") for n in shards):
         raise LubanError(f"{found}: weight_map must name the shard files in {folder}")
+    names = sorted(set(shards))
     tensors: dict[str, torch.Tensor] = {}
     where: dict[str, str] = {}
     for name in names:
@@ -524,6 +534,9 @@ def _read_tensors(folder: Path) -> tuple[dict[str, torch.Tensor], str]:
 def _load_weights(path: Path) -> dict[str, torch.Tensor]:
     """One safetensors file or PyTorch pickle (``weights_only``: no code runs), as name -> tensor; a file
     that is not one is one line naming it."""
+    if not path.is_file():  # a shard the index names: a named pipe or a device would be waited on or read forever
+        raise LubanError(f"{path}: {'not a regular file' if path.exists() else 'no such file'}; the index "
+                         "names it as a shard of the weights")
     if path.name.endswith(".safetensors"):
         from safetensors.torch import load_file
 

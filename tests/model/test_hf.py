@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -543,6 +544,85 @@ def test_hostile_folder_is_one_line_naming_the_file(case, tmp_path, capsys):
     assert err.startswith(f"luban: error: {tmp_path / 'hf'}/") and err.count("\n") == 1, err
     assert re.search(message, err), err
     assert not (tmp_path / "run").exists() and not (tmp_path / "hf/ran").exists()
+
+
+def _import_refused(folder, run, capsys):
+    """``luban import FOLDER RUN`` in this process: its one stderr line (asserted: exit 2, nothing written)."""
+    from luban.cli import main
+
+    capsys.readouterr()
+    code, err = main(["import", str(folder), str(run)]), capsys.readouterr().err
+    assert code == 2 and err.startswith(f"luban: error: {folder}/") and err.count("\n") == 1, err
+    assert not run.exists()
+    return err
+
+
+def test_partial_rotary_factor_at_the_top_is_refused_in_one_line(tmp_path, capsys):
+    """A hostile sweep, 2026-11-27: ``partial_rotary_factor = 0.5`` at the top of config.json (where 4.x
+    wrote it; 5.x moves it under rope_parameters and applies it) raised KeyError, a traceback."""
+    save_hf("llama", tmp_path / "hf")
+    raw = json.loads((tmp_path / "hf/config.json").read_text())
+    raw.update(rope_theta=raw.pop("rope_parameters")["rope_theta"], partial_rotary_factor=0.5)
+    (tmp_path / "hf/config.json").write_text(json.dumps(raw))
+    err = _import_refused(tmp_path / "hf", tmp_path / "run", capsys)
+    assert "config.json: partial_rotary_factor = 0.5: 1.0 (luban rotates every dimension)" in err
+
+
+def test_tied_config_with_another_saved_head_is_refused(tmp_path, capsys):
+    """A hostile sweep, 2026-11-27: config.json ties the head (tie_word_embeddings = true) but the file holds an
+    lm_head.weight that differs from the embedding. transformers 5 loads that head untied; luban dropped it
+    and imported the tied model, whose logits differ: a silently wrong model. Refused now; with
+    tie_word_embeddings = false the saved head is imported and the logits are transformers'."""
+    from safetensors.torch import load_file, save_file
+
+    save_hf("llama", tmp_path / "hf", tie_word_embeddings=True)
+    tensors = load_file(str(tmp_path / "hf/model.safetensors"))
+    tensors["lm_head.weight"] = torch.randn(61, 32, generator=torch.Generator().manual_seed(4))
+    save_file(tensors, str(tmp_path / "hf/model.safetensors"), metadata={"format": "pt"})
+    err = _import_refused(tmp_path / "hf", tmp_path / "run", capsys)
+    assert "model.safetensors: tensor lm_head.weight differs from model.embed_tokens.weight, which config.json " \
+           "ties it to (tie_word_embeddings = true)" in err
+
+    _config_edit(tie_word_embeddings=False)(tmp_path / "hf")
+    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    imported = import_folder(tmp_path / "hf")
+    x = torch.randint(0, 61, (1, 16), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        assert torch.allclose(logits_of(imported.cfg, imported.state, x), hf(x).logits, atol=1e-5, rtol=0)
+
+
+def test_index_naming_shards_with_other_than_names_is_one_line(tmp_path, capsys):
+    """A hostile sweep, 2026-11-27: a weight_map value that is a number or a list (``"model.norm.weight": 3``)
+    raised TypeError while the shard names were sorted: a traceback."""
+    save_hf("llama", tmp_path / "saved")
+    for i, value in enumerate((3, ["model-00001-of-00002.safetensors"])):
+        folder = shutil.copytree(tmp_path / "saved", tmp_path / f"hf{i}")
+        _index_edit(lambda _, shard: shard.update({"model.norm.weight": value}))(folder)
+        err = _import_refused(folder, tmp_path / "run", capsys)
+        assert "model.safetensors.index.json: weight_map must name the shard files in" in err
+
+
+def test_a_shard_that_is_a_named_pipe_is_refused_not_waited_on(tmp_path):
+    """A hostile sweep, 2026-11-27: a shard the index names that is a named pipe (or /dev/zero) was opened:
+    ``luban import`` waited for a writer forever. A real process, bounded: the shard must be a regular file."""
+    save_hf("llama", tmp_path / "hf")
+    shard = _shard(tmp_path / "hf")
+    pipe = tmp_path / "hf" / shard["model.norm.weight"]
+    pipe.unlink()
+    os.mkfifo(pipe)
+    result = luban_cli("import", tmp_path / "hf", tmp_path / "run", timeout=120)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr == f"luban: error: {pipe}: not a regular file; the index names it as a shard of the weights\n"
+    assert not (tmp_path / "run").exists()
+
+
+def test_qwen3_moe_sparse_step_zero_is_named(tmp_path, capsys):
+    """A hostile sweep, 2026-11-27: ``decoder_sparse_step = 0`` (transformers divides by it: ZeroDivisionError)
+    was read as "every layer dense" and refused as ``model.dense_layers = 2``, a key the file does not have."""
+    save_hf("qwen3-moe", tmp_path / "hf")
+    _config_edit(decoder_sparse_step=0)(tmp_path / "hf")
+    err = _import_refused(tmp_path / "hf", tmp_path / "run", capsys)
+    assert "config.json: decoder_sparse_step = 0: an integer >= 1" in err
 
 
 def test_pytorch_bin_folders_are_read(tmp_path):
