@@ -30,7 +30,15 @@ MARKER = ".luban"
 KINDS = {"run": "a training run", "dataset": "a dataset", "hf-export": "a Hugging Face export",
          "cluster-state": "a cluster service's state", "plan-study": "a planner study"}
 
-_STEP = re.compile(r"^(\.tmp-)?step_\d{7}$")
+STEP_DIR = re.compile(r"^step_(\d{7,})$")  # a run's finished checkpoint: checkpoints/step_NNNNNNN (7 digits or more)
+
+
+def step_dirs(root: Path) -> list[Path]:
+    """A run's finished checkpoint folders under ``root`` (its ``checkpoints/``), newest first."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and STEP_DIR.match(p.name)]
+    return sorted(found, key=lambda p: int(STEP_DIR.match(p.name).group(1)), reverse=True)
 
 
 def _names(path: Path) -> list[str]:
@@ -53,7 +61,7 @@ def _is_run(path: Path) -> bool:
     if not set(_names(path)) <= own:
         return False
     ckpts = path / "checkpoints"
-    if ckpts.is_dir() and any((p / "meta.json").is_file() for p in ckpts.iterdir() if _STEP.match(p.name)):
+    if ckpts.is_dir() and any((p / "meta.json").is_file() for p in ckpts.iterdir() if STEP_DIR.match(p.name.removeprefix(".tmp-"))):
         return True
     try:
         cfg = _read_json(path / "config.json")

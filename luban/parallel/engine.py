@@ -355,12 +355,15 @@ class Engine:
         if self.mesh is not None:
             dist.barrier()
 
-    def state_dict(self) -> dict:
+    def state_dict(self, optimizer: bool = True) -> dict:
+        """``{"model", "optim", "scaler"}``; ``optimizer=False``: the model's alone (building the
+        optimizer's state dict initialises its states)."""
         model, optim = {}, {}
         for part, opt in zip(self.parts, self.optimizers):
             model.update(get_model_state_dict(part))
-            optim.update(self.tied.save_names(part, get_optimizer_state_dict(part, opt, options=OPTIM_OPTIONS)))
-        return {"model": model, "optim": optim, "scaler": self.scaler.state_dict()}
+            if optimizer:
+                optim.update(self.tied.save_names(part, get_optimizer_state_dict(part, opt, options=OPTIM_OPTIONS)))
+        return {"model": model, "optim": optim, "scaler": self.scaler.state_dict()} if optimizer else {"model": model}
 
     def _before_update(self) -> None:
         if self.before_update is not None:
@@ -370,7 +373,8 @@ class Engine:
         self._before_update()
         for part, opt in zip(self.parts, self.optimizers):
             set_model_state_dict(part, state["model"], options=StateDictOptions(strict=False))
-            set_optimizer_state_dict(part, opt, self.tied.load_names(part, state["optim"]), options=OPTIM_OPTIONS)
+            if "optim" in state:  # absent: weights only (an imported checkpoint), the optimizer starts fresh
+                set_optimizer_state_dict(part, opt, self.tied.load_names(part, state["optim"]), options=OPTIM_OPTIONS)
         if state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
 

@@ -51,11 +51,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from luban.errors import CheckpointWriteError, LubanError, shown
+from luban.owned import step_dirs  # the checkpoint folders, newest first (torch-free: the launcher reads them too)
 
 # DCP warns on every single-process save/load; that is the intended mode for one rank.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-
-STEP_DIR = re.compile(r"^step_(\d{7,})$")
 
 
 def _quiet_dcp_records(record: logging.LogRecord) -> bool:
@@ -71,8 +70,10 @@ if _quiet_dcp_records not in logging.getLogger().filters:
 
 
 def step_dir(root: Path, step: int) -> Path:
-    """The folder of step ``step``'s checkpoint (the name ``STEP_DIR`` reads back)."""
+    """The folder of step ``step``'s checkpoint (the name ``luban.owned.STEP_DIR`` reads back)."""
     return root / f"step_{step:07d}"
+
+
 CHUNK = 16 << 20
 
 
@@ -184,9 +185,12 @@ def meta_problem(meta, training: bool = False) -> str | None:
 
     Required: ``step`` (>= 0), ``config`` with a ``model`` table, ``world_size`` (>= 1); the rest
     (written by ``luban train``, absent from an imported checkpoint) must have its type when
-    present. ``training``: ``luban train --resume`` also needs the loader position and ``[train]``."""
+    present. ``training``: ``luban train --resume`` also needs the loader position and ``[train]``,
+    except from an imported checkpoint (``source``, no ``loader``: ``imported``), whose weights alone
+    start a run."""
     if not isinstance(meta, dict):
         return f"meta.json = {shown(meta)}: a JSON object with step, config, world_size"
+    training = training and not imported(meta)
     missing = object()
 
     def field(name, ok, allowed, required=False, where=meta, prefix=""):
@@ -223,6 +227,12 @@ def meta_problem(meta, training: bool = False) -> str | None:
     return None
 
 
+def imported(meta: dict) -> bool:
+    """A checkpoint ``luban import`` wrote (weights and model config, no optimizer, loader or
+    [train]), as opposed to one a run saved."""
+    return "source" in meta and "loader" not in meta
+
+
 def read_meta(ckpt: Path, key: str, value: str, training: bool = False) -> dict:
     """meta.json of ``ckpt`` with its structure checked (``meta_problem``), else a one-line
     ``LubanError`` naming ``key = value`` (the flag or argument that named the checkpoint)."""
@@ -235,14 +245,6 @@ def read_meta(ckpt: Path, key: str, value: str, training: bool = False) -> dict:
     if problem:
         raise LubanError(f"{key} = {value!r}: {problem}")
     return meta
-
-
-def step_dirs(root: Path) -> list[Path]:
-    """Finished checkpoint directories, newest first."""
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if p.is_dir() and STEP_DIR.match(p.name)]
-    return sorted(found, key=lambda p: int(STEP_DIR.match(p.name).group(1)), reverse=True)
 
 
 def latest_valid(root: Path) -> Path | None:
@@ -554,10 +556,10 @@ class AsyncCheckpointer:
         self.stager.buffers.clear()
 
 
-def load(ckpt: Path, state: dict, key: str = "--resume", value: str | None = None) -> dict:
+def load(ckpt: Path, state: dict, key: str = "--resume", value: str | None = None, rng: bool = True) -> dict:
     """Collective: fill ``state`` (this rank's tensors, any layout) in place; return meta.json.
 
-    RNG states come back when the checkpoint was written by the same world size. A checkpoint
+    RNG states come back (``rng``) when the checkpoint was written by the same world size. A checkpoint
     whose files cannot be read (damaged or foreign, whatever the library raises) is a one-line
     ``LubanError`` naming ``key = value`` (``value`` defaults to the folder)."""
     value = str(ckpt) if value is None else value
@@ -569,7 +571,7 @@ def load(ckpt: Path, state: dict, key: str = "--resume", value: str | None = Non
                          f"({_first_failure(err)})") from None
     world = dist.get_world_size() if _is_dist() else 1
     rng_file = ckpt / f"rng_rank{_rank()}.pt"
-    if meta.get("world_size") == world and rng_file.is_file():
+    if rng and meta.get("world_size") == world and rng_file.is_file():
         try:
             rng = torch.load(rng_file, weights_only=True)
             torch.set_rng_state(rng["cpu"])

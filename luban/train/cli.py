@@ -122,11 +122,13 @@ def _run_training(args) -> int:
     from luban.config import load_config
 
     cfg = load_config(args.config, args.set)
-    from luban.train.resolve import fit_vocab
+    from luban.train.resolve import checkpoint_model, fit_vocab
 
-    cfg, note = fit_vocab(cfg)  # every rank does the same: the same dataset
-    if note and "WORLD_SIZE" not in os.environ:
-        print(note, flush=True)
+    cfg, adopted = checkpoint_model(cfg, args.resume)  # every rank does the same: the same checkpoint
+    cfg, note = fit_vocab(cfg)  # and the same dataset
+    for line in (adopted, note) if "WORLD_SIZE" not in os.environ else ():
+        if line:
+            print(line, flush=True)
     resolve_rendezvous(args)
     if "WORLD_SIZE" not in os.environ:  # the launching process: its ranks' devices are on this node
         args.nproc = fit_ranks(args.nproc, local_gpus(cfg.run.device))
@@ -140,7 +142,7 @@ def _run_training(args) -> int:
 
         from luban.train.rundir import check_run_dir
 
-        check_run_dir(cfg.run.dir)
+        check_run_dir(cfg.run.dir, fresh=not args.resume)
         Path(cfg.run.dir, "plan.json").unlink(missing_ok=True)
         if args.parallel == "auto":
             cfg, prediction = plan_check.plan(cfg, world)

@@ -4,12 +4,14 @@ at module level): the ``luban train --nproc`` launcher calls these before it sta
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from luban.config import RunConfig
-from luban.errors import bad_value
+from luban.errors import LubanError, bad_value
+from luban.model import flops
 
 if TYPE_CHECKING:
     import torch
@@ -36,6 +38,33 @@ def dataset_path(cfg: RunConfig) -> Path:
     except OSError as err:  # LUBAN_CACHE a file, under /proc, unwritable: its folders cannot be made
         raise bad_value("LUBAN_CACHE", str(cache), f"a folder luban can write its cache into ({err.strerror or err}); "
                         "or set data.path to a dataset") from None
+
+
+def checkpoint_model(cfg: RunConfig, resume: str | None) -> tuple[RunConfig, str | None]:
+    """A resumed run whose config gives no ``[model]`` key takes the model of the checkpoint it
+    resumes (``auto``: the newest in ``run.dir``; else the folder named), so that a model from
+    ``luban import`` (a dozen keys) trains without copying them; returns the config and a note (None
+    when unchanged). meta.json only: the ranks verify the checkpoint, and an unreadable one is
+    named there (``Trainer.resume``)."""
+    if not resume or cfg.model_keys:
+        return cfg, None
+    from luban.model.config import ModelConfig
+    from luban.owned import step_dirs
+
+    found = step_dirs(Path(cfg.run.dir) / "checkpoints") if resume == "auto" else [Path(resume)]
+    meta = found[0] / "meta.json" if found else None
+    if meta is None or not meta.is_file():  # none yet (a fresh start), or not a regular file: not read
+        return cfg, None
+    try:
+        saved = json.loads(meta.read_text())["config"]["model"]
+        model = ModelConfig(**saved)
+    except (OSError, ValueError, KeyError, TypeError, RecursionError, LubanError):
+        return cfg, None
+    if cfg.data.seq_len > model.seq_len:
+        raise bad_value("data.seq_len", cfg.data.seq_len, f"must be <= model.seq_len = {model.seq_len}, the model of "
+                        f"the checkpoint --resume names ({found[0]})")
+    note = f"[model]: the checkpoint's ({found[0]}): {model.name or model.arch}, {flops.param_count(model):,} parameters"
+    return cfg.replace(model=model, model_keys=frozenset(saved)), note
 
 
 def fit_vocab(cfg: RunConfig) -> tuple[RunConfig, str | None]:

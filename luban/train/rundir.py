@@ -17,9 +17,17 @@ from luban import owned
 from luban.errors import bad_value
 
 
-def check_run_dir(run_dir: str | Path, need_bytes: int = 0) -> None:
+def check_run_dir(run_dir: str | Path, need_bytes: int = 0, fresh: bool = False) -> None:
+    """``fresh``: a start without ``--resume``, refused where the folder already holds checkpoints (a
+    new run there saved over the old run's equal-numbered ones and pruned the rest under its
+    retention, and ``--resume auto`` then mixed the two runs)."""
     owned.claim(run_dir, "run", "run.dir")
     root = Path(run_dir) / "checkpoints"
+    held = owned.step_dirs(root) if fresh else []
+    if held:
+        raise bad_value("run.dir", str(run_dir), f"already holds a run ({len(held)} checkpoint(s), the newest "
+                                                 f"{held[0].name}); continue it with --resume auto, or choose a new "
+                                                 "run.dir (nothing was changed)")
     try:
         root.mkdir(parents=True, exist_ok=True)
         probe = root / f".write-test-{os.getpid()}"

@@ -129,7 +129,8 @@ class Trainer:
         if vocab > self.cfg.model.vocab:
             raise bad_value("model.vocab", self.cfg.model.vocab,
                             f"must be >= the dataset's tokenizer vocabulary {vocab} ({data_dir}); set "
-                            f"model.vocab = {vocab}, or leave it unset to follow the dataset")
+                            f"model.vocab = {vocab}, or leave it unset to follow the dataset (a new run; a resumed "
+                            "checkpoint's model keeps its vocabulary: train it on a dataset of its tokenizer)")
 
     # -- checkpoints ---------------------------------------------------------------------
     def meta(self) -> dict:
@@ -203,40 +204,50 @@ class Trainer:
         # meta.json's structure (step, config, loader, ...) was checked by resolve (verify); here again,
         # with what training needs too (the loader position, [train]): one line naming the field
         named = resume if resume != "auto" else str(ckpt)  # the errors below name the checkpoint
-        saved = checkpoint.read_meta(ckpt, "--resume", named, training=True)["config"]
-        self._check_compatible(ckpt, saved)  # before loading: DCP's own errors are tracebacks
-        state = self.engine.state_dict()
-        meta, failed = {}, None
+        meta = checkpoint.read_meta(ckpt, "--resume", named, training=True)
+        self._check_compatible(ckpt, meta["config"])  # before loading: DCP's own errors are tracebacks
+        imported = checkpoint.imported(meta)  # weights alone: step 0, a new optimizer and data order
+        state = self.engine.state_dict(optimizer=not imported)
+        failed = None
         try:
-            meta = checkpoint.load(ckpt, state, "--resume", named)
+            checkpoint.load(ckpt, state, "--resume", named, rng=not imported)
         except LubanError as err:  # a damaged file: every rank stops, with one line
             failed = err
         if self.engine.any_rank(failed is not None):
             raise failed or LubanError(f"--resume = {named!r}: the checkpoint could not be read on another rank")
         self.engine.load_state_dict(state)
-        self.step = meta["step"]
-        self.resumed_peak = meta.get("peak")  # the run's MFU peak (run_peak), if its folder lost peak.json
-        self.loader.load_state_dict(meta["loader"])
-        self.resume_notes = [f"[train] {k} = {saved['train'].get(k)!r} in the checkpoint, {v!r} now"
-                             for k, v in self.cfg.to_dict()["train"].items() if saved.get("train", {}).get(k) != v]
+        if imported:
+            self.resume_notes = [f"the weights imported from {meta['source']}, as step 0: a new optimizer, "
+                                 "learning-rate schedule and data order"]
+        else:
+            self.step = meta["step"]
+            self.resumed_peak = meta.get("peak")  # the run's MFU peak (run_peak), if its folder lost peak.json
+            self.loader.load_state_dict(meta["loader"])
+            self.resume_notes = [f"[train] {k} = {meta['config']['train'].get(k)!r} in the checkpoint, {v!r} now"
+                                 for k, v in self.cfg.to_dict()["train"].items()
+                                 if meta["config"].get("train", {}).get(k) != v]
         if resume != "auto":
             self._branch_from(ckpt)
         return ckpt
 
     def _check_compatible(self, ckpt: Path, saved: dict) -> None:
-        """The checkpoint's model shape and optimizer must be the config's; name the first key that is not."""
+        """The checkpoint's model shape and optimizer must be the config's: the first key that is not
+        is named, with every model key that differs (a model from ``luban import`` has them all to set)."""
         now = self.cfg.to_dict()
         try:  # keys added since the checkpoint was written take their defaults (e.g. experts = 0)
             saved = {**saved, "model": ModelConfig(**saved.get("model", {})).to_dict()}
         except (TypeError, LubanError):
             pass  # unreadable: the comparison below names the first difference
-        for key, value in now["model"].items():
-            if saved.get("model", {}).get(key) != value:
-                raise bad_value(f"model.{key}", value, f"{saved['model'].get(key)!r}, as in the checkpoint --resume "
-                                f"names ({ckpt}); resume with the checkpoint's [model] (or start a new run.dir)")
-        if saved.get("train", {}).get("optimizer") != now["train"]["optimizer"]:
+        differ = {key: saved["model"].get(key) for key, value in now["model"].items() if saved["model"].get(key) != value}
+        if differ:
+            key = next(iter(differ))
+            every = ", ".join(f"{k} = {json.dumps(v)}" for k, v in differ.items())
+            raise bad_value(f"model.{key}", now["model"][key], f"{differ[key]!r}, as in the checkpoint --resume names "
+                            f"({ckpt}), whose [model] differs in {len(differ)} key(s): {every}; resume with the "
+                            "checkpoint's [model] (or start a new run.dir)")
+        if "train" in saved and saved["train"].get("optimizer") != now["train"]["optimizer"]:
             raise bad_value("train.optimizer", now["train"]["optimizer"],
-                            f"{saved.get('train', {}).get('optimizer')!r}, as in the checkpoint --resume names "
+                            f"{saved['train'].get('optimizer')!r}, as in the checkpoint --resume names "
                             f"({ckpt}): its optimizer state cannot be loaded into another optimizer")
 
     def _branch_from(self, ckpt: Path) -> None:
@@ -269,7 +280,7 @@ class Trainer:
         cfg, t = self.cfg, self.cfg.train
         suspend = preempt.install()
         if self.is_main:  # before anything is written there (luban.owned: a foreign folder is refused untouched)
-            check_run_dir(self.run_dir, self.checkpoint_bytes())
+            check_run_dir(self.run_dir, self.checkpoint_bytes(), fresh=not resume)
         log = MetricsLogger(self.run_dir, t.steps, cfg.run.tensorboard, cfg.run.progress, enabled=self.is_main)
         unsafe = self.async_unsafe()
         self.async_ok = unsafe is None

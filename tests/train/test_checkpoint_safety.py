@@ -117,8 +117,8 @@ import subprocess, sys
 import luban.train.trainer as trainer
 from luban.cli import main
 checked = trainer.check_run_dir
-def check_then_read_only(run_dir, *args):
-    checked(run_dir, *args)
+def check_then_read_only(run_dir, *args, **kwargs):
+    checked(run_dir, *args, **kwargs)
     subprocess.run(["mount", "-o", "remount,bind,ro", sys.argv[1]], check=True)
 trainer.check_run_dir = check_then_read_only
 sys.exit(main(sys.argv[2:]))

@@ -76,6 +76,30 @@ def test_import_into_a_run_with_checkpoints_is_refused_and_deletes_nothing(train
     assert (fresh / "checkpoints" / "step_0000000").is_dir() and owned.marked_kind(fresh) == "run"
 
 
+def test_a_fresh_start_into_a_run_with_checkpoints_is_refused_and_changes_nothing(trained, tmp_path, small_dataset):
+    """`luban train` without --resume into a run folder with checkpoints (a forgotten flag, a rerun of
+    the demo) trained a new run there: it saved over the old run's equal-numbered checkpoints, pruned
+    the rest under its retention, and --resume auto then continued a mix of the two runs (found
+    2026-11-27: steps 3, 4 of run A beside step 2 of run B). Refused now, nothing changed; with
+    --resume auto it continues."""
+    from .conftest import tiny_overrides
+
+    run = tmp_path / "run"
+    shutil.copytree(trained / "run", run)
+    before = snapshot(run)
+    sets = _sets(tiny_overrides(small_dataset, run, **{"train.steps": 3, "train.eval_every": 0,
+                                                       "train.checkpoint_every": 1}))
+    proc = luban("train", *sets)
+    one_line_refusal(proc, f"run.dir = '{run}': already holds a run (1 checkpoint(s), the newest step_0000002); "
+                           "continue it with --resume auto, or choose a new run.dir (nothing was changed)")
+    assert snapshot(run) == before
+    proc = luban("train", *sets, "--nproc", "2")  # the launcher refuses too, before any rank starts
+    one_line_refusal(proc, "already holds a run")
+    assert snapshot(run) == before
+    assert "resumed from" in luban("train", *sets, "--resume", "auto", check=0).stdout
+    assert (run / "checkpoints" / "step_0000003").is_dir()
+
+
 def test_import_refuses_a_folder_of_other_files(trained, tmp_path):
     theirs = tmp_path / "theirs"
     theirs.mkdir()
