@@ -32,17 +32,20 @@ def hf_llama(tmp_path_factory):
     return folder
 
 
-def test_training_continues_from_the_imported_weights(hf_llama, small_dataset, tmp_path):
+@pytest.mark.parametrize("layout", [{}, {"parallel.pp": 2, "parallel.dp": 1}], ids=["one-process", "pp2"])
+def test_training_continues_from_the_imported_weights(hf_llama, small_dataset, tmp_path, layout):
     """The run takes the checkpoint's [model] (none given), loads its weights as step 0 with a new
     optimizer and data order, and saves ordinary checkpoints: at a vanishing learning rate its last
-    checkpoint, exported, has transformers' logits of the folder imported."""
+    checkpoint, exported, has transformers' logits of the folder imported (on one process, and on a
+    pipeline of two ranks, each loading its own layer)."""
     run = tmp_path / "ft"
     luban("import", hf_llama, run, check=0)
     sets = tiny_overrides(small_dataset, run, **{"train.steps": 2, "train.lr": 1e-12, "train.min_lr": 0.0,
                                                  "train.weight_decay": 0.0, "train.eval_every": 0,
-                                                 "train.checkpoint_every": 2})
+                                                 "train.checkpoint_every": 2, **layout})
     sets = [s for s in sets if not s.startswith("model.")]  # no [model] key: the checkpoint's
-    out = luban("train", *_sets(sets), "--resume", "auto", check=0).stdout
+    ranks = ["--nproc", "2"] if layout else []
+    out = luban("train", *_sets(sets), *ranks, "--resume", "auto", check=0).stdout
     assert f"[model]: the checkpoint's ({run / 'checkpoints' / 'step_0000000'}): hf-llama, " in out, out
     assert f"the weights imported from {hf_llama}, as step 0: a new optimizer" in out, out
     assert "step 2/2" in out
