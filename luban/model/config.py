@@ -105,7 +105,8 @@ class ModelConfig:
         for key, value in ARCH_DEFAULTS.get(self.arch, ARCH_DEFAULTS["gpt2"]).items():
             if getattr(self, key) is None:
                 object.__setattr__(self, key, value)
-        if self.head_dim == 0 and self.heads > 0 and self.hidden % self.heads:
+        # a width that validate() refuses anyway (<= 0, beyond MAX_SIZE) is named there, not blamed on heads
+        if self.head_dim == 0 and self.heads > 0 and 0 < self.hidden <= MAX_SIZE["hidden"] and self.hidden % self.heads:
             raise bad_value("model.heads", self.heads, f"must divide hidden = {self.hidden}")
         if self.kv_heads == 0:
             object.__setattr__(self, "kv_heads", self.heads)

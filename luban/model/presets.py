@@ -92,5 +92,5 @@ def preset_names() -> list[str]:
 def get_preset(name: str) -> ModelConfig:
     try:
         return PRESETS[name]
-    except KeyError:
+    except (KeyError, TypeError):  # TypeError: a list or table from a file (unhashable)
         raise bad_value("model.preset", name, f"one of {', '.join(PRESETS)}") from None

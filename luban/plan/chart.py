@@ -8,6 +8,11 @@ from luban.plan.estimate import MEMORY_KEYS
 from luban.plan.explain import GIB, describe
 
 
+# bars per chart: the best CHART_ROWS of a search (``--top`` may ask for 10,000, whose chart took 6 minutes
+# and was 660,000 pixels tall); 50 rows are 2.2 + 0.6 x 50 inches, 3,500 pixels at 110 dpi
+CHART_ROWS = 50
+
+
 def chart_format(path: "str | Path") -> str:
     """The image format ``path``'s suffix names (no suffix: png); one line (exit 2) for a suffix
     matplotlib cannot write. Called before a search, so a bad name costs nothing."""
@@ -26,10 +31,11 @@ def chart_format(path: "str | Path") -> str:
 
 
 def write_chart(estimates: list, path: "str | Path", title: str = "") -> Path:
-    """Two stacked horizontal bar charts, one bar per estimate (best at the top)."""
+    """Two stacked horizontal bar charts, one bar per estimate (best at the top; the first ``CHART_ROWS``)."""
     kind = chart_format(path)
     import matplotlib.pyplot as plt
 
+    estimates = estimates[:CHART_ROWS]
     labels = [describe(e.layout) for e in estimates][::-1]
     rows = list(reversed(estimates))
     fig, (ax_mem, ax_time) = plt.subplots(1, 2, figsize=(15, 2.2 + 0.6 * len(rows)), sharey=True)

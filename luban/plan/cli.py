@@ -88,7 +88,8 @@ def register(sub) -> None:
     srch = cmds.add_parser("search", parents=[common], help="every valid layout; the fastest that fit")
     srch.add_argument("--top", type=schema.integer(1, 10_000), default=5)
     srch.add_argument("--precision", type=NAME, default="bf16")
-    srch.add_argument("--chart", type=schema.path("new-file"), help="write a PNG of the best layouts' memory and time")
+    srch.add_argument("--chart", type=schema.path("new-file"),
+                      help="write a PNG of the best layouts' memory and time (the best 50 at most: luban.plan.chart)")
     srch.add_argument("--ep", type=DEGREE, action="append", default=None,
                       help="MoE: search only these expert-parallel sizes (repeatable; default: every size that "
                            "divides dp*cp and the experts)")
@@ -121,6 +122,7 @@ def load_model(spec: str):
     """A preset name or a TOML/JSON file holding a ModelConfig (flat, or under [model])."""
     from luban.model.config import ModelConfig
     from luban.model.presets import PRESETS, get_preset
+    from luban.plan.system import read_small_text
 
     path = Path(spec)
     if spec in PRESETS:
@@ -129,7 +131,8 @@ def load_model(spec: str):
         raise bad_value("--model", spec, f"a .toml/.json file or a preset: {', '.join(PRESETS)}")
     kind = "JSON" if path.suffix == ".json" else "TOML"
     try:
-        raw = json.loads(path.read_text()) if kind == "JSON" else tomllib.loads(path.read_text())
+        text = read_small_text(path, "--model", spec)
+        raw = json.loads(text) if kind == "JSON" else tomllib.loads(text)
     except (ValueError, tomllib.TOMLDecodeError, RecursionError) as err:
         raise LubanError(f"--model = {spec!r}: cannot parse: {err}".replace("\n", " ")) from None
     except OSError as err:
@@ -226,9 +229,11 @@ def cmd_estimate(args) -> int:
 
 
 def _summary(est) -> str:
+    from luban.plan.explain import capacity
+
     mem = "  ".join(f"{k} {v / GIB:.2f}" for k, v in est.memory_bytes.items())
     times = "  ".join(f"{k} {v * 1e3:.1f}" for k, v in est.time_breakdown_s.items() if v)
-    return (f"memory GiB/GPU: {mem}  -> {'fits' if est.fits else 'DOES NOT FIT'} in {est.hbm_bytes / GIB:.0f} GiB\n"
+    return (f"memory GiB/GPU: {mem}  -> {'fits' if est.fits else 'DOES NOT FIT'} in {capacity(est.hbm_bytes, 0)}\n"
             f"step {est.step_time_s * 1e3:,.1f} ms: {times}\n"
             f"{est.tokens_per_s:,.0f} tokens/s  MFU {est.mfu:.1%}  HFU {est.hfu:.1%}  {est.tflops_per_gpu:.1f} TFLOP/s/GPU")
 

@@ -3,6 +3,8 @@ and the nearest layouts that do."""
 
 from __future__ import annotations
 
+import math
+
 from luban.parallel.layout import ParallelLayout
 from luban.plan.estimate import Estimate
 from luban.plan.grid import Grid
@@ -13,6 +15,11 @@ from luban.plan.search import search
 
 GIB = 2**30
 KNOBS = ("dp", "zero", "tp", "sp", "pp", "schedule", "virtual_stages", "cp", "micro_batch", "recompute", "offload", "ep")
+
+
+def capacity(nbytes: float, digits: int = 1) -> str:
+    """A GPU's memory in GiB, or ``unlimited HBM`` (``--system-set hbm_gib=inf``: no ``inf GiB`` printed)."""
+    return f"{nbytes / GIB:.{digits}f} GiB" if math.isfinite(nbytes) else "unlimited HBM"
 
 
 def describe(layout: ParallelLayout) -> str:
@@ -105,7 +112,7 @@ def explain(est: Estimate, problem: Problem) -> str:
            f" GiB + buffers {est.extra['buffers'] / GIB:.3f} GiB (ZeRO-3 prefetch, TP/PP buffers"
            + (", FSDP2 gathered weights / full gradients" if fsdp else "") + ")",
            *moe_lines(est, problem, g),
-           f"  total         {m['total'] / GIB:9.3f} GiB of {est.hbm_bytes / GIB:.1f} GiB -> {'fits' if est.fits else 'DOES NOT FIT'}",
+           f"  total         {m['total'] / GIB:9.3f} GiB of {capacity(est.hbm_bytes)} -> {'fits' if est.fits else 'DOES NOT FIT'}",
            f"  host (offload) {est.host_bytes / GIB:8.3f} GiB",
            f"step time {est.step_time_s * 1e3:,.1f} ms ({est.microbatches} micro-batches per pipeline):"]
     for name, seconds in est.time_breakdown_s.items():

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from luban import schema
 from luban.errors import LubanError, bad_value
 from luban.parallel.layout import PRECISIONS
 
@@ -47,15 +48,27 @@ EFFICIENCY_KEYS = {"matmul_size": None, "matmul": None, "collective_size": None,
 # what a profile's efficiencies may be: key -> (low, high, low included); the curves' values each.
 # Shares of a peak or a link are at most 1; a probed CPU's elementwise traffic was 16 (bytes moved per
 # byte of input), so 1000 bounds it loosely, and 0 is a CPU probe's fit when nothing is left for it
-# (probe.fit_elementwise_traffic); a kernel launch of a second is no GPU's.
+# (probe.fit_elementwise_traffic); a kernel launch of a second is no GPU's. The shares the time model
+# divides by (a GEMM, a link, HBM, attention at that share of its peak) are at least MIN_SHARE: far below any
+# fit (the built-in curves start at 0.016; probe.fit_collectives floors its curve at 1e-3; a 64-wide GEMM
+# timed at a whole millisecond on an H100 is 5e-7), and a step time stays finite (the largest model on the
+# smallest peaks and links: ~1e63 s, a float holds 1e308; a share of 1e-300 made it inf, then NaN).
+# unaligned_gemm may also be 0: not measured.
+MIN_SHARE = 1e-9
 CURVES = ("matmul_size", "matmul", "collective_size", "collective")
-EFFICIENCY_RANGES = {"matmul_size": (0, 1e30, False), "matmul": (0, 1, False), "collective_size": (0, 1e30, False),
-                     "collective": (0, 1, False), "elementwise_traffic": (0, 1000, True), "hbm_efficiency": (0, 1, False),
-                     "zero3_overlap": (0, 1, True), "fp8_matmul": (0, 1, False), "attention_matmul": (0, 1, False),
-                     "attention_fa3_speedup": (0, 100, False), "kernel_launch_s": (0, 1, True), "unaligned_gemm": (0, 1, True)}
-# CPU terms with a bound of their own (the rest: finite, positive): contention grows as
-# oversubscription ** exponent (probed ~1.3 on the 2-core VM; 16 keeps 2**24 ranks finite)
-CPU_RANGES = {"cores": 1 << 24, "threads": 1 << 24, "oversubscription_exponent": 16.0}
+EFFICIENCY_RANGES = {"matmul_size": (0, 1e30, False), "matmul": (MIN_SHARE, 1, True), "collective_size": (0, 1e30, False),
+                     "collective": (MIN_SHARE, 1, True), "elementwise_traffic": (0, 1000, True),
+                     "hbm_efficiency": (MIN_SHARE, 1, True), "zero3_overlap": (0, 1, True), "fp8_matmul": (MIN_SHARE, 1, True),
+                     "attention_matmul": (MIN_SHARE, 1, True), "attention_fa3_speedup": (MIN_SHARE, 100, True),
+                     "kernel_launch_s": (0, 1, True), "unaligned_gemm": (MIN_SHARE, 1, True)}
+NOT_MEASURED = {"unaligned_gemm": 0.0}  # an efficiency's value for "not measured" outside its range
+# [cpu] terms: key -> (low, high, low included). Cores and threads up to 2**24; contention grows as
+# oversubscription ** exponent (probed ~1.3 on the 2-core VM; 16 keeps 2**24 ranks finite); every other
+# term is seconds up to an hour (as latencies), the reference micro-batch's times from 1e-9 s (the probe's
+# floor for a time it measures at nothing): time.thread_slowdown divides by them (1e-300 s made a step NaN)
+CPU_RANGES = {"cores": (0, 1 << 24, False), "threads": (0, 1 << 24, False), "oversubscription_exponent": (0, 16.0, False),
+              "reference_s": (1e-9, 3600.0, True), "reference_one_thread_s": (1e-9, 3600.0, True)}
+CPU_SECONDS = (0, 3600.0, False)  # the other [cpu] terms
 # a profile's numbers stay where the planner's sums are finite: bandwidths from 1 byte/s, latencies up to
 # an hour, everything else up to 1e30 in its own unit (inf only where UNLIMITED says so); peaks from
 # 1 FLOP/s to 1e24 (a million times a GB200's dense fp4): a what-if, never an overflow
@@ -120,6 +133,8 @@ class System:
         if missing:
             raise bad_value(f"{source}.{missing[0]}", "(missing)", f"required: a profile needs {', '.join(names)}")
         values = dict(raw)
+        schema.check(f"{source}.name", values["name"], schema.text())
+        schema.check(f"{source}.description", values.get("description", ""), schema.text(allowed="text", empty=True))
         for key in NUMBERS:
             if key not in values:  # DEFAULTS fills it below, from checked values
                 continue
@@ -147,20 +162,27 @@ class System:
                 raise bad_value(f"{source}.efficiency.{key}", None, "required (no default)")
             low, high, closed = EFFICIENCY_RANGES[key]
             ok = (isinstance(value, (list, tuple)) and all(_in_range(v, low, high, closed) for v in value)
-                  if key in CURVES else _in_range(value, low, high, closed))
+                  if key in CURVES else _in_range(value, low, high, closed)
+                  or key in NOT_MEASURED and _is_number(value) and value == NOT_MEASURED[key])
             if not ok:
                 what = f"{'a list of numbers, each' if key in CURVES else 'a number'} {'>=' if closed else '>'} {low:g} and <= {high:g}"
+                if key in NOT_MEASURED:
+                    what = f"{NOT_MEASURED[key]:g} (not measured) or {what}"
                 raise bad_value(f"{source}.efficiency.{key}", value, what)
         for a, b in (("matmul_size", "matmul"), ("collective_size", "collective")):
             if len(eff[a]) != len(eff[b]) or len(eff[a]) < 2 or list(eff[a]) != sorted(eff[a]):
                 raise bad_value(f"{source}.efficiency.{a}", eff[a], f"ascending sizes, as many as efficiency.{b}")
         values["efficiency"] = eff
         cpu = values.get("cpu", {})
-        if cpu and (not isinstance(cpu, dict) or sorted(cpu) != sorted(CPU_KEYS)
-                    or not all(_in_range(cpu[k], 0, CPU_RANGES.get(k, math.inf), False) for k in CPU_KEYS)
-                    or not all(float(cpu[k]).is_integer() for k in ("cores", "threads"))):
-            raise bad_value(f"{source}.cpu", cpu, f"a table of finite positive {', '.join(CPU_KEYS)} "
-                            f"(cores and threads whole, {', '.join(f'{k} <= {v:g}' for k, v in CPU_RANGES.items())})")
+        if cpu and (not isinstance(cpu, dict) or sorted(cpu) != sorted(CPU_KEYS)):
+            raise bad_value(f"{source}.cpu", cpu, f"a table of {', '.join(CPU_KEYS)}")
+        for key in CPU_KEYS if cpu else ():
+            low, high, closed = CPU_RANGES.get(key, CPU_SECONDS)
+            whole = key in ("cores", "threads")
+            if not _in_range(cpu[key], low, high, closed) or whole and not float(cpu[key]).is_integer():
+                top = f"{high:,}" if isinstance(high, int) else f"{high:g}"
+                raise bad_value(f"{source}.cpu.{key}", cpu[key], f"{'a whole number' if whole else 'a number'} "
+                                f"{'>=' if closed else '>'} {low:g} and <= {top}{' (seconds)' if key.endswith('_s') else ''}")
         if not isinstance(values["peak_flops"], dict) or not values["peak_flops"] or any(
                 k not in PRECISIONS or not _is_number(v) or not MIN_PEAK <= v <= MAX_PEAK for k, v in values["peak_flops"].items()):
             raise bad_value(f"{source}.peak_flops", values["peak_flops"],
@@ -215,6 +237,8 @@ def apply_overrides(raw: dict, sets, key: str = "--system-set") -> dict:
         elif name in ALIASES:
             field_, factor = ALIASES[name]
             out[field_] = value * factor
+            if math.isfinite(value) and not out[field_] <= MAX_NUMBER:  # in its unit (hbm_gib=1e300 overflowed to inf)
+                raise bad_value(f"{key} {name}", text, f"a number > 0 and <= {MAX_NUMBER / factor:g} (inf for unlimited)")
         elif prefix in PEAK_PREFIXES and sub in PRECISIONS:
             out["peak_flops"][sub] = value * PEAK_PREFIXES[prefix]
         elif prefix == "efficiency" and sub in EFFICIENCY_KEYS and not isinstance(EFFICIENCY_KEYS[sub], type(None)):
@@ -237,6 +261,22 @@ def _log_interp(x, xs, ys):
     return np.interp(np.log10(np.maximum(x, 1.0)), np.log10(xs), ys)
 
 
+# a profile or a model file (``--system``, ``--model``): the built-in profiles are ~4 KB; a file beyond 16 MiB
+# (a checkpoint named by mistake) is refused after reading that much, not read whole into memory
+MAX_FILE_BYTES = 1 << 24
+
+
+def read_small_text(path: Path, key: str, spec) -> str:
+    """The UTF-8 text of ``path`` (``UnicodeDecodeError``, a ``ValueError``, if it is not), or the one-line
+    error for ``key`` beyond ``MAX_FILE_BYTES``; ``OSError`` as ``open`` raises it."""
+    with open(path, "rb") as f:
+        data = f.read(MAX_FILE_BYTES + 1)
+    if len(data) > MAX_FILE_BYTES:
+        raise bad_value(key, str(spec), f"a file of at most {MAX_FILE_BYTES:,} bytes (a profile or a model "
+                                        f"config, not a checkpoint)")
+    return data.decode("utf-8")
+
+
 def builtin_systems() -> list[str]:
     return sorted(p.stem for p in SYSTEMS_DIR.glob("*.toml"))
 
@@ -253,7 +293,8 @@ def load_system(spec: "str | Path | System", overrides=(), key: str = "--system"
     if not path.is_file():
         raise bad_value(key, str(spec), f"a profile file or one of {', '.join(builtin_systems())}")
     try:
-        raw = json.loads(path.read_text()) if path.suffix == ".json" else tomllib.loads(path.read_text())
+        text = read_small_text(path, key, spec)
+        raw = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
     except (ValueError, tomllib.TOMLDecodeError, RecursionError) as err:
         raise LubanError(f"{key} = {str(spec)!r}: cannot parse {path.name}: {err}".replace("\n", " ")) from None
     except OSError as err:

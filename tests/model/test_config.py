@@ -34,3 +34,18 @@ def test_bad_model_config_names_key_value_and_rule(raw, message):
         ModelConfig.from_dict(raw)
     assert str(err.value).startswith(message)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({"preset": ["llama-8b"]}, "model.preset = ['llama-8b']: one of"),
+    ({"preset": {"name": "llama-8b"}}, "model.preset = {'name': 'llama-8b'}: one of"),
+    ({"hidden": -64}, "model.hidden = -64: must be a positive integer"),
+    ({"hidden": 10**30}, "model.hidden = 1000000000000000000000000000000: at most 1048576"),
+])
+def test_a_bad_preset_or_width_is_named_itself(raw, message):
+    """A preset that is a list or a table (``luban plan estimate --model file.toml``) was a TypeError
+    traceback; a negative or huge hidden was reported as 'model.heads = 12: must divide hidden = -64',
+    blaming the key the user did not touch (a hostile sweep, 2026-11-27)."""
+    with pytest.raises(LubanError) as err:
+        ModelConfig.from_dict(raw)
+    assert str(err.value).startswith(message) and "\n" not in str(err.value)

@@ -189,3 +189,31 @@ def test_the_default_runtime_is_lubans_own_on_a_gpu_profile():
     plans = [json.loads(luban(*base, *extra).stdout) for extra in ((), ("--runtime", "luban"), ("--runtime", "megatron"))]
     assert plans[0] == plans[1] and plans[0]["fits"]
     assert plans[0]["memory_bytes"] != plans[2]["memory_bytes"]
+
+
+def test_an_unlimited_gpu_memory_is_not_printed_as_inf(capsys):
+    """--system-set hbm_gib=inf (documented: an unlimited tier) printed 'fits in inf GiB' and, with
+    --explain, 'of inf GiB' (a hostile sweep, 2026-11-27)."""
+    import re
+
+    for extra in ([], ["--explain"]):
+        assert main(["plan", "estimate", "--model", "tiny", "--gpus", "1", "--global-batch", "1",
+                     "--system-set", "hbm_gib=inf", *extra]) == 0
+        out = capsys.readouterr().out
+        assert "unlimited HBM" in out and not re.search(r"\binf\b", out), out
+
+
+def test_a_chart_of_a_huge_top_draws_the_best_chart_rows(tmp_path):
+    """search --top 10000 --chart drew one bar per layout: 6 minutes for a 51 MB PNG 660,000 pixels tall
+    (a hostile sweep, 2026-11-27); the chart now holds the best CHART_ROWS."""
+    import struct
+
+    from luban.model.presets import get_preset
+    from luban.parallel.layout import ParallelLayout
+    from luban.plan.chart import CHART_ROWS, write_chart
+    from luban.plan.estimate import estimate
+
+    one = estimate(get_preset("tiny"), "dgx-h100", ParallelLayout(), global_batch=1)
+    path = write_chart([one] * (CHART_ROWS + 30), tmp_path / "best.png")
+    width, height = struct.unpack(">II", path.read_bytes()[16:24])  # the PNG's IHDR
+    assert height == round((2.2 + 0.6 * CHART_ROWS) * 110), (width, height)

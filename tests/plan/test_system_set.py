@@ -59,7 +59,7 @@ def test_optional_fields_default_from_the_others():
     ("nvlink_domain=1e19", "positive integer up to 16,777,216"), ("nvlink_latency=1e308", "<= 3600"),
     ("nvlink_gbps=1e-300", "a number >= 1 and"), ("peak_flops.bf16=1e-300", r"each from 1 to 1e\+24"),
     ("peak_flops.bf16=1e308", r"each from 1 to 1e\+24"), ("efficiency.elementwise_traffic=1e300", "<= 1000"),
-    ("efficiency.hbm_efficiency=5", "a number > 0 and <= 1"),
+    ("efficiency.hbm_efficiency=5", "a number >= 1e-09 and <= 1"),
 ])
 def test_bad_overrides_are_one_line_errors(item, match):
     with pytest.raises(LubanError, match=match) as err:
@@ -101,3 +101,92 @@ def test_cli_estimate_and_search_take_system_set():
     bad = luban("search", *common, "--system-set", "nvlink=16")
     assert bad.returncode == 2 and bad.stderr.startswith("luban: error: --system-set = 'nvlink=16': unknown key")
     assert len(bad.stderr.strip().splitlines()) == 1 and "Traceback" not in bad.stderr
+
+
+CPU_TERMS = {"cores": 2, "threads": 2, "oversubscription_exponent": 1.0, "oversubscribed_stall_s": 1e-9,
+             "op_overhead_s": 1e-5, "tensor_overhead_s": 2e-5, "reference_s": 0.1, "reference_one_thread_s": 0.2,
+             "tp_op_overhead_s": 1e-4, "fsdp_group_overhead_s": 1e-3, "dtensor_tensor_overhead_s": 5e-5}
+
+
+def _profile(cpu=None, **efficiency) -> dict:
+    raw = json.loads(json.dumps(load_system("dgx-h100").to_dict()))
+    raw["efficiency"].update(efficiency)
+    if cpu is not None:
+        raw["cpu"] = {**CPU_TERMS, **cpu}
+    return raw
+
+
+@pytest.mark.parametrize("raw,match", [
+    (_profile(matmul=[1e-300] * 6), r"efficiency.matmul = \[1e-300.*: a list of numbers, each >= 1e-09 and <= 1$"),
+    (_profile(collective=[1e-300] * 6), r"efficiency.collective = .*each >= 1e-09"),
+    (_profile(hbm_efficiency=1e-300), r"efficiency.hbm_efficiency = 1e-300: a number >= 1e-09 and <= 1$"),
+    (_profile(attention_matmul=1e-300), r"efficiency.attention_matmul = 1e-300"),
+    (_profile(fp8_matmul=1e-300), r"efficiency.fp8_matmul = 1e-300"),
+    (_profile(attention_fa3_speedup=1e-300), r"efficiency.attention_fa3_speedup = 1e-300: a number >= 1e-09 and <= 100"),
+    (_profile(unaligned_gemm=1e-300), r"efficiency.unaligned_gemm = 1e-300: 0 \(not measured\) or a number >= 1e-09"),
+    (_profile(cpu={"reference_s": 1e-300, "reference_one_thread_s": 1e300, "threads": 4}),
+     r"cpu.reference_s = 1e-300: a number >= 1e-09 and <= 3600 \(seconds\)$"),
+    (_profile(cpu={"op_overhead_s": 1e300}), r"cpu.op_overhead_s = 1e\+300: a number > 0 and <= 3600 \(seconds\)$"),
+    (_profile(cpu={"cores": 2.5}), r"cpu.cores = 2.5: a whole number > 0 and <= 16,777,216$"),
+    ({**_profile(), "name": 5}, r"system.name = 5: non-empty UTF-8 text$"),
+    ({**_profile(), "name": ""}, r"system.name = '': non-empty UTF-8 text$"),
+    ({**_profile(), "description": ["x"]}, r"system.description = \['x'\]: text$"),
+])
+def test_profile_values_that_planned_nonsense_are_refused(raw, match):
+    """A share of a peak or a link near 0 (efficiency 1e-300) planned a step of inf ms, then NaN, with
+    numpy overflow warnings; a CPU profile's reference times of 1e-300 s and 1e300 s planned NaN and a
+    per-op overhead of 1e300 s a 1e+300 ms step printed as valid; a name or description that was no
+    text (5, a list, empty) was printed as is (a hostile sweep, 2026-11-27)."""
+    with pytest.raises(LubanError, match=match) as err:
+        System.from_dict(raw)
+    assert "\n" not in str(err.value)
+
+
+def test_a_profile_at_its_bounds_plans_finite_times():
+    """The smallest shares, bandwidths and peaks a profile may hold, and the farthest-apart CPU
+    reference times, still plan a finite, positive step (what the bounds above are for)."""
+    import warnings
+
+    from luban.model.presets import get_preset
+    from luban.plan.system import MIN_SHARE
+
+    slow = _profile(matmul=[MIN_SHARE] * 6, collective=[MIN_SHARE] * 6, hbm_efficiency=MIN_SHARE, fp8_matmul=MIN_SHARE,
+                    attention_matmul=MIN_SHARE, attention_fa3_speedup=MIN_SHARE, unaligned_gemm=MIN_SHARE,
+                    elementwise_traffic=1000)
+    slow.update({k: 1.0 for k in ("hbm_bandwidth", "nvlink_bandwidth", "internode_bandwidth", "host_bandwidth",
+                                  "host_link_bandwidth", "offload_bandwidth")},
+                peak_flops={p: 1.0 for p in ("fp32", "bf16", "fp16", "fp8")})
+    cpu = _profile(cpu={"threads": 4, "reference_s": 1e-9, "reference_one_thread_s": 3600.0,
+                        **{k: 3600.0 for k in CPU_TERMS if k.endswith("_s") and not k.startswith("reference")}})
+    layout = ParallelLayout(dp=2, tp=2, pp=2, zero=1, sp=True, recompute="full", precision="bf16")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an overflow in numpy is a RuntimeWarning
+        for raw, runtime in ((slow, "pytorch"), (cpu, "luban")):
+            e = estimate(get_preset("llama-405b").replace(vocab=50257), System.from_dict(raw), layout, global_batch=8,
+                         seq=8192, runtime=runtime)
+            times = [e.step_time_s, *e.time_breakdown_s.values()]
+            assert all(math.isfinite(t) and t >= 0 for t in times) and e.step_time_s > 0, e.time_breakdown_s
+
+
+@pytest.mark.parametrize("item", ["hbm_gib=1e300", "hbm_gib=1e25", "offload_gbps=1e300"])
+def test_an_override_beyond_its_field_in_convenient_units_is_refused(item):
+    """hbm_gib=1e300 overflowed to inf bytes and was taken as "unlimited" (hbm_bytes=1e300 itself is
+    refused), and hbm_gib=1e25 was refused as hbm_bytes = 1.07e+34 (a hostile sweep, 2026-11-27)."""
+    name = item.partition("=")[0]
+    with pytest.raises(LubanError, match=rf"^--system-set {name} = '[0-9e]+': a number > 0 and <= [0-9.e+]+ \(inf for unlimited\)$"):
+        load_system("dgx-h100", [item])
+    assert math.isinf(load_system("dgx-h100", ["hbm_gib=inf"]).hbm_bytes)  # what inf is for
+
+
+def test_a_huge_profile_or_model_file_is_refused_unread(tmp_path):
+    """A multi-GB file named as --system or --model (a checkpoint by mistake) was read whole into
+    memory: seconds per GB, then a MemoryError traceback under a memory limit (a hostile sweep, 2026-11-27)."""
+    from luban.plan.cli import load_model
+    from luban.plan.system import MAX_FILE_BYTES
+
+    big = tmp_path / "model.safetensors"
+    with open(big, "wb") as f:
+        f.truncate(4 * MAX_FILE_BYTES)  # sparse: no disk, no time
+    for load, key in ((load_system, "--system"), (load_model, "--model")):
+        with pytest.raises(LubanError, match=rf"^{key} = '.*model.safetensors': a file of at most 16,777,216 bytes"):
+            load(str(big))
