@@ -229,13 +229,14 @@ def cmd_estimate(args) -> int:
 
 
 def _summary(est) -> str:
-    from luban.plan.explain import capacity
+    from luban.plan.explain import capacity, over_peak
 
     mem = "  ".join(f"{k} {v / GIB:.2f}" for k, v in est.memory_bytes.items())
     times = "  ".join(f"{k} {v * 1e3:.1f}" for k, v in est.time_breakdown_s.items() if v)
     return (f"memory GiB/GPU: {mem}  -> {'fits' if est.fits else 'DOES NOT FIT'} in {capacity(est.hbm_bytes, 0)}\n"
             f"step {est.step_time_s * 1e3:,.1f} ms: {times}\n"
-            f"{est.tokens_per_s:,.0f} tokens/s  MFU {est.mfu:.1%}  HFU {est.hfu:.1%}  {est.tflops_per_gpu:.1f} TFLOP/s/GPU")
+            f"{est.tokens_per_s:,.0f} tokens/s  MFU {est.mfu:.1%}  HFU {est.hfu:.1%}  {est.tflops_per_gpu:.1f} TFLOP/s/GPU"
+            + "".join(f"\n({note})" for note in [over_peak(est)] if note))
 
 
 PROGRESS_AFTER_S = 5.0  # a search shorter than this prints nothing but its result

@@ -22,6 +22,17 @@ def capacity(nbytes: float, digits: int = 1) -> str:
     return f"{nbytes / GIB:.{digits}f} GiB" if math.isfinite(nbytes) else "unlimited HBM"
 
 
+def over_peak(est: Estimate) -> str | None:
+    """Why an MFU or HFU above 100% is not a planner error (None when both are <= 100%): they count the full
+    (non-causal) s x s attention product, as Megatron-LM's Eq. 3 and PaLM (App. B) do and the published
+    tables the planner is validated on report it, while a fused kernel that skips the masked half
+    executes about half of it; at long sequences that half outweighs the rest."""
+    if est.mfu <= 1 and est.hfu <= 1:
+        return None
+    return ("MFU and HFU above 100%: both count the full (non-causal) s x s attention, as Megatron-LM and PaLM "
+            "report them; the attention kernel skips the masked half, executing about half of those FLOPs")
+
+
 def describe(layout: ParallelLayout) -> str:
     """A short one-line name: ``dp8 z1 tp4+sp pp2 1f1b cp1 mb1 rc=selective``."""
     sched = f" {layout.schedule}" + (f"x{layout.virtual_stages}" if layout.virtual_stages > 1 else "") if layout.pp > 1 else ""
@@ -121,5 +132,6 @@ def explain(est: Estimate, problem: Problem) -> str:
     out.append(f"  (data-parallel traffic hidden behind compute: {est.dp_hidden_s * 1e3:.2f} ms)")
     out.append(f"throughput {est.tokens_per_s:,.0f} tokens/s, MFU {est.mfu:.1%}, HFU {est.hfu:.1%}, "
                f"{est.tflops_per_gpu:.1f} TFLOP/s per GPU")
+    out += [f"  ({note})" for note in [over_peak(est)] if note]
     return "\n".join(out)
 

@@ -203,6 +203,20 @@ def test_an_unlimited_gpu_memory_is_not_printed_as_inf(capsys):
         assert "unlimited HBM" in out and not re.search(r"\binf\b", out), out
 
 
+def test_an_mfu_above_100_percent_says_why(capsys):
+    """Qwen3-30B-A3B at seq 40960 under fsdp2 planned MFU 101.8% on an A100 without a word (a hostile
+    sweep, 2026-11-27): MFU and HFU count the full s x s attention (the validated tables' convention),
+    the kernel executes the causal half. Said where it is above 100%, and only there."""
+    argv = ["plan", "estimate", "--model", "qwen3-30b-a3b", "--gpus", "8", "--global-batch", "8", "--ep", "8",
+            "--runtime", "fsdp2", "--zero", "3"]
+    for extra in ([], ["--explain"]):
+        assert main([*argv, *extra]) == 0
+        out = capsys.readouterr().out
+        assert "MFU and HFU above 100%: both count the full (non-causal) s x s attention" in out, out
+    assert main(["plan", "estimate", "--model", "tiny", "--gpus", "1", "--global-batch", "1"]) == 0
+    assert "above 100%" not in capsys.readouterr().out
+
+
 def test_a_chart_of_a_huge_top_draws_the_best_chart_rows(tmp_path):
     """search --top 10000 --chart drew one bar per layout: 6 minutes for a 51 MB PNG 660,000 pixels tall
     (a hostile sweep, 2026-11-27); the chart now holds the best CHART_ROWS."""
