@@ -186,6 +186,13 @@ def cmd_demo(args) -> int:
         args.nproc = fit_ranks(None, local_gpus(cfg.run.device), demo=True)
     resolve_rendezvous(args)
     world, half = args.nproc * args.nnodes, cfg.train.steps // 2
+    from luban.owned import step_dirs
+
+    held = [] if args.resume or "WORLD_SIZE" in os.environ else step_dirs(Path(cfg.run.dir) / "checkpoints")
+    if held:  # a second demo: its first half would be a fresh start into the first demo's run (refused)
+        raise bad_value("run.dir", cfg.run.dir, f"holds an earlier run (newest {held[0].name}); run this demo "
+                        f"into a new folder (luban demo --set run.dir='\"{cfg.run.dir}-2\"') or remove that one "
+                        "(nothing was changed)")
     if half == 0 and not (world % 2 or "WORLD_SIZE" in os.environ):  # the first half would be 0 steps
         raise bad_value("train.steps", cfg.train.steps, "at least 2 for the demo (half on each layout)")
     if world % 2 or "WORLD_SIZE" in os.environ:  # no second layout to move to (or already a rank)

@@ -100,6 +100,21 @@ def test_a_fresh_start_into_a_run_with_checkpoints_is_refused_and_changes_nothin
     assert (run / "checkpoints" / "step_0000003").is_dir()
 
 
+def test_a_second_demo_into_the_first_ones_folder_is_refused(trained, tmp_path, small_dataset):
+    """`luban demo` twice (README's first command) trained its first half fresh into the first demo's
+    run, then --resume auto took the first demo's last checkpoint: the second half never ran. Now
+    one line naming a new folder, nothing changed."""
+    from .conftest import tiny_overrides
+
+    run = tmp_path / "run"
+    shutil.copytree(trained / "run", run)
+    before = snapshot(run)
+    proc = luban("demo", "--nproc", "2", *_sets(tiny_overrides(small_dataset, run, **{"train.steps": 2})))
+    one_line_refusal(proc, f"run.dir = '{run}': holds an earlier run (newest step_0000002); run this demo into a "
+                           f"new folder (luban demo --set run.dir='\"{run}-2\"') or remove that one")
+    assert snapshot(run) == before
+
+
 def test_import_refuses_a_folder_of_other_files(trained, tmp_path):
     theirs = tmp_path / "theirs"
     theirs.mkdir()
