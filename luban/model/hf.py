@@ -608,14 +608,24 @@ def export_folder(cfg: ModelConfig, state: dict, out: Path, tokenizer=None, extr
     umask = os.umask(0)
     os.umask(umask)
     temp = out / f".model.safetensors.tmp-{os.getpid()}"
+    record = dict(ours or {})
+
+    def claim(name: str) -> None:
+        """Before each file: the record lists it as luban's, whenever the export stops (identity
+        unknown: None), and the files written before it with theirs. Listing every name up front
+        let a user's file, put there after an export stopped short of writing it, pass for luban's."""
+        if ours is not None:
+            record.update({n: _identity(out / n) for n in names[:names.index(name)]}, **{name: None})
+            _write_record(out, record)
+
     try:
         out.mkdir(parents=True, exist_ok=True)
-        if ours is not None:  # first: what is about to be written is luban's, whenever the export stops
-            _write_record(out, {**ours, **dict.fromkeys(names)})
+        claim("model.safetensors")
         save_file(tensors, str(temp), metadata={"format": "pt"})
         os.chmod(temp, 0o666 & ~umask)  # safetensors creates its file 600; the other files follow the umask
         os.replace(temp, out / "model.safetensors")
         for name, text in files.items():
+            claim(name)
             write_bytes(out / name, text.encode("utf-8"))
         if ours is not None:
             for name in set(ours) - set(names):

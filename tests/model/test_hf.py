@@ -678,6 +678,35 @@ def test_reexport_replaces_only_its_own_files(small_dataset, tmp_path, capsys):
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
+def test_an_export_stopped_short_does_not_claim_the_files_it_never_wrote(small_dataset, tmp_path, capsys, monkeypatch):
+    """The record listed every name as luban's before the first byte: an export killed before it wrote
+    tokenizer.json, then a tokenizer.json the user put there, and the next export replaced it as its own
+    (found by a hostile sweep, 2026-11-27). Now each name is listed only as its file is written."""
+    import safetensors.torch
+
+    from luban.cli import main
+
+    cfg = get_preset("tiny-llama").replace(vocab=257)
+    run = _run_with_dataset(tmp_path / "a", small_dataset, cfg)
+    out = tmp_path / "out"
+    export = ["export", "--format", "hf", str(run), str(out)]
+    assert main(export) == 0
+    (out / "tokenizer.json").unlink()
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt  # as a kill while the weights are written: nothing after runs
+
+    with monkeypatch.context() as patch:
+        patch.setattr(safetensors.torch, "save_file", killed)
+        with pytest.raises(KeyboardInterrupt):
+            main(export)
+    (out / "tokenizer.json").write_text('{"mine": true}')  # the user's, put there afterwards
+    capsys.readouterr()
+    assert main(export) == 2
+    assert "holds 'tokenizer.json', which luban did not write" in capsys.readouterr().err
+    assert (out / "tokenizer.json").read_text() == '{"mine": true}'
+
+
 def test_reexport_into_an_export_made_before_the_record(small_dataset, tmp_path, capsys):
     """A folder exported before 2026-11-27 has a marker without the list of files: what that export wrote is
     rebuilt from the files' times (model.safetensors first, config.json last). A tokenizer file the user added
