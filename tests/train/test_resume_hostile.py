@@ -159,6 +159,33 @@ def test_the_manifest_must_list_every_file_a_load_reads(trained, tmp_path):
     assert checkpoint.latest_valid(tmp_path / "nothing") is None
 
 
+def test_ranks_share_the_checksum_reads_and_a_bad_file_in_any_share_is_found(trained, small_dataset, tmp_path,
+                                                                            monkeypatch):
+    """Every rank read the whole checkpoint to verify it at resume (N ranks, N times the bytes from a
+    shared file system; found 2026-11-27). Each rank now checksums its share of the files; the shares
+    cover every file once, a damaged file is found by the rank whose share holds it, and a two-rank
+    resume names it in one line on every rank (``verify_everywhere``)."""
+    ckpt = copy(trained, tmp_path)
+    read: list[list[str]] = []
+    crc32 = checkpoint.file_crc32
+    monkeypatch.setattr(checkpoint, "file_crc32", lambda f: read[-1].append(f.name) or crc32(f))
+    for rank in range(3):
+        read.append([])
+        assert checkpoint.verify(ckpt, share=(rank, 3)) is None
+    listed = json.loads((ckpt / "manifest.json").read_text())["files"]
+    assert sorted(sum(read, [])) == sorted(listed) and all(read)  # each file once, no share empty
+    victim = read[1][0]
+    (ckpt / victim).write_bytes(bytes(b ^ 1 for b in (ckpt / victim).read_bytes()))
+    assert checkpoint.verify(ckpt, share=(0, 3)) is None and checkpoint.verify(ckpt, share=(2, 3)) is None
+    assert checkpoint.verify(ckpt, share=(1, 3)) == f"{victim} fails its CRC32 check"
+    monkeypatch.undo()
+    out = luban("train", "--resume", ckpt, "--nproc", "2", *sets(tiny_overrides(
+        small_dataset, tmp_path / "run2", **{"train.steps": 4, "train.eval_every": 0, "parallel.dp": 2})))
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr
+    lines = set(out.stderr.splitlines())  # each rank says it, the same line: every rank found it
+    assert len(lines) == 1 and f"checkpoint is not valid: {victim} fails its CRC32 check" in lines.pop(), out.stderr
+
+
 def test_an_intact_copy_still_resumes(trained, small_dataset, tmp_path):
     ckpt = copy(trained, tmp_path)
     out = resume(small_dataset, tmp_path, ckpt)
