@@ -110,13 +110,31 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_manifest(ckpt: Path) -> None:
+def file_entries(ckpt: Path, names) -> dict:
+    """``{name: {bytes, crc32}}`` of the files ``names`` in ``ckpt``, each fsynced first."""
     files = {}
-    for f in sorted(ckpt.iterdir()):
-        if f.is_file() and f.name != "manifest.json":
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-            files[f.name] = {"bytes": f.stat().st_size, "crc32": file_crc32(f)}
+    for name in names:
+        with open(ckpt / name, "rb") as fh:
+            os.fsync(fh.fileno())
+        files[name] = {"bytes": (ckpt / name).stat().st_size, "crc32": file_crc32(ckpt / name)}
+    return files
+
+
+def _own_files(ckpt: Path, group=None) -> list[str]:
+    """The files this rank wrote into ``ckpt``: its DCP data files (``__RANK_N.distcp``, RANK within the
+    save's group) and its RNG state. Which they are only spreads the checksum reads over the ranks
+    (``write_manifest`` reads any file no rank reported)."""
+    mine = re.compile(rf"^__{dist.get_rank(group) if _is_dist() else 0}_\d+\.distcp$")
+    return sorted(f.name for f in ckpt.iterdir() if mine.match(f.name) or f.name == f"rng_rank{_rank()}.pt")
+
+
+def write_manifest(ckpt: Path, known: dict | None = None) -> None:
+    """manifest.json: every file's size and CRC32; ``known``: the entries the ranks computed for the
+    files they wrote (``_save``), so that one rank does not read the whole checkpoint back."""
+    known = known or {}
+    names = [f.name for f in sorted(ckpt.iterdir()) if f.is_file() and f.name != "manifest.json"]
+    files = {**file_entries(ckpt, [n for n in names if n not in known]), **{n: known[n] for n in names if n in known}}
+    files = {n: files[n] for n in names}
     tmp = ckpt / "manifest.json.tmp"
     tmp.write_text(json.dumps({"files": files}, indent=1))
     with open(tmp, "rb") as fh:
@@ -371,11 +389,20 @@ def _save(root: Path, step: int, state: dict, meta: dict, keep: int, rng: dict, 
     dcp.save(state, checkpoint_id=str(tmp), process_group=group)
     torch.save(rng, tmp / f"rng_rank{_rank()}.pt")
     _barrier(group)
+    # each rank checksums the files it wrote (one rank read the whole checkpoint back at every save)
+    try:
+        mine = file_entries(tmp, _own_files(tmp, group))
+    except OSError:  # rank 0 reads them again below, and names the error if it is still there
+        mine = {}
+    known = [mine]
+    if _is_dist():  # every rank reaches the gather
+        known = [None] * dist.get_world_size(group)
+        dist.all_gather_object(known, mine, group=group)
     if background:
         _test_hold(tmp, step)
     if _rank() == 0:
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-        write_manifest(tmp)
+        write_manifest(tmp, {name: entry for entries in known for name, entry in entries.items()})
         if final.exists():  # re-saving the same step (e.g. suspend right after a periodic save)
             shutil.rmtree(final)  # luban's own: checked before this save began
         tmp.rename(final)

@@ -87,7 +87,7 @@ def test_crash_during_save_keeps_previous_checkpoint(tiny, tmp_path, monkeypatch
     root = tmp_path / "run" / "checkpoints"
     assert [p.name for p in checkpoint.step_dirs(root)] == ["step_0000008", "step_0000004"]
 
-    def killed(_):
+    def killed(*_):
         raise KeyboardInterrupt("killed while writing the manifest")
 
     trainer = Trainer(load_config(None, overrides + ["train.steps=9"]))

@@ -186,6 +186,26 @@ def test_ranks_share_the_checksum_reads_and_a_bad_file_in_any_share_is_found(tra
     assert len(lines) == 1 and f"checkpoint is not valid: {victim} fails its CRC32 check" in lines.pop(), out.stderr
 
 
+def test_the_manifest_takes_the_ranks_checksums_of_their_own_files(tmp_path, monkeypatch):
+    """Rank 0 fsynced and checksummed every file of every save (the whole checkpoint read back by one
+    rank; found 2026-11-27): each rank now reports its own DCP data files and RNG state, and rank 0
+    reads only what no rank reported. The manifest is the same as one rank reading everything."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    for name in (".metadata", "__0_0.distcp", "__1_0.distcp", "__10_0.distcp", "rng_rank0.pt", "rng_rank1.pt",
+                 "meta.json"):
+        (ckpt / name).write_bytes(name.encode() * 3)
+    assert checkpoint._own_files(ckpt) == ["__0_0.distcp", "rng_rank0.pt"]  # rank 0 of no group
+    whole = checkpoint.file_entries(ckpt, sorted(p.name for p in ckpt.iterdir()))
+    others = checkpoint.file_entries(ckpt, ["__1_0.distcp", "__10_0.distcp", "rng_rank1.pt"])
+    read: list[str] = []
+    crc32 = checkpoint.file_crc32
+    monkeypatch.setattr(checkpoint, "file_crc32", lambda f: read.append(f.name) or crc32(f))
+    checkpoint.write_manifest(ckpt, others)
+    assert sorted(read) == [".metadata", "__0_0.distcp", "meta.json", "rng_rank0.pt"]
+    assert json.loads((ckpt / "manifest.json").read_text())["files"] == whole
+
+
 def test_an_intact_copy_still_resumes(trained, small_dataset, tmp_path):
     ckpt = copy(trained, tmp_path)
     out = resume(small_dataset, tmp_path, ckpt)
