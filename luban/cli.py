@@ -129,7 +129,8 @@ def _run(argv: list[str] | None, entry: bool) -> int:
     try:
         code = int(args.func(args) or 0)
     except LubanError as err:
-        print(f"luban: error: {err}".replace("\n", "\\n"), file=sys.stderr)  # one line, whatever a path holds
+        if not (err.everywhere and os.environ.get("RANK", "0") != "0"):  # one line for the job, not one per rank
+            print(f"luban: error: {err}".replace("\n", "\\n"), file=sys.stderr)  # one line, whatever a path holds
         code = err.exit_code
     except Exception as err:  # noqa: BLE001 - a rank of luban's launcher whose peer died: one line
         from luban import procs

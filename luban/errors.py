@@ -15,6 +15,9 @@ Exit codes (also in docs/training.md):
   130 interrupted twice with SIGINT: exited at once without saving
 """
 
+import unicodedata
+
+
 EXIT_USAGE = 2
 EXIT_CHECKPOINT = 74
 EXIT_SUSPENDED = 75
@@ -22,9 +25,11 @@ EXIT_INTERRUPTED = 130
 
 
 class LubanError(Exception):
-    """An error caused by the user's input; shown as one line, exit code 2."""
+    """An error caused by the user's input; shown as one line, exit code 2. ``everywhere``: raised
+    alike on every rank of a job (a collective check's answer), so rank 0 alone prints it."""
 
     exit_code = EXIT_USAGE
+    everywhere = False
 
 
 def unknown_key(section: str, key, value, known) -> LubanError:
@@ -49,10 +54,22 @@ def shown(value, limit: int = SHOWN_CHARS) -> str:
 
 
 def escaped(text: str, keep: str = "") -> str:
-    """``text`` with every non-printable character but those in ``keep`` written as its escape (ESC as
+    """``text`` with every control character (``_drives``) but those in ``keep`` written as its escape (ESC as
     ``\\x1b``, U+202E as ``\\u202e``): text that another user, a foreign server or a model wrote cannot
-    drive the terminal it is printed on (set its title, write its clipboard, reorder what it shows)."""
-    return "".join(c if c.isprintable() or c in keep else ascii(c)[1:-1] for c in text)
+    drive the terminal it is printed on (set its title, write its clipboard, reorder what it shows).
+    Text stays as written: spaces (U+3000 between CJK words, a no-break space) and the joiners of
+    emoji sequences are not controls."""
+    return "".join(c if c in keep or not _drives(c) else ascii(c)[1:-1] for c in text)
+
+
+# the bidirectional formatting characters (reorder what a terminal shows: a filename that reads backwards)
+_BIDI = frozenset("\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
+
+
+def _drives(c: str) -> bool:
+    """A character a terminal acts on rather than shows: C0/C1 controls and DEL (ESC, CSI U+009B,
+    NEL U+0085), a lone surrogate, a line or paragraph separator, a bidirectional override."""
+    return unicodedata.category(c) in ("Cc", "Cs", "Zl", "Zp") or c in _BIDI
 
 
 def for_terminal(text: str, stream, keep: str = "\n\t\r") -> str:

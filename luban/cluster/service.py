@@ -46,6 +46,18 @@ MAX_QUEUED_PER_USER = 1000    # queued attempts one user may have (--max-queued)
 ID_MAX = INT32[1]
 
 
+def _cut_char(data: bytes) -> int:
+    """How many bytes at the end of ``data`` begin a UTF-8 character that ends beyond it (0 to 3): a log
+    read in chunks decodes each whole character once (cut, both halves were U+FFFD: CJK text garbled
+    at every 1 MiB, and wherever ``luban logs -f`` read while the job was writing)."""
+    for back in range(1, min(3, len(data)) + 1):
+        byte = data[-back]
+        if byte & 0xC0 != 0x80:  # not a continuation byte: the character's first
+            need = 2 if byte & 0xE0 == 0xC0 else 3 if byte & 0xF0 == 0xE0 else 4 if byte & 0xF8 == 0xF0 else 1
+            return back if need > back else 0
+    return 0
+
+
 def int_field(body: dict, key: str, lo: int, hi: int, default=None) -> int:
     """A JSON integer (not a bool, not a float) in [lo, hi], or a one-line 422."""
     value = body.get(key, default)
@@ -559,6 +571,8 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
                 f.seek(offset)
                 text = f.read(LOG_CHUNK)
         done = job.state not in LIVE
+        if not (done and len(text) < LOG_CHUNK):  # a character cut by the chunk or a write under way: next time
+            text = text[:len(text) - _cut_char(text)]
         return {"text": text.decode(errors="replace"), "offset": offset + len(text), "done": done,
                 "state": job.state, "job_id": job.id}
 

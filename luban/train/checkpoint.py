@@ -300,11 +300,18 @@ def resolve(resume: str, root: Path) -> Path | None:
         return latest_valid(root)
     path = Path(resume)
     if not path.is_dir():
-        raise LubanError(f"--resume = {resume!r}: no such checkpoint directory (or use 'auto')")
+        raise everywhere(LubanError(f"--resume = {resume!r}: no such checkpoint directory (or use 'auto')"))
     problem = verify_everywhere(path)
     if problem:
-        raise LubanError(f"--resume = {resume!r}: checkpoint is not valid: {problem}")
+        raise everywhere(LubanError(f"--resume = {resume!r}: checkpoint is not valid: {problem}"))
     return path
+
+
+def everywhere(err: LubanError) -> LubanError:
+    """``err``, marked as raised alike on every rank (the shared file system's or a collective's
+    answer): rank 0 alone prints it (``LubanError.everywhere``)."""
+    err.everywhere = _is_dist()
+    return err
 
 
 def save(root: Path, step: int, state: dict, meta: dict, keep: int) -> Path:

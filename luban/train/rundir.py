@@ -17,13 +17,19 @@ from luban import owned
 from luban.errors import bad_value
 
 
-def check_run_dir(run_dir: str | Path, need_bytes: int = 0, fresh: bool = False) -> None:
+def check_run_dir(run_dir: str | Path, need_bytes: int = 0, fresh: bool = False, resume: str | None = None) -> None:
     """``fresh``: a start without ``--resume``, refused where the folder already holds checkpoints (a
     new run there saved over the old run's equal-numbered ones and pruned the rest under its
-    retention, and ``--resume auto`` then mixed the two runs)."""
+    retention, and ``--resume auto`` then mixed the two runs). ``resume``: a ``--resume`` naming a
+    checkpoint of another folder (an imported one, another run's) is refused there alike."""
     owned.claim(run_dir, "run", "run.dir")
     root = Path(run_dir) / "checkpoints"
-    held = owned.step_dirs(root) if fresh else []
+    held = owned.step_dirs(root) if fresh or _elsewhere(resume, root) else []
+    if held and not fresh:
+        raise bad_value("--resume", resume, f"a checkpoint of another folder, and run.dir = {str(run_dir)!r} already "
+                                            f"holds a run ({len(held)} checkpoint(s), the newest {held[0].name}) whose "
+                                            "checkpoints this run's would save over and mix with; start it in a new "
+                                            "run.dir (nothing was changed)")
     if held:
         raise bad_value("run.dir", str(run_dir), f"already holds a run ({len(held)} checkpoint(s), the newest "
                                                  f"{held[0].name}); continue it with --resume auto, or choose a new "
@@ -40,3 +46,14 @@ def check_run_dir(run_dir: str | Path, need_bytes: int = 0, fresh: bool = False)
     if free < need_bytes:
         raise bad_value("run.dir", str(run_dir), f"{free / 2**30:.2f} GiB free, a checkpoint needs about "
                                                  f"{need_bytes / 2**30:.2f} GiB; free space or choose another")
+
+
+def _elsewhere(resume: str | None, root: Path) -> bool:
+    """``--resume`` names a checkpoint folder (one with a manifest; anything else is named where it is
+    read) outside ``root`` (the run's ``checkpoints``, its ``aside-*`` folders included)."""
+    if not resume or resume == "auto":
+        return False
+    try:
+        return (Path(resume) / "manifest.json").is_file() and not Path(resume).resolve().is_relative_to(root.resolve())
+    except (OSError, ValueError, RuntimeError):  # unreadable: --resume is named where it is read
+        return False

@@ -14,13 +14,13 @@ import json
 import os
 import resource
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
 
 from luban.config import RunConfig
-from luban.errors import EXIT_SUSPENDED, LubanError, bad_value
+from luban.errors import EXIT_SUSPENDED, LubanError, bad_value, escaped
 from luban.model import flops
 from luban.model.config import ModelConfig
 from luban.parallel.engine import Engine, OptimizerConfig, build_engine, resolve_compile
@@ -199,6 +199,11 @@ class Trainer:
 
     def resume(self, resume: str) -> Path | None:
         ckpt = checkpoint.resolve(resume, self.ckpt_root)
+        held = checkpoint.step_dirs(self.ckpt_root) if ckpt is None else []
+        if held:  # every one damaged: a fresh start would save over them (an imported run: random weights)
+            raise checkpoint.everywhere(bad_value(
+                "--resume", resume, f"none of run.dir's {len(held)} checkpoint(s) is valid (the newest {held[0].name}: "
+                "each is named above); resume one by name once repaired, or choose a new run.dir"))
         if ckpt is None:
             return None
         # meta.json's structure (step, config, loader, ...) was checked by resolve (verify); here again,
@@ -217,7 +222,7 @@ class Trainer:
             raise failed or LubanError(f"--resume = {named!r}: the checkpoint could not be read on another rank")
         self.engine.load_state_dict(state)
         if imported:
-            self.resume_notes = [f"the weights imported from {meta['source']}, as step 0: a new optimizer, "
+            self.resume_notes = [f"the weights imported from {escaped(meta['source'])}, as step 0: a new optimizer, "
                                  "learning-rate schedule and data order"]
         else:
             self.step = meta["step"]
@@ -238,7 +243,9 @@ class Trainer:
             saved = {**saved, "model": ModelConfig(**saved.get("model", {})).to_dict()}
         except (TypeError, LubanError):
             pass  # unreadable: the comparison below names the first difference
-        differ = {key: saved["model"].get(key) for key, value in now["model"].items() if saved["model"].get(key) != value}
+        labels = {f.name for f in fields(ModelConfig) if not f.compare}  # the name: a label, not the shape
+        differ = {key: saved["model"].get(key) for key, value in now["model"].items()
+                  if key not in labels and saved["model"].get(key) != value}
         if differ:
             key = next(iter(differ))
             every = ", ".join(f"{k} = {json.dumps(v)}" for k, v in differ.items())
@@ -280,7 +287,7 @@ class Trainer:
         cfg, t = self.cfg, self.cfg.train
         suspend = preempt.install()
         if self.is_main:  # before anything is written there (luban.owned: a foreign folder is refused untouched)
-            check_run_dir(self.run_dir, self.checkpoint_bytes(), fresh=not resume)
+            check_run_dir(self.run_dir, self.checkpoint_bytes(), fresh=not resume, resume=resume)
         log = MetricsLogger(self.run_dir, t.steps, cfg.run.tensorboard, cfg.run.progress, enabled=self.is_main)
         unsafe = self.async_unsafe()
         self.async_ok = unsafe is None

@@ -199,3 +199,19 @@ def test_a_jobs_control_codes_do_not_reach_an_admins_terminal(svc):
     assert "\x1b" not in shown and "\x07" not in shown and "\u202e" not in shown, shown
     assert "before\\x1b]0;owned\\x07\\x1b]52;c;ZWNobyBoaQ==\\x07\\u202eafter\tend" in shown, shown
     assert raw in _on_a_terminal(svc, "logs", "--raw", str(job))
+
+
+def test_a_log_of_cjk_and_emoji_reads_whole_on_a_terminal_and_across_chunks(svc):
+    """An attack on the day's changes, 2026-11-27: text is not a control. On a terminal, U+3000 (the
+    space between CJK words), a no-break space and the joiner of an emoji sequence were printed as
+    \\u3000, \\xa0, \\u200d; and a log read in 1 MiB chunks cut a character at each chunk's end into
+    two U+FFFD (piped and --raw too). Controls are still escaped: C1's CSI and NEL, U+2028."""
+    _, ines = svc.user("ines", {"NORMAL": 1})
+    line = "日本語\u3000テキスト\u00a0👩\u200d💻"
+    code = f"import sys; sys.stdout.write('あ' * 400000 + '\\n' + {line!r} + '\\x9b31m\\x85\\u2028end\\n')"
+    job = ines.submit({"name": "unicode", "command": PYTHON, "args": ["-c", code]})["id"]
+    assert ines.wait(job, timeout=120)["state"] == "succeeded"
+    piped = svc.cli("logs", str(job)).stdout
+    assert "\ufffd" not in piped and "\n" + "あ" * 400000 + "\n" in piped, piped.count("\ufffd")
+    shown = _on_a_terminal(svc, "logs", str(job))
+    assert "\ufffd" not in shown and f"{line}\\x9b31m\\x85\\u2028end" in shown, shown[-200:]

@@ -66,6 +66,81 @@ def test_a_model_that_differs_from_the_imported_one_names_every_key(hf_llama, sm
     proc = luban("train", *_sets(tiny_overrides(small_dataset, run, **{"train.steps": 1})), "--resume", "auto")
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert proc.stderr.startswith("luban: error: model.arch = 'gpt2': 'llama', as in the checkpoint --resume names ")
-    assert ("whose [model] differs in 15 key(s): arch = \"llama\", hidden = 64, kv_heads = 2, head_dim = 16, "
-            "ffn_hidden = 128, vocab = 300, seq_len = 64, ") in proc.stderr  # layers = 2 is given: not listed
+    assert ("whose [model] differs in 14 key(s): arch = \"llama\", hidden = 64, kv_heads = 2, head_dim = 16, "
+            "ffn_hidden = 128, vocab = 300, seq_len = 64, ") in proc.stderr  # layers = 2 is given, name is a label: not listed
     assert [p.name for p in (run / "checkpoints").iterdir()] == ["step_0000000"]  # nothing written
+
+
+def test_an_imported_checkpoint_of_another_folder_into_a_run_is_refused(hf_llama, small_dataset, tmp_path):
+    """An attack on the day's changes, 2026-11-27: `--resume OTHER/checkpoints/step_0000000` (an
+    import, or any checkpoint of another folder) into a run.dir holding a run started there as step 0
+    and saved its steps over that run's (a llama run's step_0000002 became a gpt2's, its step_0000004
+    stayed: --resume auto mixed them). Refused in one line, nothing changed; into a new run.dir it runs."""
+    run, other = tmp_path / "run", tmp_path / "other"
+    luban("import", hf_llama, run, check=0)
+    luban("import", hf_llama, other, check=0)
+    before = {p: p.stat().st_mtime_ns for p in run.rglob("*")}
+    sets = [s for s in tiny_overrides(small_dataset, run, **{"train.steps": 1}) if not s.startswith("model.")]
+    named = other / "checkpoints" / "step_0000000"
+    proc = luban("train", *_sets(sets), "--resume", named, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith(f"luban: error: --resume = '{named}': a checkpoint of another folder, and "
+                                  f"run.dir = '{run}' already holds a run (1 checkpoint(s), the newest step_0000000)")
+    assert {p: p.stat().st_mtime_ns for p in run.rglob("*")} == before
+
+
+def _set_source(ckpt, source) -> None:
+    """meta.json's ``source`` set to ``source``, the manifest updated to match (the checksums pass)."""
+    import zlib
+
+    meta = json.loads((ckpt / "meta.json").read_text())
+    meta["source"] = source
+    (ckpt / "meta.json").write_text(json.dumps(meta))
+    data = (ckpt / "meta.json").read_bytes()
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    manifest["files"]["meta.json"] = {"bytes": len(data), "crc32": zlib.crc32(data)}
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_an_imported_source_with_control_codes_is_printed_escaped(hf_llama, small_dataset, tmp_path):
+    """An attack on the day's changes, 2026-11-27: an imported checkpoint's meta.json `source` (any
+    text: a folder received from someone) was printed as written in the resume note, its ESC, BEL and
+    newline driving the terminal; now escaped like every foreign text luban prints."""
+    run = tmp_path / "run"
+    luban("import", hf_llama, run, check=0)
+    _set_source(run / "checkpoints" / "step_0000000", "\x1b]0;owned\x07/hf\nfake line")
+    sets = [s for s in tiny_overrides(small_dataset, run, **{"train.steps": 1}) if not s.startswith("model.")]
+    out = luban("train", *_sets(sets), "--resume", "auto", check=0, timeout=120).stdout
+    assert "the weights imported from \\x1b]0;owned\\x07/hf\\nfake line, as step 0" in out, out
+    assert "\x1b" not in out and "\x07" not in out
+
+
+def test_the_imported_model_given_key_by_key_resumes_whatever_its_name(hf_llama, small_dataset, tmp_path):
+    """An attack on the day's changes, 2026-11-27: a config giving every [model] key of the imported
+    checkpoint but its name (a label: ``ModelConfig.name`` is ``compare=False``; the config's derives
+    'tiny-custom') was refused: "model.name = 'tiny-custom': 'hf-llama' ... differs in 1 key(s)"."""
+    run = tmp_path / "run"
+    luban("import", hf_llama, run, check=0)
+    model = json.loads((run / "checkpoints" / "step_0000000" / "meta.json").read_text())["config"]["model"]
+    sets = [s for s in tiny_overrides(small_dataset, run, **{"train.steps": 1}) if not s.startswith("model.")]
+    sets += [f"model.{k}={json.dumps(v)}" for k, v in model.items() if k != "name"]
+    out = luban("train", *_sets(sets), "--resume", "auto", check=0, timeout=120).stdout
+    assert "the weights imported from" in out and "step 1/1" in out, out
+
+
+def test_resume_auto_from_a_damaged_import_does_not_train_random_weights(hf_llama, small_dataset, tmp_path):
+    """An attack on the day's changes, 2026-11-27: `--resume auto` in an imported run whose only
+    checkpoint fails its checks (here meta.json's `source` is not text) took the checkpoint's [model],
+    skipped the checkpoint and said "starting fresh": a llama of random weights trained, saved beside
+    the import (a start without --resume there is refused for that). Refused in one line."""
+    run = tmp_path / "run"
+    luban("import", hf_llama, run, check=0)
+    ckpt = run / "checkpoints" / "step_0000000"
+    _set_source(ckpt, 5)
+    sets = [s for s in tiny_overrides(small_dataset, run, **{"train.steps": 1}) if not s.startswith("model.")]
+    proc = luban("train", *_sets(sets), "--resume", "auto", timeout=120)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stdout + proc.stderr
+    assert proc.stderr.startswith("luban: error: --resume = 'auto': none of run.dir's 1 checkpoint(s) is valid "
+                                  "(the newest step_0000000: "), proc.stderr
+    assert f"skipping checkpoint {ckpt}: meta.json source = 5" in proc.stdout
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step_0000000"]
