@@ -152,6 +152,21 @@ def parse_override(item: str) -> tuple[str, str, object]:
     return section, key.strip(), value
 
 
+def toml_value(value) -> str:
+    """``value`` (a bool, number, text or list of them) as a TOML literal, the form ``parse_override``
+    reads back: every TOML luban writes (a ``[parallel]`` block, a profile) goes through here."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):  # a TOML basic string: quote, backslash and the controls (DEL too) escaped
+        return '"' + "".join(f"\\u{ord(c):04x}" if c in '"\\' or ord(c) < 0x20 or ord(c) == 0x7F else c
+                             for c in value) + '"'
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    if isinstance(value, float):
+        return repr(value) if math.isfinite(value) else ("nan" if value != value else "inf" if value > 0 else "-inf")
+    return str(value)
+
+
 def config_from_dict(raw: dict) -> RunConfig:
     for name in raw:
         if name not in SECTIONS:

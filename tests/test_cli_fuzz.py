@@ -259,3 +259,17 @@ def test_sample_escapes_a_models_control_codes_on_a_terminal(small_dataset, tmp_
         with contextlib.redirect_stdout(stream):
             assert main(["sample", str(run), "--prompt", "", "--tokens", "1"]) == 0
         assert expected in stream.getvalue(), stream.getvalue()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.recursive(st.booleans() | st.integers(-2**63, 2**63 - 1) | st.floats(allow_nan=False) | st.text(),
+                    lambda inner: st.lists(inner, max_size=4), max_leaves=8))
+def test_every_toml_luban_writes_reads_back_as_written(value):
+    """One TOML writer (luban.config.toml_value) for the [parallel] block a plan prints and a probed
+    profile: two had drifted apart (one wrote a bool as Python's True, the other a string unescaped)."""
+    import tomllib
+
+    from luban.config import parse_override, toml_value
+
+    assert tomllib.loads(f"v = {toml_value(value)}")["v"] == value
+    assert parse_override(f"train.x={toml_value(value)}")[2] == value

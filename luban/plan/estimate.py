@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from luban.config import toml_value
 from luban.model.config import ModelConfig
 from luban.parallel.layout import ParallelLayout, check_layout
 from luban.plan.grid import FULL, SELECTIVE, Grid
@@ -143,16 +144,8 @@ class Estimate:
         lines = ["[parallel]"]
         for key, value in self.layout.to_dict().items():
             if key in main or value != defaults[key]:
-                lines.append(f"{key} = {_toml(value)}")
+                lines.append(f"{key} = {toml_value(value)}")
         return "\n".join(lines)
-
-
-def _toml(value) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return f'"{value}"'
-    return str(value)
 
 
 def estimate(model: ModelConfig, system: "System | str", layout: ParallelLayout, *, global_batch: int,

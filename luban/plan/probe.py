@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from luban import interrupt
+from luban.config import toml_value
 
 MATMUL_SIZES = (64, 128, 256, 512, 1024)
 MESSAGE_SIZES = (2**10, 2**14, 2**17, 2**20, 2**22)
@@ -451,8 +452,8 @@ def write_profile(profile: dict, path: "str | Path", own: bool = False) -> Path:
     if path.suffix == ".json":
         text = json.dumps(profile, indent=2) + "\n"
     else:
-        flat = [f"{k} = {_toml_value(v)}" for k, v in profile.items() if not isinstance(v, dict)]
-        tables = [f"\n[{k}]\n" + "\n".join(f"{kk} = {_toml_value(vv)}" for kk, vv in v.items())
+        flat = [f"{k} = {toml_value(v)}" for k, v in profile.items() if not isinstance(v, dict)]
+        tables = [f"\n[{k}]\n" + "\n".join(f"{kk} = {toml_value(vv)}" for kk, vv in v.items())
                   for k, v in profile.items() if isinstance(v, dict)]
         text = "\n".join(flat) + "\n" + "\n".join(tables) + "\n"
     try:
@@ -462,14 +463,6 @@ def write_profile(profile: dict, path: "str | Path", own: bool = False) -> Path:
     except OSError as err:
         raise bad_value("--out", str(path), f"a new file's path in an existing, writable folder ({err.strerror})") from None
     return path
-
-
-def _toml_value(v) -> str:
-    if isinstance(v, str):
-        return json.dumps(v)
-    if isinstance(v, (list, tuple)):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    return repr(float(v)) if isinstance(v, float) else str(v)
 
 
 def cache_path() -> Path:
