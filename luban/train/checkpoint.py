@@ -133,8 +133,8 @@ def write_manifest(ckpt: Path, known: dict | None = None) -> None:
     files they wrote (``_save``), so that one rank does not read the whole checkpoint back."""
     known = known or {}
     names = [f.name for f in sorted(ckpt.iterdir()) if f.is_file() and f.name != "manifest.json"]
-    files = {**file_entries(ckpt, [n for n in names if n not in known]), **{n: known[n] for n in names if n in known}}
-    files = {n: files[n] for n in names}
+    unreported = file_entries(ckpt, [n for n in names if n not in known])
+    files = {n: known[n] if n in known else unreported[n] for n in names}
     tmp = ckpt / "manifest.json.tmp"
     tmp.write_text(json.dumps({"files": files}, indent=1))
     with open(tmp, "rb") as fh:

@@ -142,7 +142,7 @@ def _run_training(args) -> int:
 
         from luban.train.rundir import check_run_dir
 
-        check_run_dir(cfg.run.dir, fresh=not args.resume, resume=args.resume)
+        check_run_dir(cfg.run.dir, resume=args.resume)
         Path(cfg.run.dir, "plan.json").unlink(missing_ok=True)
         if args.parallel == "auto":
             cfg, prediction = plan_check.plan(cfg, world)

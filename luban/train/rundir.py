@@ -17,15 +17,15 @@ from luban import owned
 from luban.errors import bad_value
 
 
-def check_run_dir(run_dir: str | Path, need_bytes: int = 0, fresh: bool = False, resume: str | None = None) -> None:
-    """``fresh``: a start without ``--resume``, refused where the folder already holds checkpoints (a
-    new run there saved over the old run's equal-numbered ones and pruned the rest under its
-    retention, and ``--resume auto`` then mixed the two runs). ``resume``: a ``--resume`` naming a
-    checkpoint of another folder (an imported one, another run's) is refused there alike."""
+def check_run_dir(run_dir: str | Path, need_bytes: int = 0, resume: str | None = None) -> None:
+    """``resume``: the ``--resume`` flag. Without it, a folder that already holds checkpoints is refused (a
+    new run there saved over the old run's equal-numbered ones and pruned the rest under its retention,
+    and ``--resume auto`` then mixed the two runs); so is one naming a checkpoint of another folder (an
+    imported one, another run's) where this folder holds a run."""
     owned.claim(run_dir, "run", "run.dir")
     root = Path(run_dir) / "checkpoints"
-    held = owned.step_dirs(root) if fresh or _elsewhere(resume, root) else []
-    if held and not fresh:
+    held = owned.step_dirs(root) if not resume or _elsewhere(resume, root) else []
+    if held and resume:
         raise bad_value("--resume", resume, f"a checkpoint of another folder, and run.dir = {str(run_dir)!r} already "
                                             f"holds a run ({len(held)} checkpoint(s), the newest {held[0].name}) whose "
                                             "checkpoints this run's would save over and mix with; start it in a new "

@@ -287,7 +287,7 @@ class Trainer:
         cfg, t = self.cfg, self.cfg.train
         suspend = preempt.install()
         if self.is_main:  # before anything is written there (luban.owned: a foreign folder is refused untouched)
-            check_run_dir(self.run_dir, self.checkpoint_bytes(), fresh=not resume, resume=resume)
+            check_run_dir(self.run_dir, self.checkpoint_bytes(), resume=resume)
         log = MetricsLogger(self.run_dir, t.steps, cfg.run.tensorboard, cfg.run.progress, enabled=self.is_main)
         unsafe = self.async_unsafe()
         self.async_ok = unsafe is None
