@@ -72,11 +72,35 @@ def _drives(c: str) -> bool:
     return unicodedata.category(c) in ("Cc", "Cs", "Zl", "Zp") or c in _BIDI
 
 
-def for_terminal(text: str, stream, keep: str = "\n\t\r") -> str:
+def for_terminal(text: str, stream) -> str:
     """``text`` as ``escaped`` where ``stream`` is a terminal, as is where it is a file or a pipe
-    (whose reader asked for the bytes as written)."""
+    (whose reader asked for the bytes as written). Line feeds and tabs are kept; a carriage return
+    only where it ends a line: alone it sends the cursor back over what was just printed, so a job
+    could hide a line of its log under another."""
+    return escaped(text.replace("\r\n", "\n"), TERMINAL_KEEP) if _isatty(stream) else text
+
+
+TERMINAL_KEEP = "\n\t"  # the controls a terminal is left to act on: they lay text out, they do not hide it
+
+
+def for_terminal_chunks(chunks, stream):
+    """``for_terminal`` of a text read in chunks (a log followed as it grows): a carriage return that
+    ends a chunk is held until the next one says whether a line feed follows it."""
+    if not _isatty(stream):
+        yield from chunks
+        return
+    held = ""
+    for chunk in chunks:
+        text = held + chunk
+        held = "\r" if text.endswith("\r") else ""
+        yield for_terminal(text[:len(text) - len(held)], stream)
+    if held:
+        yield for_terminal(held, stream)
+
+
+def _isatty(stream) -> bool:
     isatty = getattr(stream, "isatty", None)
-    return escaped(text, keep) if isatty is not None and isatty() else text
+    return isatty is not None and isatty()
 
 
 def bad_value(key: str, value, allowed: str) -> LubanError:

@@ -261,6 +261,21 @@ def test_sample_escapes_a_models_control_codes_on_a_terminal(small_dataset, tmp_
         assert expected in stream.getvalue(), stream.getvalue()
 
 
+def test_a_carriage_return_on_a_terminal_ends_a_line_or_is_shown_escaped():
+    """Alone, a carriage return sends the cursor back: the words after it print over the line before
+    (a job could hide what its log says). On a terminal it is shown escaped unless a line feed follows,
+    also where a log read in chunks splits the pair; piped, it is as written."""
+    from luban.errors import for_terminal, for_terminal_chunks
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    assert for_terminal("ok\r\nrm -rf done\rall is well\n", Terminal()) == "ok\nrm -rf done\\rall is well\n"
+    assert "".join(for_terminal_chunks(["a\r", "\nb\r", "c\r"], Terminal())) == "a\nb\\rc\\r"
+    assert "".join(for_terminal_chunks(["a\r", "\nb"], io.StringIO())) == "a\r\nb"
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.recursive(st.booleans() | st.integers(-2**63, 2**63 - 1) | st.floats(allow_nan=False) | st.text(),
                     lambda inner: st.lists(inner, max_size=4), max_leaves=8))

@@ -19,7 +19,7 @@ from luban import schema
 from luban.cluster import priority as prio
 from luban.cluster import trace as traces
 from luban.cluster.spec import MAX_TIME_LIMIT, NAME_RE
-from luban.errors import LubanError, bad_value, for_terminal
+from luban.errors import LubanError, bad_value, for_terminal_chunks
 
 # the flags' declarations (luban.schema); what the service checks again, the client checks first
 NAME = schema.text(NAME_RE.pattern, f"a name matching {NAME_RE.pattern}")
@@ -245,22 +245,26 @@ def cmd_hold(args) -> int:
 
 def cmd_logs(args) -> int:
     client = _client(args)
+    chunks = client.follow(args.job, args.rank) if args.follow else _log_chunks(client, args.job, args.rank)
+    for text in chunks if args.raw else for_terminal_chunks(chunks, sys.stdout):
+        sys.stdout.write(text)
+        sys.stdout.flush()
     if args.follow:  # until the chain ends; then exit with its status, as a foreground job would
-        for text in client.follow(args.job, args.rank):
-            sys.stdout.write(text if args.raw else for_terminal(text, sys.stdout))
-            sys.stdout.flush()
         job = client.latest(args.job)
         print(f"== job {job['id']} {job['state']}: {job['reason']} ==", file=sys.stderr)
         return 0 if job["state"] == "succeeded" else min(255, job["exit_code"] or 1)
-    else:
-        offset = 0
-        while True:
-            chunk = client.logs(args.job, args.rank, offset)
-            sys.stdout.write(chunk["text"] if args.raw else for_terminal(chunk["text"], sys.stdout))
-            if not chunk["text"]:
-                break
-            offset = chunk["offset"]
     return 0
+
+
+def _log_chunks(client, job, rank):
+    """The log as written so far, chunk by chunk."""
+    offset = 0
+    while True:
+        chunk = client.logs(job, rank, offset)
+        if not chunk["text"]:
+            return
+        yield chunk["text"]
+        offset = chunk["offset"]
 
 
 def cmd_stop(args) -> int:

@@ -187,17 +187,18 @@ def _on_a_terminal(svc, *args: str) -> str:
 
 def test_a_jobs_control_codes_do_not_reach_an_admins_terminal(svc):
     """A user's job writes terminal escapes (set the title, write the clipboard: OSC 0 and 52) and a
-    right-to-left override; an admin reading its log on a terminal sees them escaped; piped, or with
-    --raw, the bytes are as the job wrote them."""
+    right-to-left override, and a carriage return that would print its next words over the line;
+    an admin reading its log on a terminal sees them escaped; piped, or with --raw, the bytes are as
+    the job wrote them."""
     _, ivan = svc.user("ivan", {"NORMAL": 1})
-    payload = "before\\x1b]0;owned\\x07\\x1b]52;c;ZWNobyBoaQ==\\x07\\u202eafter\\tend"
+    payload = "before\\x1b]0;owned\\x07\\x1b]52;c;ZWNobyBoaQ==\\x07\\u202eafter\\tend\\rall is well"
     job = ivan.submit({"name": "escapes", "command": PYTHON, "args": ["-c", f"print('{payload}')"]})["id"]
     assert ivan.wait(job, timeout=120)["state"] == "succeeded"
-    raw = "before\x1b]0;owned\x07\x1b]52;c;ZWNobyBoaQ==\x07\u202eafter\tend"
-    assert raw in svc.cli("logs", str(job)).stdout  # a pipe: as written
+    raw = "before\x1b]0;owned\x07\x1b]52;c;ZWNobyBoaQ==\x07\u202eafter\tend\rall is well"
+    assert raw.replace("\r", "\n") in svc.cli("logs", str(job)).stdout  # a pipe: as written (read as text: \r ends a line)
     shown = _on_a_terminal(svc, "logs", str(job))
     assert "\x1b" not in shown and "\x07" not in shown and "\u202e" not in shown, shown
-    assert "before\\x1b]0;owned\\x07\\x1b]52;c;ZWNobyBoaQ==\\x07\\u202eafter\tend" in shown, shown
+    assert "before\\x1b]0;owned\\x07\\x1b]52;c;ZWNobyBoaQ==\\x07\\u202eafter\tend\\rall is well" in shown, shown
     assert raw in _on_a_terminal(svc, "logs", "--raw", str(job))
 
 
