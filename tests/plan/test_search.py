@@ -54,3 +54,33 @@ def test_a_long_search_reports_its_progress():
     now[0] = PROGRESS_AFTER_S
     line(25, 100)
     assert out.getvalue() == "searched 25 of 100 layouts (25%) in 5 s; about 15 s left\n"
+
+
+def test_rows_a_rule_rejects_whatever_the_other_knobs_are_counted_not_estimated():
+    """The search skips the estimate of axis-0 rows a layout rule rejects on their own (tp not
+    dividing the heads, more stages than layers): the counts per reason and the best layouts are
+    those of every layout estimated and checked at once."""
+    import numpy as np
+
+    from luban.plan.estimate import evaluate
+    from luban.plan.rules import REASONS, first_violation
+    from luban.plan.search import _rejected_rows, candidate_grid
+
+    for problem in (make_problem("llama-8b", 96, 4096, 96, system="dgx-h100"),
+                    make_problem("mixtral-8x7b", 48, 4096, 48, system="dgx-h100")):
+        result = search(problem, top=4)
+        g = candidate_grid(problem)
+        assert 0 < _rejected_rows(g, problem).sum() < g.shape[0]  # some rows skipped, some estimated
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            results = evaluate(problem, g)
+            mem = results["memory"]
+            codes = np.broadcast_to(first_violation(g, problem.model, problem.global_batch, problem.gpus,
+                                                    problem.seq, extra=(~mem["fits_hbm"], ~mem["fits_host"]),
+                                                    rules=problem.runtime_model), g.shape).ravel()
+        counts = np.bincount(codes, minlength=len(REASONS))
+        assert result.evaluated == codes.size and result.valid == counts[0] > 0
+        assert result.rejected == {REASONS[k]: int(c) for k, c in enumerate(counts) if k and c}
+        speed = np.broadcast_to(results["tokens_per_s"], g.shape).ravel()
+        valid = np.flatnonzero(codes == 0)
+        order = valid[np.lexsort((valid, -speed[valid]))[:4]]
+        assert [e.layout for e in result.best] == [g.layout(int(i)) for i in order]
