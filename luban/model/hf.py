@@ -256,7 +256,32 @@ def read_config(raw, src: str = "config.json") -> tuple[ModelConfig, dict, list[
     try:
         return ModelConfig(name=f"hf-{kind}", **fields), extra, notes
     except LubanError as err:
-        raise LubanError(f"{src}: {err}") from None
+        names = {**CONFIG_KEYS[kind], **({} if "num_experts" in raw else {"experts": "num_local_experts"})}
+        raise LubanError(f"{src}: {_in_config_keys(str(err), names)}") from None
+
+
+# The config.json key each ModelConfig field is read from, per model_type (a refusal names the key in
+# the user's file, not luban's); tests/model/test_hf.py checks each against what hf_config writes.
+_LLAMA_KEYS = {"hidden": "hidden_size", "layers": "num_hidden_layers", "heads": "num_attention_heads",
+               "kv_heads": "num_key_value_heads", "head_dim": "head_dim", "vocab": "vocab_size",
+               "seq_len": "max_position_embeddings", "norm_eps": "rms_norm_eps", "rope_theta": "rope_theta",
+               "init_std": "initializer_range", "dropout": "attention_dropout", "ffn_hidden": "intermediate_size"}
+_ROUTER_KEYS = {"experts_per_token": "num_experts_per_tok", "aux_loss_coef": "router_aux_loss_coef"}
+CONFIG_KEYS = {
+    "gpt2": {"hidden": "n_embd", "layers": "n_layer", "heads": "n_head", "ffn_hidden": "n_inner", "vocab": "vocab_size",
+             "seq_len": "n_positions", "norm_eps": "layer_norm_epsilon", "init_std": "initializer_range",
+             "dropout": "resid_pdrop"},
+    "llama": _LLAMA_KEYS,
+    "mixtral": {**_LLAMA_KEYS, **_ROUTER_KEYS, "expert_ffn_hidden": "intermediate_size", "experts": "num_local_experts"},
+    "qwen3_moe": {**_LLAMA_KEYS, **_ROUTER_KEYS, "expert_ffn_hidden": "moe_intermediate_size", "experts": "num_experts"},
+}
+
+
+def _in_config_keys(message: str, keys: dict) -> str:
+    """A ModelConfig refusal (``model.heads = 3: must divide hidden = 100``) in config.json's names
+    (``n_head = 3: must divide n_embd = 100``)."""
+    message = re.sub(r"^model\.(\w+)", lambda m: keys.get(m.group(1), m.group(0)), message)
+    return re.sub(r"\b(\w+) = ", lambda m: f"{keys.get(m.group(1), m.group(1))} = ", message)
 
 
 def _gpt2_fields(keys: _Keys, notes: list[str], extra: dict) -> dict:
@@ -321,6 +346,9 @@ def _llama_fields(keys: _Keys, kind: str, notes: list[str], extra: dict) -> dict
     only = keys.get("mlp_only_layers", list, nullable=True) or []
     sparse = [i for i in range(layers) if i not in only and (i + 1) % step == 0]
     dense = layers - len(sparse)
+    if not sparse:
+        raise keys.bad("mlp_only_layers", only, f"must leave a MoE layer among num_hidden_layers = {layers} (a model "
+                                                "without one is a dense llama)")
     if sparse != list(range(dense, layers)):
         raise LubanError(f"{keys.src}: mlp_only_layers = {only}, decoder_sparse_step = {step}: luban keeps dense "
                          "layers only first (mlp_only_layers = [0, ..., k-1], decoder_sparse_step = 1)")

@@ -754,3 +754,45 @@ def test_export_of_a_diverged_checkpoint_is_refused(tmp_path, capsys):
     assert err == (f"luban: error: CHECKPOINT = '{tmp_path / 'run'}': its tensor layers.1.attn.wq.weight has 3 NaN "
                    "or infinite values: a diverged run; export an earlier checkpoint (nothing was written)\n")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("case, changes, message", [
+    ("gpt2", {"n_head": 5}, "n_head = 5: must divide n_embd = 32"),
+    ("llama", {"num_key_value_heads": 3}, "num_key_value_heads = 3: must divide num_attention_heads = 4"),
+    ("llama", {"rms_norm_eps": 0}, "rms_norm_eps = 0.0: must be positive"),
+    ("mixtral", {"num_experts_per_tok": 9}, "num_experts_per_tok = 9: at most num_local_experts = 4"),
+    ("qwen3-moe", {"num_experts_per_tok": 9}, "num_experts_per_tok = 9: at most {experts} = 4"),
+    ("qwen3-moe", {"mlp_only_layers": [0, 1]}, r"mlp_only_layers = \[0, 1\]: must leave a MoE layer among "
+                                                "num_hidden_layers = 2"),
+])
+def test_a_config_luban_refuses_is_named_in_config_json_keys(case, changes, message, tmp_path, capsys):
+    """A config.json that transformers wrote but luban's ModelConfig refuses names the file's own keys
+    (n_head, num_key_value_heads), not luban's (model.heads, model.kv_heads)."""
+    import re
+
+    save_hf(case, tmp_path / "hf")
+    path = tmp_path / "hf/config.json"
+    raw = json.loads(path.read_text())
+    path.write_text(json.dumps({**raw, **changes}))
+    err = _import_refused(tmp_path / "hf", tmp_path / "run", capsys)
+    message = message.format(experts="num_experts" if "num_experts" in raw else "num_local_experts")  # 4.x, 5.x
+    assert re.search(f"config.json: {message}", err) and "model." not in err, err
+
+
+def test_the_config_keys_named_in_refusals_are_those_export_writes():
+    """``hf.CONFIG_KEYS`` (which config.json key holds which ModelConfig field) agrees with ``hf_config``,
+    the one writer of config.json."""
+    from luban.model.hf import CONFIG_KEYS, hf_config
+    from luban.model.presets import get_preset
+
+    models = {"gpt2": get_preset("tiny"), "llama": get_preset("tiny-llama"),
+              "mixtral": get_preset("tiny-moe").replace(arch="llama", norm="rmsnorm", activation="swiglu",
+                                                        position="rope", shared_experts=0, dense_layers=0,
+                                                        ffn_hidden=64, expert_ffn_hidden=64),  # one intermediate_size
+              "qwen3_moe": get_preset("tiny-moe").replace(arch="llama", norm="rmsnorm", activation="swiglu",
+                                                          position="rope", shared_experts=0, dense_layers=1,
+                                                          qk_norm=True, expert_ffn_hidden=24)}
+    for family, keys in CONFIG_KEYS.items():
+        written = hf_config(models[family], family)
+        for field, key in keys.items():
+            assert written[key] == getattr(models[family], field), (family, field, key)
