@@ -384,7 +384,7 @@ def cmd_serve(args) -> int:
     from luban.cluster import accounts, db, jobguard
     from luban.cluster.executors import make
     from luban.cluster.scheduler import Scheduler, Settings
-    from luban.cluster.service import create_app, ensure_admin
+    from luban.cluster.service import ACCEPT_BATCH, bounded_http, create_app, ensure_admin
 
     _check_zones(args.zones, args.nodes)
     state = Path(args.state).absolute()
@@ -454,7 +454,8 @@ def cmd_serve(args) -> int:
     if token_path:
         print(f"luban cluster: admin token written to {token_path}", flush=True)
     with interrupt.own_handling():  # Ctrl-C: uvicorn's graceful shutdown, then one line and 130
-        uvicorn.Server(uvicorn.Config(app, log_level=args.log_level)).run(sockets=[sock])
+        uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, http=bounded_http(),
+                                      backlog=ACCEPT_BATCH)).run(sockets=[sock])
     return 0
 
 

@@ -18,13 +18,15 @@ from luban.errors import LubanError, bad_value, escaped
 SERVICE_HEADER = "x-luban-cluster"  # luban.cluster.service marks every answer with it
 
 DEFAULT_URL = "http://127.0.0.1:8765"
+RETRY_STATUS = 503  # the service is up but its database is not (restarting): retried like an unreachable
+                   # service, within retry_for (the request was rolled back: nothing was done)
 
 
 class Client:
     def __init__(self, url: str | None = None, token: str | None = None, timeout: float = 30.0,
                  retry_for: float = 0.0):
-        """``retry_for``: seconds to keep retrying when the service cannot be reached (a running
-        job's SDK calls ride out a service restart this way)."""
+        """``retry_for``: seconds to keep retrying when the service cannot be reached or its database
+        is unavailable (503) — a running job's SDK calls ride out a service or database restart this way."""
         self.retry_for = retry_for
         self.url = (url or os.environ.get("LUBAN_CLUSTER_URL") or DEFAULT_URL).rstrip("/")
         token = token or os.environ.get("LUBAN_CLUSTER_TOKEN")
@@ -49,11 +51,12 @@ class Client:
         while True:
             try:
                 response = self.http.request(method, "/api" + path, **kwargs)
-                break
+                if response.status_code != RETRY_STATUS or time.monotonic() >= deadline:
+                    break
             except httpx.TransportError as err:
                 if time.monotonic() >= deadline:
                     raise LubanError(f"cluster service at {self.url} is unreachable: {err}") from None
-                time.sleep(1.0)
+            time.sleep(1.0)
         try:
             body = response.json()
         except ValueError:  # a web server's or proxy's page, not luban's answer

@@ -44,6 +44,15 @@ def exit_file(run_dir: Path, rank: int) -> Path:
     return run_dir / f"rank{rank}.exit"
 
 
+def ended_at(run_dir: Path, ranks: int) -> float | None:
+    """When the attempt ended on its nodes: the newest of its ranks' exit files' modification times
+    (each written once, after all of its rank's processes died), or None while one is missing."""
+    try:
+        return max(exit_file(run_dir, rank).stat().st_mtime for rank in range(ranks))
+    except (OSError, ValueError):
+        return None
+
+
 def pgid_file(run_dir: Path, rank: int) -> Path:
     return run_dir / f"rank{rank}.pgid"
 

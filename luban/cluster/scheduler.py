@@ -11,6 +11,7 @@ never exceed a quota or share a node. Every decision goes to the ``events`` tabl
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import logging
 import secrets
@@ -57,6 +58,16 @@ def new_token() -> str:
 def record(session: Session, kind: str, message: str, job_id: int | None = None) -> None:
     session.add(Event(t=time.time(), job_id=job_id, kind=kind, message=message))
     log.info("%s job=%s %s", kind, job_id, message)
+
+
+def charged_until(job: Job, ended_at: float | None) -> float:
+    """An ended attempt's ``ended_at``: the executor's end time (an attempt that ended while the
+    service was down is not charged node-hours for the downtime), kept between its start and now —
+    an exit file's time comes from a node's clock, which may be skewed."""
+    now = time.time()
+    if ended_at is None:
+        return now
+    return min(now, max(ended_at, job.started_at if job.started_at is not None else ended_at))
 
 
 def job_tag(job: Job) -> str:
@@ -167,7 +178,7 @@ class Scheduler:
             return
         status = self.executor.poll(job.handle)
         if status.done:
-            self._finish(s, job, status.exit_code, status.lost)
+            self._finish(s, job, status.exit_code, status.lost, status.ended_at)
             return
         if job.state == states.STARTING and status.started:
             states.move(job, states.RUNNING)
@@ -194,29 +205,32 @@ class Scheduler:
             self.executor.kill(job.handle)
             record(s, "kill", f"no acknowledgement within {self.settings.suspend_timeout:g}s: killed", job.id)
 
-    def _finish(self, s: Session, job: Job, code: int | None, lost: bool) -> None:
+    def _finish(self, s: Session, job: Job, code: int | None, lost: bool, ended_at: float | None = None) -> None:
         stop = job.requested & (StopReason.USER_STOP | StopReason.ADMIN_STOP)
+        end = functools.partial(self._end, ended_at=ended_at)
         if job.stop_reason & StopReason.TIME_LIMIT:
-            self._end(s, job, states.FAILED, code, job.stop_reason,
-                      f"time limit of {job.spec['time_limit']}s reached: killed (exit code {code})")
+            end(s, job, states.FAILED, code, job.stop_reason,
+                f"time limit of {job.spec['time_limit']}s reached: killed (exit code {code})")
         elif stop:
-            self._end(s, job, states.STOPPED, code, job.stop_reason | stop, f"stopped on request, exit code {code}")
+            end(s, job, states.STOPPED, code, job.stop_reason | stop, f"stopped on request, exit code {code}")
         elif code == 75 or (job.state == states.SUSPENDING and code != 0):
-            self._end(s, job, states.SUSPENDED, code, job.stop_reason, f"suspended with exit code {code}; requeued")
+            end(s, job, states.SUSPENDED, code, job.stop_reason, f"suspended with exit code {code}; requeued")
         elif code == 0:
-            self._end(s, job, states.SUCCEEDED, 0, job.stop_reason, "exit code 0")
+            end(s, job, states.SUCCEEDED, 0, job.stop_reason, "exit code 0")
         elif lost:
-            self._end(s, job, states.FAILED, None, job.stop_reason | StopReason.LOST, "lost: launcher gone, no exit code")
+            end(s, job, states.FAILED, None, job.stop_reason | StopReason.LOST, "lost: launcher gone, no exit code")
         else:
-            self._end(s, job, states.FAILED, code, job.stop_reason | StopReason.NONZERO_EXIT, f"exit code {code}")
+            end(s, job, states.FAILED, code, job.stop_reason | StopReason.NONZERO_EXIT, f"exit code {code}")
 
-    def _end(self, s: Session, job: Job, state: str, code: int | None, reasons: int, message: str) -> None:
-        """Close an attempt, free its nodes; a suspended attempt is requeued as the next one."""
+    def _end(self, s: Session, job: Job, state: str, code: int | None, reasons: int, message: str,
+             ended_at: float | None = None) -> None:
+        """Close an attempt, free its nodes; a suspended attempt is requeued as the next one.
+        ``ended_at``: when it ended as the executor reports it (None: now)."""
         why = job.reason if job.state == states.SUSPENDING else None  # the suspend's cause (_suspend)
         states.move(job, state)
         job.exit_code, job.stop_reason = code, int(reasons)
         job.reason = f"{message} ({why})" if why else message  # the reason column says how it ended
-        job.ended_at, job.token_hash, job.suspend_deadline = time.time(), None, None
+        job.ended_at, job.token_hash, job.suspend_deadline = charged_until(job, ended_at), None, None
         s.execute(Allocation.__table__.delete().where(Allocation.job_id == job.id))
         record(s, state, message, job.id)
         if state == states.SUSPENDED:

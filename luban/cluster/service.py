@@ -148,6 +148,15 @@ def redact_access_log() -> None:
             logger.addFilter(_RedactTokens())
 
 
+def database_unavailable(err: OperationalError) -> str:
+    """The one answer (503) to a request the database cannot serve now (a PostgreSQL restart, a
+    SQLite file locked past its timeout), wherever it fails: the cause goes to the service log in
+    one line, the client gets a retryable status (the SDK rides it out, ``client.RETRY_STATUS``)."""
+    log = logging.getLogger("luban.cluster")
+    log.warning("database error: %s", " ".join(str(getattr(err, "orig", err)).split())[:300])
+    return "the service's database is unavailable now; retry later (the service log says why)"
+
+
 class Guard:
     """ASGI middleware in front of every request that has a body: the size is checked against
     ``max_body`` before a byte is read (Content-Length, or counted while a chunked body arrives)
@@ -171,7 +180,11 @@ class Guard:
 
         auth = headers.get(b"authorization", b"").decode(errors="replace")
         token = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
-        if not token or await run_in_threadpool(self.authenticate, token) is None:
+        try:  # out here the app's exception handlers do not apply: a database outage was a bare 500
+            known = bool(token) and await run_in_threadpool(self.authenticate, token) is not None
+        except OperationalError as err:
+            return await self._reject(send, 503, database_unavailable(err))
+        if not known:
             return await self._reject(send, 401, "missing or invalid bearer token (Authorization: Bearer TOKEN)")
         seen, rejected = 0, False
 
@@ -202,6 +215,72 @@ class Guard:
         await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})
+
+
+HEAD_TIMEOUT_S = 10.0       # seconds a connection has to send a request's head (line and headers), when it
+                            # opens and after each answer: a client that never finishes one (slowloris) is cut
+CONNECTION_SHARE = 2        # at most 1/2 of the open-file limit in connections: the rest stays for the
+                            # database, job launches and logs (a flood of idle connections made launches fail)
+ACCEPT_BATCH = 64           # connections accepted per turn of the event loop (uvicorn's backlog, 2048 by default,
+                            # took a whole burst of them before any could be refused for the cap above)
+
+
+def connection_cap() -> int:
+    """Open connections the service keeps at once; past it a new connection is closed at once."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return max(16, (soft if soft != resource.RLIM_INFINITY else 1 << 16) // CONNECTION_SHARE)
+
+
+def bounded_http():
+    """uvicorn's h11 protocol with the two bounds above (uvicorn has neither: an idle or half-sent
+    request held its connection forever, and a thousand of them took every file descriptor)."""
+    import asyncio
+
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    cap = connection_cap()
+
+    class BoundedH11(H11Protocol):
+        _head_timer: asyncio.TimerHandle | None = None
+        _cycle_at_arm = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            if len(self.connections) > cap:
+                transport.close()
+                return
+            self._arm()
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._cycle_at_arm = self.cycle
+            self._head_timer = self.loop.call_later(HEAD_TIMEOUT_S, self._head_timed_out)
+
+        def _disarm(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def _head_timed_out(self) -> None:
+            if not self.transport.is_closing():
+                self.transport.close()
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            if self.cycle is not self._cycle_at_arm:  # a request's head arrived: the app has it now
+                self._disarm()
+
+        def on_response_complete(self) -> None:
+            self._arm()  # first: a pipelined request handled inside super() disarms it again
+            super().on_response_complete()
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+    return BoundedH11
 
 
 def _signed(send):
@@ -284,10 +363,7 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
 
     @app.exception_handler(OperationalError)
     async def _no_database(_request, err: OperationalError):
-        log = logging.getLogger("luban.cluster")
-        log.warning("database error: %s", " ".join(str(getattr(err, "orig", err)).split())[:300])
-        return JSONResponse(status_code=503, content={"detail": "the service's database is unavailable now; "
-                                                                "retry later (the service log says why)"})
+        return JSONResponse(status_code=503, content={"detail": database_unavailable(err)})
 
     @app.exception_handler(RequestValidationError)
     async def _bad_request(_request, err: RequestValidationError):

@@ -40,12 +40,15 @@ class Launch:
 @dataclasses.dataclass
 class Status:
     """``done`` with the job's exit code (75 = suspended), or still running (``started`` false
-    while the executor has not started it yet); ``lost`` when the executor cannot find it."""
+    while the executor has not started it yet); ``lost`` when the executor cannot find it.
+    ``ended_at``: when it ended, where the executor knows (its exit files' time), so an attempt that
+    ended while the service was down is charged until its end, not until the service saw it."""
 
     done: bool
     exit_code: int | None = None
     lost: bool = False
     started: bool = True
+    ended_at: float | None = None
 
 
 def combine(codes: list[int]) -> int:

@@ -88,7 +88,9 @@ class LocalExecutor:
                 return Status(done=True, exit_code=None, lost=True)
         if running and any(c not in (0, 75) for c in codes):
             self.kill(handle)  # one rank failed: the others cannot finish
-        return Status(done=not running, exit_code=None if running else combine(codes))
+        if running:
+            return Status(done=False)
+        return Status(done=True, exit_code=combine(codes), ended_at=launcher.ended_at(run_dir, len(codes)))
 
     def suspend(self, handle: str) -> None:
         for _, pid, _ in self._ranks(handle):

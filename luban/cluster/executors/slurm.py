@@ -100,7 +100,8 @@ class SlurmExecutor:
         run_dir = Path(info["run_dir"])
         files = [launcher.exit_file(run_dir, r) for r in range(info["ranks"])]
         if all(p.exists() for p in files):
-            return Status(done=True, exit_code=combine([int(p.read_text()) for p in files]))
+            return Status(done=True, exit_code=combine([int(p.read_text()) for p in files]),
+                          ended_at=launcher.ended_at(run_dir, len(files)))
         for rank in range(info["ranks"] if info.get("tag") else 0):  # launchers died without exit files:
             procs.kill_job(launcher.node_tag(info["tag"], rank))  # sweep here (elsewhere: proctrack/cgroup)
         if not state:

@@ -1,0 +1,103 @@
+"""Outages around the service: its database gone for a while, the service itself down while jobs
+end, clients that hold connections open. Nothing is lost, nothing is charged twice, no traceback
+reaches a user, and the jobs' SDK rides the outage out."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import signal
+import socket
+
+import httpx
+
+from luban.cluster.client import Client
+from tests.cluster.conftest import wait_for
+
+
+def _database_open(pg_url: str, open_: bool) -> None:
+    """Let the throwaway database accept connections, or refuse them and drop the ones it has (a
+    PostgreSQL restart as the service sees it, without touching the server other tests use)."""
+    import psycopg
+
+    name = pg_url.rsplit("/", 1)[1]
+    admin_url = pg_url.rsplit("/", 1)[0] + "/postgres"
+    with psycopg.connect(admin_url, autocommit=True) as conn:
+        conn.execute(f"ALTER DATABASE {name} ALLOW_CONNECTIONS {'true' if open_ else 'false'}")
+        if not open_:
+            conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s", (name,))
+
+
+def test_a_database_outage_is_a_503_on_every_call_and_the_sdk_rides_it_out(service, pg_url):
+    """2026-11-27: a POST while PostgreSQL was down failed in the token check, outside the app's
+    handlers: a bare 500 'Internal Server Error' with a traceback in the service log, and `luban
+    submit` said the URL might not be a luban service; the SDK gave up at once on the 503s."""
+    svc = service("--nodes", "1", "--tick", "0.2", "--db", pg_url)
+    token, alice = svc.user("alice", {"NORMAL": 1})
+    _database_open(pg_url, False)
+    try:
+        for method in ("GET", "POST"):
+            r = httpx.request(method, svc.url + "/api/jobs", headers={"Authorization": f"Bearer {token}"},
+                              json={"spec": {"name": "j", "command": "true"}}, timeout=30)
+            assert r.status_code == 503, (method, r.status_code, r.text[:300])
+            assert "database is unavailable" in r.json()["detail"]
+        result = svc.cli("submit", "--", "true", token=token, check=False)
+        assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+        assert "database is unavailable" in result.stderr and "Traceback" not in result.stderr
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            patient = pool.submit(Client(svc.url, token, retry_for=120).whoami)  # as a job's SDK call
+            warned = svc.log.read_text().count("database error")
+            wait_for(lambda: svc.log.read_text().count("database error") > warned, 60,
+                     what="the SDK's call to meet the outage")
+            assert not patient.done()
+            _database_open(pg_url, True)
+            assert patient.result(timeout=120)["user"] == "alice"
+    finally:
+        _database_open(pg_url, True)
+    assert alice.submit({"name": "after", "command": "true"})["state"] == "queued"
+    assert "Exception in ASGI application" not in svc.log.read_text()
+
+
+def test_an_attempt_that_ends_while_the_service_is_down_is_charged_until_its_end(service):
+    """2026-11-27: the end of an attempt was the moment the scheduler saw it, so a job that ended
+    while the service was down (a crash, an upgrade) was charged node-hours for the whole outage."""
+    svc = service("--nodes", "1", "--tick", "0.2")
+    _, alice = svc.user("alice", {"NORMAL": 1})
+    job = alice.submit({"name": "short", "command": "sleep", "args": ["1"]})["id"]
+    wait_for(lambda: alice.job(job)["state"] == "running", 60, what="the job running")
+    svc.stop(signal.SIGKILL)
+    exit_file = svc.state / "runs" / str(job) / "rank0.exit"
+    wait_for(exit_file.exists, 60, what="the job's end while the service is down")
+    down_until = exit_file.stat().st_mtime
+    svc.start()  # seconds after the job's end: what the attempt was charged until before
+    ended = alice.wait(job, timeout=60)
+    assert ended["state"] == "succeeded"
+    assert ended["ended_at"] == down_until, (ended["ended_at"], down_until)
+    charged = (ended["ended_at"] - ended["started_at"]) / 3600
+    assert abs(ended["node_hours"] - charged) < 1e-4 and charged * 3600 < 30
+    usage = {r["who"]: r["node_hours"] for r in alice.usage()}
+    assert abs(usage["alice"] - charged) < 1e-4
+
+
+def test_a_client_that_never_finishes_its_request_is_cut_off(service):
+    """2026-11-27: uvicorn kept a connection that never finished its request's head open forever;
+    about a thousand of them (no token needed) took every file descriptor of the service: every
+    user's call was refused (and accept's EMFILE flooded the log). Now the head has HEAD_TIMEOUT_S, and past
+    ``connection_cap()`` connections new ones are closed at once."""
+    from luban.cluster.service import HEAD_TIMEOUT_S
+
+    svc = service("--nodes", "1", "--tick", "0.2")
+    with socket.create_connection(("127.0.0.1", svc.port), timeout=5) as slow, \
+            socket.create_connection(("127.0.0.1", svc.port), timeout=5) as idle:
+        slow.sendall(b"GET /api/whoami HTTP/1.1\r\nHost: x\r\n")  # and never the blank line
+
+        def cut(sock) -> bool:
+            sock.settimeout(0.2)
+            try:
+                return sock.recv(1) == b""
+            except TimeoutError:
+                return False
+            except ConnectionResetError:
+                return True
+
+        wait_for(lambda: cut(slow) and cut(idle), HEAD_TIMEOUT_S + 30, what="the server to close both connections")
+    assert svc.admin().whoami()["user"] == "admin"  # a client that sends its request is served as before
