@@ -71,10 +71,19 @@ def _is_run(path: Path) -> bool:
 
 
 def _is_dataset(path: Path) -> bool:
+    """A dataset folder written before the marker: only a dataset's files, and a ``manifest.json`` of
+    luban's format (a web app's manifest.json alone in a folder is not a dataset)."""
     from luban.data.build import dataset_file  # lazy: numpy
+    from luban.data.manifest import FORMAT, MANIFEST
 
     names = _names(path)
-    return "manifest.json" in names and all(dataset_file(path / n) for n in names)
+    if MANIFEST not in names or not all(dataset_file(path / n) for n in names):
+        return False
+    try:
+        manifest = _read_json(path / MANIFEST)
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError):
+        return False
+    return isinstance(manifest, dict) and manifest.get("format") == FORMAT
 
 
 def _is_cluster_state(path: Path) -> bool:

@@ -93,6 +93,21 @@ def test_data_build_uses_the_rule(tmp_path, capsys):
     assert [p.name for p in run.iterdir()] == [".luban"]
 
 
+def test_a_folder_holding_only_a_users_manifest_json_is_not_a_dataset(tmp_path, capsys):
+    """A web app's manifest.json alone in a folder looked like a dataset an older luban wrote (by its
+    name), so ``luban data build --out`` replaced the folder and the user's file was gone."""
+    src = tmp_path / "doc.txt"
+    src.write_text("hello world\n" * 50)
+    app = tmp_path / "pwa"
+    app.mkdir()
+    (app / "manifest.json").write_text('{"name": "my app", "start_url": "/"}')
+    assert owned.owner(app) is None
+    assert main(["data", "build", str(src), "--out", str(app)]) == 2
+    assert "holds 'manifest.json', which luban did not write" in capsys.readouterr().err
+    assert [p.name for p in app.iterdir()] == ["manifest.json"]
+    assert json.loads((app / "manifest.json").read_text())["name"] == "my app"
+
+
 def test_plan_study_refuses_a_foreign_out_folder(tmp_path, capsys):
     theirs = tmp_path / "theirs"
     theirs.mkdir()

@@ -19,6 +19,7 @@ import ctypes
 import errno
 import fcntl
 import fnmatch
+import math
 import os
 import re
 import shutil
@@ -30,7 +31,7 @@ import numpy as np
 from luban import interrupt
 from luban.data.atomic import TEMP_GLOB, _fsync_dir
 from luban.data.corpus import (DEFAULT_MAX_BYTES, cap_files, collect_files,
-                               default_corpus_files, read_text, stdlib_dir)
+                               default_corpus_files, file_size, read_text, stdlib_dir)
 from luban.data.manifest import FORMAT, MANIFEST, SHARD_NAME, open_dataset, write_manifest
 from luban.data.shards import (DEFAULT_CHUNK_TOKENS, FORMAT_VERSION, MAX_CHUNK_TOKENS, ShardWriter,
                                dtype_for_vocab)
@@ -115,17 +116,17 @@ def _check_options(**options) -> None:
 
 
 def dataset_file(path: Path) -> bool:
-    """One of the files a luban dataset folder holds: manifest, tokenizer, shards, temporaries, marker."""
+    """One of the files a luban dataset folder holds: manifest, tokenizer, shards, temporaries, marker;
+    a file, by name (a user's folder named ``manifest.json`` is not luban's, nor what it holds)."""
     name = path.name
-    return name in (MANIFEST, BPE_FILE, owned.MARKER) or (
-        path.is_file() and bool(SHARD_NAME.match(name) or fnmatch.fnmatch(name, TEMP_GLOB)))
+    return path.is_file() and (name in (MANIFEST, BPE_FILE, owned.MARKER) or bool(
+        SHARD_NAME.match(name) or fnmatch.fnmatch(name, TEMP_GLOB)))
 
 
 def check_output(out_dir: Path) -> None:
     """Refuse a destination luban must not overwrite (``luban.owned``: absent, empty, or luban's own
     dataset); a dataset is replaced whole, so even luban's own folder must hold nothing else."""
-    if str(out_dir) in ("", "."):
-        raise bad_value("--out", str(out_dir), "a folder for the dataset (not the current folder)")
+    _check_swappable(out_dir)
     owned.check(out_dir, "dataset", "--out")
     if not out_dir.is_dir():
         return
@@ -134,6 +135,17 @@ def check_output(out_dir: Path) -> None:
         raise bad_value("--out", str(out_dir), f"holds {foreign[0]!r}, which luban did not write; a rebuild replaces "
                                                 "the dataset folder whole: move it out or choose a new or empty "
                                                 "folder (nothing was changed)")
+
+
+def _check_swappable(out_dir: Path) -> None:
+    """A build renames its stage onto ``out_dir`` (``_swap_in``), so ``out_dir`` must be a folder of its own
+    name: not the current folder, ``..`` or ``/`` (no name to rename onto), and not a symbolic link (the
+    rename would replace the link, not the folder it points to)."""
+    if not str(out_dir).strip() or out_dir.name in ("", ".."):
+        raise bad_value("--out", str(out_dir), "a folder for the dataset (not the current folder, '..' or '/')")
+    if out_dir.is_symlink():
+        raise bad_value("--out", str(out_dir), "a folder, not a symbolic link: name the folder it points to "
+                                                "(nothing was changed)")
 
 
 # the storage refused a write (full, over quota, read-only, failing, file too large): exit 74, not a traceback
@@ -183,29 +195,51 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(err, os.strerror(err), str(b))
 
 
-def _own_siblings(out_dir: Path) -> list[Path]:
+def _dead_siblings(out_dir: Path) -> list[Path]:
     """The staging (``.NAME.building-PID``) and swapped-out (``.NAME.old-PID``) folders of builds
-    of ``out_dir``: by name, and only if luban's by content (marked as a dataset, or empty: a build
-    killed between its mkdir and its marker). A user's folder of the same name is not luban's."""
+    of ``out_dir`` that died: by name, and only if luban's by content (marked as a dataset, or empty: a
+    build killed between its mkdir and its marker). A user's folder of the same name is not luban's; a
+    live build's stage is its own, even once complete (it is about to be swapped in)."""
     pattern = re.compile(rf"\.{re.escape(out_dir.name)}\.(building|old)-\d+")
     try:
         found = [p for p in out_dir.parent.iterdir() if pattern.fullmatch(p.name)]
     except OSError:
         return []
-    return [p for p in found if p.is_dir() and not p.is_symlink() and owned.owner(p) in ("empty", "dataset")]
+    return [p for p in found if p.is_dir() and not p.is_symlink() and owned.owner(p) in ("empty", "dataset")
+            and _ended(int(p.name.rsplit("-", 1)[-1]))]
+
+
+def _ended(pid: int) -> bool:
+    """Whether the build of process ``pid`` is over: no such process, or this one (which has no stage yet:
+    one by its PID is a dead process's whose PID it was given)."""
+    return pid == os.getpid() or not Path(f"/proc/{pid}").exists()
+
+
+# what a build racing this one into the same folder leaves: a sibling it removed, an out_dir it put back
+RACED_ERRNOS = (errno.ENOENT, errno.EEXIST, errno.ENOTEMPTY)
+
+
+def _age(sibling: Path) -> float:
+    """A sibling's modification time; one that a build racing this one removed meanwhile is the oldest."""
+    try:
+        return sibling.stat().st_mtime
+    except FileNotFoundError:
+        return -math.inf
 
 
 def recover(out_dir: Path) -> None:
     """After a crash between the two renames of the fallback swap, put the newest complete copy
-    back at ``out_dir``; remove staging folders of builds that died (luban's own: ``_own_siblings``)."""
-    siblings = sorted(_own_siblings(out_dir), key=lambda p: p.stat().st_mtime)
+    back at ``out_dir``; remove staging folders of builds that died (luban's own: ``_dead_siblings``)."""
+    siblings = sorted(_dead_siblings(out_dir), key=_age)
     for sibling in reversed(siblings):
         if not out_dir.exists() and (sibling / MANIFEST).is_file():
-            os.rename(sibling, out_dir)
-    for sibling in _own_siblings(out_dir):
-        pid = sibling.name.rsplit("-", 1)[-1]
-        if not (int(pid) != os.getpid() and Path(f"/proc/{pid}").exists()):
-            shutil.rmtree(sibling, ignore_errors=True)
+            try:
+                os.rename(sibling, out_dir)
+            except OSError as err:
+                if err.errno not in RACED_ERRNOS:
+                    raise
+    for sibling in _dead_siblings(out_dir):
+        shutil.rmtree(sibling, ignore_errors=True)
 
 
 def build_dataset(inputs=None, out_dir=".", *, tokenizer: str = "byte",
@@ -220,42 +254,41 @@ def build_dataset(inputs=None, out_dir=".", *, tokenizer: str = "byte",
     """
     _check_options(out=str(out_dir), tokenizer=tokenizer, vocab_size=vocab_size, shard_size_mb=shard_size_mb, val_fraction=val_fraction,
                    seed=seed, max_bytes=max_bytes, chunk_tokens=chunk_tokens)
+    final_dir = Path(out_dir)
+    check_output(final_dir)
     if isinstance(inputs, (str, os.PathLike)):
         inputs = [inputs]
     if inputs:
-        files = cap_files(collect_files(inputs), max_bytes)
+        files = cap_files(collect_files(inputs, exclude=final_dir), max_bytes)
         source = {"kind": "files", "max_bytes": max_bytes}
     else:
         max_bytes = DEFAULT_MAX_BYTES if max_bytes is None else max_bytes
         files = default_corpus_files(max_bytes)
         source = {"kind": "default-corpus", "root": str(stdlib_dir()), "max_bytes": max_bytes}
-    source.update(files=len(files), bytes=sum(f.stat().st_size for f in files))
-    if not str(out_dir).strip():
-        raise bad_value("--out", str(out_dir), "a folder for the dataset (not the current folder)")
-    final_dir = Path(out_dir)
-    recover(final_dir) if final_dir.parent.is_dir() else None
-    check_output(final_dir)
+    source.update(files=len(files), bytes=sum(file_size(f) for f in files))
+    recover(final_dir) if final_dir.parent.is_dir() else None  # luban's own copies only: checked or not
     out_dir = _staging(final_dir)  # everything is written here, then swapped in (_swap_in)
-    shutil.rmtree(out_dir, ignore_errors=True)
     try:  # root passes os.access everywhere: /proc/x is refused only here
         final_dir.parent.mkdir(parents=True, exist_ok=True)
-        out_dir.mkdir()
-        owned.mark(out_dir, "dataset")
+        out_dir.mkdir()  # exists: a folder of that name recover() did not remove is not luban's
     except OSError as err:
         raise bad_value("--out", str(final_dir), f"{OPTIONS['out'].allowed} ({err.strerror})") from None
     stage = out_dir
-    try:  # Ctrl-C: this except removes the stage; a forced exit (luban.interrupt) does the same
-        with interrupt.on_abort(lambda: _remove(stage)):
+    # a forced exit (luban.interrupt) removes the stage, also one that comes while this except removes it
+    with interrupt.on_abort(lambda: _remove(stage)):
+        try:  # Ctrl-C: this except removes the stage
+            owned.mark(out_dir, "dataset")
             manifest = _build_into(out_dir, files, source, tokenizer, vocab_size, shard_size_mb, val_fraction,
                                    seed, chunk_tokens)
             with interrupt.critical():
                 _swap_in(out_dir, final_dir)
-    except BaseException as err:
-        _remove(out_dir)
-        if isinstance(err, OSError) and err.errno in STORAGE_ERRNOS:
-            raise OutputWriteError(f"--out = {str(final_dir)!r}: the dataset could not be written ({err.strerror}); "
-                                   "free space or choose another folder (a dataset already there is kept)") from None
-        raise
+        except BaseException as err:
+            _remove(out_dir)
+            if isinstance(err, OSError) and err.errno in STORAGE_ERRNOS:
+                raise OutputWriteError(f"--out = {str(final_dir)!r}: the dataset could not be written "
+                                       f"({err.strerror}); free space or choose another folder (a dataset already "
+                                       "there is kept)") from None
+            raise
     return manifest
 
 
@@ -275,7 +308,7 @@ def _build_into(out_dir: Path, files, source, tokenizer, vocab_size, shard_size_
         for batch in _batches(files):
             texts = [read_text(files[i]) for i in batch]
             for i, ids in zip(batch, tok.encode_batch(texts)):
-                writers["val" if is_val[i] else "train"].add_document(np.append(ids, tok.eos_id))
+                writers["val" if is_val[i] else "train"].add_document(_document(ids, tok.eos_id, dtype))
         splits = {s: w.close() for s, w in writers.items()}
     except BaseException:
         for w in writers.values():
@@ -289,12 +322,21 @@ def _build_into(out_dir: Path, files, source, tokenizer, vocab_size, shard_size_
     return write_manifest(out_dir, manifest)
 
 
+def _document(ids: np.ndarray, eos_id: int, dtype: np.dtype) -> np.ndarray:
+    """A document's ids then its end-of-document id, in the shard's token type: a 2 GB line is 4 GB of
+    uint16 here, not the 16 GB of int64 that ``np.append`` made of it."""
+    doc = np.empty(len(ids) + 1, dtype)
+    doc[:-1] = ids
+    doc[-1] = eos_id
+    return doc
+
+
 def _batches(files: list[Path]):
     """Yield lists of file indices of about ``_ENCODE_BATCH_BYTES`` each (for encode_batch)."""
     batch, size = [], 0
     for i, path in enumerate(files):
         batch.append(i)
-        size += path.stat().st_size
+        size += file_size(path)
         if size >= _ENCODE_BATCH_BYTES:
             yield batch
             batch, size = [], 0

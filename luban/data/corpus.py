@@ -36,8 +36,10 @@ def default_corpus_files(max_bytes: int = DEFAULT_MAX_BYTES) -> list[Path]:
     return cap_files(sorted(found, key=lambda p: p.relative_to(root).as_posix()), max_bytes)
 
 
-def collect_files(inputs: Iterable[str | Path]) -> list[Path]:
-    """Expand files and folders (recursively, sorted, hidden entries skipped) into files."""
+def collect_files(inputs: Iterable[str | Path], exclude: str | Path | None = None) -> list[Path]:
+    """Expand files and folders (recursively, sorted, hidden entries skipped) into files, but for those
+    inside ``exclude`` (the dataset being built: a rebuild of ``corpus/`` into ``corpus/ds`` tokenised
+    the previous dataset's shards and manifest as text, growing with every rebuild)."""
     inputs = [Path(i) for i in inputs]
     files: list[Path] = []
     for item in inputs:
@@ -51,6 +53,9 @@ def collect_files(inputs: Iterable[str | Path]) -> list[Path]:
             ))
         else:
             raise bad_value("INPUTS", str(item), "an existing text file or folder")
+    if exclude is not None:
+        own = Path(exclude).resolve()
+        files = [f for f in files if own not in f.resolve().parents]
     if not files:
         raise LubanError(f"INPUTS = {[str(i) for i in inputs]}: no files found to tokenise")
     return files
@@ -62,17 +67,33 @@ def cap_files(files: list[Path], max_bytes: int | None) -> list[Path]:
         return files
     kept, total = [], 0
     for path in files:
-        total += path.stat().st_size
+        total += file_size(path)
         if total > max_bytes:
             break
         kept.append(path)
     if not kept:
         raise bad_value("--max-bytes", max_bytes,
                         f"at least the size of the first file ({files[0]}: "
-                        f"{files[0].stat().st_size} bytes)")
+                        f"{file_size(files[0])} bytes)")
     return kept
+
+
+def unreadable(path: Path, err: OSError) -> LubanError:
+    """An input file that cannot be read (gone since it was listed, a failing disk, no permission):
+    the user's input, named, not the dataset's storage."""
+    return bad_value("INPUTS", str(path), f"a readable text file ({err.strerror or err}); nothing was changed")
+
+
+def file_size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError as err:
+        raise unreadable(path, err) from None
 
 
 def read_text(path: Path) -> str:
     """A document's text; bytes that are not UTF-8 become U+FFFD."""
-    return path.read_text(encoding="utf-8", errors="replace")
+    try:
+        return path.read_text(encoding="utf-8", errors="replace")
+    except OSError as err:
+        raise unreadable(path, err) from None

@@ -9,7 +9,7 @@ manifest first) never looks valid. Schema (docs/data.md)::
      "source": {"kind": "default-corpus" | "files", "files", "bytes", "max_bytes"},
      "val_fraction": F, "seed": S,
      "splits": {"train"|"val": {"tokens", "documents",
-                                "shards": [{"file", "tokens", "documents", "bytes"}]}},
+                                "shards": [{"file", "tokens", "documents", "bytes", "header_crc32"}]}},
      "checksum": SHA-256 of the rest}
 
 ``load_manifest`` checks the checksum, then the structure: split names, shard names exactly
@@ -34,8 +34,10 @@ _REQUIRED = ("format_version", "dtype", "tokenizer", "splits")
 
 
 SPLIT_NAMES = ("train", "val")
-SHARD_NAME = re.compile(r"^(train|val)-\d{5}\.bin$")
+SHARD_NAME = re.compile(r"^(train|val)-\d{5,}\.bin$")  # {:05d}: a 100001st shard has 6 digits
 COUNTS = ("tokens", "documents", "bytes")
+SHARD_CRC = "header_crc32"  # ShardInfo's; manifests written before it was recorded are checked without it
+SOURCE_KINDS = ("default-corpus", "files")
 
 
 def content_checksum(manifest: dict) -> str:
@@ -71,6 +73,9 @@ def _check_splits(path: Path, splits) -> None:
             for key in COUNTS:
                 if isinstance(shard.get(key), bool) or not isinstance(shard.get(key), int) or shard[key] < 0:
                     raise bad(f"splits.{split}.shards[{i}].{key}", shard.get(key), "an integer >= 0")
+            if SHARD_CRC in shard and not (_whole(shard[SHARD_CRC]) and 0 <= shard[SHARD_CRC] < 1 << 32):
+                raise bad(f"splits.{split}.shards[{i}].{SHARD_CRC}", shard[SHARD_CRC],
+                          "an integer from 0 to 4294967295")
             for key in totals:
                 totals[key] += shard[key]
         for key, total in totals.items():
@@ -99,9 +104,30 @@ def _check_header(path: Path, manifest: dict) -> None:
     if manifest["dtype"] != dtype_for_vocab(vocab).name:
         raise bad("dtype", manifest["dtype"], f"{dtype_for_vocab(vocab).name!r}, the token type of a {vocab}-token "
                                               f"vocabulary (one of {sorted(d.name for d in DTYPES.values())})")
+    if "sha256" in tok and not (isinstance(tok["sha256"], str) and re.fullmatch(r"[0-9a-f]{64}", tok["sha256"])):
+        raise bad("tokenizer.sha256", tok["sha256"], "the 64 hex digits of tokenizer.json's SHA-256")
     chunk = manifest.get("chunk_tokens", 1)
     if not _whole(chunk) or not 1 <= chunk <= MAX_CHUNK_TOKENS:
         raise bad("chunk_tokens", chunk, f"an integer from 1 to {MAX_CHUNK_TOKENS}")
+
+
+def _check_description(path: Path, manifest: dict) -> None:
+    """What ``luban data info`` and ``ensure_default_dataset`` read besides the splits: the source
+    (kind, file and byte counts), the validation fraction and the split seed."""
+    def bad(where: str, value, allowed: str):
+        return bad_value(f"{path}: {where}", value, allowed)
+
+    source = manifest.get("source")
+    if not isinstance(source, dict) or source.get("kind") not in SOURCE_KINDS:
+        raise bad("source", source, f"a table with kind one of {list(SOURCE_KINDS)}, files and bytes")
+    for key in ("files", "bytes"):
+        if not _whole(source.get(key)) or source[key] < 0:
+            raise bad(f"source.{key}", source.get(key), "an integer >= 0")
+    fraction = manifest.get("val_fraction")
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction < 1:
+        raise bad("val_fraction", fraction, "a number in [0, 1)")
+    if not _whole(manifest.get("seed")) or manifest["seed"] < 0:
+        raise bad("seed", manifest.get("seed"), "an integer >= 0")
 
 
 def load_manifest(dataset_dir: str | Path) -> dict:
@@ -133,6 +159,7 @@ def load_manifest(dataset_dir: str | Path) -> dict:
         raise bad_value(f"{path}: format_version", manifest["format_version"],
                         f"this luban reads version {FORMAT_VERSION}; rebuild the dataset")
     _check_header(path, manifest)
+    _check_description(path, manifest)
     _check_splits(path, manifest["splits"])
     return manifest
 
@@ -148,8 +175,9 @@ def open_split(dataset_dir: str | Path, manifest: dict, split: str) -> list[Shar
             raise LubanError(f"{path}: {'missing' if not path.exists() else 'not a regular file'}, but "
                              f"{MANIFEST} names it; rebuild the dataset")
         reader = ShardReader(path)
-        found = {"tokens": reader.tokens, "documents": reader.documents, "bytes": reader.size}
-        wrong = {k: v for k, v in found.items() if v != entry[k]}
+        found = {"tokens": reader.tokens, "documents": reader.documents, "bytes": reader.size,
+                 SHARD_CRC: reader.header_crc}
+        wrong = {k: v for k, v in found.items() if k in entry and v != entry[k]}
         if wrong:
             raise LubanError(f"{reader.path}: {wrong} disagrees with {MANIFEST} "
                              f"({ {k: entry[k] for k in wrong} }); rebuild the dataset")

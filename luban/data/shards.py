@@ -59,12 +59,15 @@ def _align8(offset: int) -> int:
 
 @dataclass(frozen=True)
 class ShardInfo:
-    """What the manifest records about one committed shard."""
+    """What the manifest records about one committed shard. ``header_crc32`` covers the whole file (the
+    header holds the index CRC, which covers the chunk CRCs, which cover the tokens): a shard swapped for
+    another of the same size is told apart by it."""
 
     file: str
     tokens: int
     documents: int
     bytes: int
+    header_crc32: int
 
 
 class ShardWriter:
@@ -131,7 +134,7 @@ class ShardWriter:
         f.write(head + struct.pack("<I", zlib.crc32(head)))
         self._out.commit()
         size = index_offset + len(tail)
-        return ShardInfo(self._out.path.name, self.tokens, len(self._doc_starts), size)
+        return ShardInfo(self._out.path.name, self.tokens, len(self._doc_starts), size, zlib.crc32(head))
 
     def abort(self) -> None:
         self._out.abort()
@@ -164,6 +167,7 @@ class ShardReader:
                 f"{self.index_offset}-{self.size - 1})", self.index_offset)
         n_index = self.documents * _INDEX_DTYPE.itemsize
         self.doc_starts = np.frombuffer(tail, _INDEX_DTYPE, self.documents).astype(np.int64)
+        self._check_index()
         self._chunk_crcs = np.frombuffer(tail, _CRC_DTYPE, offset=n_index)
         self._verified = np.zeros(len(self._chunk_crcs), dtype=bool)
         self._tokens = (
@@ -176,22 +180,35 @@ class ShardReader:
             raise self._error(f"truncated: {size} bytes, the header alone needs {HEADER_SIZE}",
                               size)
         (magic, version, code, self.chunk_tokens, self.tokens, self.documents, tokens_offset,
-         self.index_offset, crc_offset, self._index_crc, header_crc) = HEADER.unpack(head)
+         self.index_offset, crc_offset, self._index_crc, self.header_crc) = HEADER.unpack(head)
         if magic != MAGIC:
             raise self._error(f"not a luban shard (magic {magic!r}, expected {MAGIC!r})", 0)
         if version != FORMAT_VERSION:
             raise self._error(f"format version {version}, this luban reads {FORMAT_VERSION}", 8)
-        if zlib.crc32(head[:HEADER_CRC_OFFSET]) != header_crc:
+        if zlib.crc32(head[:HEADER_CRC_OFFSET]) != self.header_crc:
             raise self._error(f"header CRC mismatch (header bytes 0-{HEADER_SIZE - 1})", 0)
         if code not in DTYPES or tokens_offset != HEADER_SIZE or self.chunk_tokens < 1:
             raise self._error(f"unsupported dtype code {code} or layout", 10)
         self.dtype = DTYPES[code]
+        if (self.index_offset != _align8(HEADER_SIZE + self.tokens * self.dtype.itemsize)
+                or crc_offset != self.index_offset + self.documents * _INDEX_DTYPE.itemsize):
+            raise self._error(f"section offsets (index {self.index_offset}, CRC table {crc_offset}) disagree "
+                              f"with {self.tokens} tokens and {self.documents} documents", 40)
         n_chunks = -(-self.tokens // self.chunk_tokens)
         self.size = crc_offset + n_chunks * _CRC_DTYPE.itemsize
         if size < self.size:
             raise self._error(f"truncated: {size} bytes, the header says {self.size}", size)
         if size > self.size:
             raise self._error(f"{size - self.size} trailing bytes after the end", self.size)
+
+    def _check_index(self) -> None:
+        """Document starts from 0, in order, within the tokens (a shard with tokens has documents)."""
+        starts = self.doc_starts
+        ok = (starts[0] == 0 and bool((np.diff(starts) >= 0).all()) and starts[-1] <= self.tokens
+              if self.documents else self.tokens == 0)
+        if not ok:
+            raise self._error(f"document index out of order or outside the {self.tokens} tokens",
+                              self.index_offset)
 
     def _error(self, what: str, offset: int) -> LubanError:
         return LubanError(f"{self.path}: {what} at byte offset {offset}")
