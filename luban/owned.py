@@ -88,7 +88,8 @@ def _is_dataset(path: Path) -> bool:
 
 def _is_cluster_state(path: Path) -> bool:
     names = set(_names(path))
-    own = {"luban.db", "luban.db-journal", "luban.db-wal", "luban.db-shm", "admin.token", "logs", "runs"}
+    own = {"luban.db", "luban.db-journal", "luban.db-wal", "luban.db-shm", "admin.token", "logs", "runs",
+           "serve.lock"}  # serve.lock: luban.cluster.cli.STATE_LOCK
     return names <= own and bool(names & {"luban.db", "admin.token"})
 
 

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from luban import schema
+from luban.cluster import joblog
 from luban.cluster import priority as prio
 from luban.cluster import trace as traces
 from luban.cluster.spec import MAX_TIME_LIMIT, NAME_RE
@@ -375,6 +376,45 @@ def _listen(host: str, port: int):
     return sock
 
 
+STATE_LOCK = "serve.lock"  # in STATE, flock'ed for the service's life: one service per state folder (two would
+                           # share its logs, run records and SQLite file and each adopt and sweep the other's jobs)
+
+
+class StateInUse(LubanError):
+    """Another service holds the state folder: refused, and nothing of that folder is touched."""
+
+
+def hold_state(state: Path) -> int | None:
+    """The state folder's lock (an fd to keep open for the service's life: it is not inherited by
+    job launchers, so a restarted service is not refused while jobs run), or ``StateInUse``. None
+    while the folder is not marked as luban's (absent, empty, made before the marker): a file of ours
+    there would make it foreign to ``owned.claim``; ``cmd_serve`` takes the lock once it is claimed."""
+    from luban import owned
+
+    path = state / STATE_LOCK
+    if owned.marked_kind(state) != "cluster-state":
+        return None
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    except OSError as err:
+        raise bad_value("--state", str(state), f"cannot lock {STATE_LOCK} there ({err.strerror})") from None
+    import fcntl
+
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as err:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        os.close(fd)
+        if err.errno not in (errno.EWOULDBLOCK, errno.EACCES):
+            raise bad_value("--state", str(state), f"cannot lock {STATE_LOCK} there ({err.strerror})") from None
+        refusal = bad_value("--state", str(state), f"in use by another luban cluster serve"
+                            f"{f' (pid {holder})' if holder.isdigit() else ''}; stop it first, or choose another --state")
+        raise StateInUse(str(refusal)) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)  # who holds it: named when another start is refused
+    return fd
+
+
 def cmd_serve(args) -> int:
     """Every check first (the state folder's owner, the job mode, the port, the database), then
     the state folder is created: a refusal leaves nothing behind that was not there before."""
@@ -389,6 +429,7 @@ def cmd_serve(args) -> int:
     _check_zones(args.zones, args.nodes)
     state = Path(args.state).absolute()
     owned.check(state, "cluster-state", "--state")
+    lock = hold_state(state)  # before anything is bound, opened or written
     run_as = args.run_jobs_as or ("user" if accounts.privileged() else "namespace")
     hidden = secret_dirs(state, args.db)
     if run_as == "user" and not accounts.privileged():
@@ -413,6 +454,7 @@ def cmd_serve(args) -> int:
         try:
             engine = db.open_checked(args.db) if args.db else None  # a server: before the state folder exists
             owned.claim(state, "cluster-state", "--state")
+            lock = lock if lock is not None else hold_state(state)  # a folder made just now
             try:
                 os.chmod(state, 0o700)  # database, tokens, logs, run records: the service's alone
             except OSError as err:
@@ -425,12 +467,14 @@ def cmd_serve(args) -> int:
             settings = Settings(state_dir=str(state), url=args.public_url or service_url(args.host, args.port),
                                 tick=args.tick, quantum=args.quantum, suspend_timeout=args.suspend_timeout,
                                 sample_every=args.sample_every, run_jobs_as=run_as, on_shutdown=args.on_shutdown,
-                                secret_dirs=hidden)
+                                secret_dirs=hidden, max_log=args.max_log)
             scheduler = Scheduler(sessions, make(args.executor, **options), settings)
             token_path = ensure_admin(sessions, state)
             app = create_app(sessions, scheduler, max_body=args.max_body, max_queued=args.max_queued)
-        except BaseException:
+        except BaseException as err:
             sock.close()
+            if isinstance(err, StateInUse):  # another service made the folder at the same moment: it is its
+                raise
             if not existed:  # made by this start-up, which did not start: leave nothing behind
                 shutil.rmtree(state, ignore_errors=True)
             elif fresh:  # an empty folder: empty again, its mode as it was
@@ -611,6 +655,9 @@ def register(subparsers) -> None:
                         "unisolated")
     p.add_argument("--max-body", type=schema.integer(1024, 1 << 30), default=1 << 20, help="largest request body in bytes (default 1 MiB)")
     p.add_argument("--max-queued", type=schema.integer(1, 10_000_000), default=1000, help="queued jobs one user may have (default 1000)")
+    p.add_argument("--max-log", type=schema.integer(joblog.MIN_LOG, 1 << 50), default=joblog.MAX_LOG, metavar="BYTES",
+                   help="bytes of each rank's log of a job (all its attempts); past it the job's output is dropped "
+                        "and one line says so: a job cannot fill the state folder's disk (default 1 GiB)")
     p.set_defaults(func=cmd_serve)
 
     sim_args = argparse.ArgumentParser(add_help=False)

@@ -1,9 +1,9 @@
 """Per-node launcher: runs one node's part of a job, forwards signals, records the exit code.
 
-``python -m luban.cluster.launcher --run-dir D --log F [--rank R] [--tag T] -- CMD...`` starts CMD with
-``LUBAN_NODE_RANK=R`` set, appends its output to F, and writes D/rank<R>.exit when CMD ends, so
-the service can read the result even after a restart. With no --rank the rank is Slurm's
-SLURM_NODEID.
+``python -m luban.cluster.launcher --run-dir D --log F [--rank R] [--tag T] [--max-log B] -- CMD...``
+starts CMD with ``LUBAN_NODE_RANK=R`` set, appends its output to F (read through a pipe: at most B
+bytes of log, ``luban.cluster.joblog``), and writes D/rank<R>.exit when CMD ends, so the service
+can read the result even after a restart. With no --rank the rank is Slurm's SLURM_NODEID.
 
 The job's processes are one unit (``luban.procs``): CMD runs in a session of its own, inside the
 job's cgroup v2 where one can be made (entered before CMD executes, so nothing escapes it), and
@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 from luban import jobenv, procs
-from luban.cluster import accounts, jobcheck, jobguard
+from luban.cluster import accounts, jobcheck, jobguard, joblog
 from luban.train import preempt
 
 FORWARDED = (signal.SIGUSR1, signal.SIGINT)
@@ -72,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--user", default=None, help="run CMD as this OS account (the launcher must be root)")
     parser.add_argument("--hide", action="append", default=[], metavar="DIR",
                         help="run CMD in namespaces where DIR is covered (jobguard; repeatable)")
+    parser.add_argument("--max-log", type=int, default=joblog.MAX_LOG, metavar="BYTES",
+                        help="bytes of the rank's log file (all attempts), past which CMD's output is dropped")
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     if args.hide:
@@ -157,9 +159,19 @@ def main(argv: list[str] | None = None) -> int:
                     if block:  # luban's trainer unblocks them once its handlers are in
                         signal.pthread_sigmask(signal.SIG_BLOCK, JOB_SIGNALS)
 
-                child = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                         start_new_session=True, cwd=env.get("LUBAN_WORKDIR") or None,
-                                         preexec_fn=prepare)
+                # CMD writes into a pipe, the pump copies it into the log up to --max-log (joblog):
+                # the read end is not inherited (os.pipe), so it closes only with this launcher
+                out, into = os.pipe()
+                try:
+                    child = subprocess.Popen(command, stdout=into, stderr=subprocess.STDOUT, env=env,
+                                             start_new_session=True, cwd=env.get("LUBAN_WORKDIR") or None,
+                                             preexec_fn=prepare)
+                except BaseException:
+                    os.close(out)
+                    raise
+                finally:
+                    os.close(into)
+                pump = joblog.Pump(out, log, args.max_log).start()
             except OSError as err:
                 log.write(f"== luban: cannot start {command[:1]}: {err} ==\n".encode())
                 procs.kill_job(tag)
@@ -171,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
                 on_signal(signum, None)
             code = _wait(child, state)
         survivors = procs.kill_job(tag, (child.pid,) if state["child"] else ())
+        if state["child"]:
+            pump.join()  # every writer is dead: the job's last output goes before the lines below
         if survivors:
             log.write(f"== luban: could not kill {survivors} of job tag {tag} ==\n".encode())
         if state["kill"]:

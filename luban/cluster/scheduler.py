@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from sqlalchemy import func, select, update
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from luban import jobenv
@@ -45,6 +45,7 @@ class Settings:
                                           # "namespace": the service's account in namespaces (jobguard.py)
     secret_dirs: tuple[str, ...] = ()     # covered in each job's namespaces (state dir, database folder)
     on_shutdown: str = "keep"             # keep: jobs run on, adopted on restart; kill: end them all first
+    max_log: int | None = None            # bytes of each rank's log (--max-log; None: joblog.MAX_LOG)
 
 
 def token_hash(token: str) -> str:
@@ -87,6 +88,7 @@ class Scheduler:
         self.last_sample = 0.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.outage_since: float | None = None  # when the database became unavailable to the ticks (None: it is not)
 
     # -- nodes -------------------------------------------------------------------------------
     def sync_nodes(self) -> None:
@@ -128,11 +130,36 @@ class Scheduler:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            try:
-                self.tick()
-            except Exception:  # keep scheduling; the traceback goes to the service log
-                log.exception("scheduling tick failed")
+            self.guarded_tick()
             self._stop.wait(self.settings.tick)
+
+    def guarded_tick(self) -> None:
+        """One tick that never raises. A database outage is two lines in the service log, when it
+        starts and when it ends, not a traceback every tick (5 a second at --tick 0.2); any other
+        failure is a bug: its traceback is logged."""
+        try:
+            self.tick()
+        except OperationalError as err:
+            self._outage_began(err)
+            return
+        except Exception:  # keep scheduling; the traceback goes to the service log
+            log.exception("scheduling tick failed")
+            return
+        self._outage_ended()
+
+    def _outage_began(self, err: OperationalError) -> None:
+        """The first tick that fails for the database says so, in one line; the next ones say nothing."""
+        if self.outage_since is None:
+            self.outage_since = time.monotonic()
+            cause = " ".join(str(getattr(err, "orig", err)).split())[:300]
+            log.warning("database unavailable: scheduling paused until it is back (%s)", cause)
+
+    def _outage_ended(self) -> None:
+        """The first tick that succeeds after an outage says so, in one line."""
+        if self.outage_since is not None:
+            log.warning("database available again after %.0fs: scheduling resumed",
+                        time.monotonic() - self.outage_since)
+            self.outage_since = None
 
     def tick(self) -> policy.Plan:
         now = time.time()
@@ -162,6 +189,8 @@ class Scheduler:
                     job = s.get(Job, job_id, with_for_update=True)
                     if job.state in ACTIVE:
                         self._observe_one(s, job, now)
+            except OperationalError:
+                raise  # the database, not this job: the tick ends here (guarded_tick logs the outage once)
             except Exception:  # one job's executor trouble must not stop the others; retried next tick
                 log.exception("observing job %s failed", job_id)
 
@@ -276,6 +305,8 @@ class Scheduler:
                     if job.state == states.RUNNING:
                         flag = StopReason.TIME_SHARE if time_share else StopReason.PREEMPTED
                         self._suspend(s, job, flag, why, now)
+            except OperationalError:
+                raise  # the database, not this job: the tick ends here (guarded_tick logs the outage once)
             except Exception:  # rolled back: the policy asks again next tick
                 log.exception("suspending job %s failed", job_id)
         for job_id, nodes, why in result.starts:
@@ -341,7 +372,8 @@ class Scheduler:
         return Launch(job_id=job.id, name=job_tag(job), nodes=list(nodes or job.nodes), run_as=run_as, hide=hide,
                       command=[spec["command"], *spec.get("args", [])], env=env,
                       run_dir=str(state / "runs" / str(job.id)),
-                      log_pattern=str(state / "logs" / job.chain_id / "rank{rank}.log"), workdir=spec.get("workdir"))
+                      log_pattern=str(state / "logs" / job.chain_id / "rank{rank}.log"), workdir=spec.get("workdir"),
+                      max_log=self.settings.max_log)
 
     def job_env(self, s: Session, job: Job, token: str, nodes: tuple[str, ...]) -> dict[str, str]:
         """The job's environment: the submitter's (or exactly the spec's), then luban's own variables

@@ -29,7 +29,7 @@ from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from luban import jobenv
-from luban.cluster import accounts, jobcheck
+from luban.cluster import accounts, jobcheck, joblog
 from luban.cluster import priority as prio
 from luban.cluster import spec as specs
 from luban.cluster import states
@@ -46,16 +46,7 @@ MAX_QUEUED_PER_USER = 1000    # queued attempts one user may have (--max-queued)
 ID_MAX = INT32[1]
 
 
-def _cut_char(data: bytes) -> int:
-    """How many bytes at the end of ``data`` begin a UTF-8 character that ends beyond it (0 to 3): a log
-    read in chunks decodes each whole character once (cut, both halves were U+FFFD: CJK text garbled
-    at every 1 MiB, and wherever ``luban logs -f`` read while the job was writing)."""
-    for back in range(1, min(3, len(data)) + 1):
-        byte = data[-back]
-        if byte & 0xC0 != 0x80:  # not a continuation byte: the character's first
-            need = 2 if byte & 0xE0 == 0xC0 else 3 if byte & 0xF0 == 0xE0 else 4 if byte & 0xF8 == 0xF0 else 1
-            return back if need > back else 0
-    return 0
+_cut_char = joblog.cut_char  # a log read in chunks decodes each whole character once
 
 
 def int_field(body: dict, key: str, lo: int, hi: int, default=None) -> int:
@@ -79,6 +70,40 @@ def object_body(body) -> dict:
     if not isinstance(body, dict):
         raise bad_value("body", type(body).__name__, "a JSON object")
     return body
+
+
+JSON_BODY = "a JSON object (Content-Type: application/json)"  # what every call with a body takes
+BODY_SHOWN = 60  # characters (or bytes) of a body that cannot be read shown in the one-line answer
+
+
+def parse_body(raw: bytes, content_type: str | None) -> dict:
+    """A request body as a JSON object, or a one-line 422 that says what is wrong with it: the
+    Content-Type, UTF-8, the JSON (line and column), nesting or an integer too long to convert
+    (FastAPI's own parsing answered '1 = {}: JSON decode error', or a 400 naming nothing)."""
+    kind = (content_type or "").split(";")[0].strip().lower()
+    if kind != "application/json" and not (kind.startswith("application/") and kind.endswith("+json")):
+        raise bad_value("Content-Type", content_type or "(none)", f"application/json: the body is {JSON_BODY}")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise bad_value("body", raw[:BODY_SHOWN], f"{JSON_BODY}; byte {err.start} is not UTF-8") from None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise bad_value("body", text[:BODY_SHOWN], f"{JSON_BODY}; invalid JSON at line {err.lineno} "
+                                                   f"column {err.colno}: {err.msg}") from None
+    except RecursionError:
+        raise bad_value("body", text[:BODY_SHOWN], f"{JSON_BODY}; nested too deeply") from None
+    except ValueError as err:  # an integer of more digits than int() converts (sys.get_int_max_str_digits)
+        raise bad_value("body", text[:BODY_SHOWN], f"{JSON_BODY}; {str(err).split(';')[0]}") from None
+    if not isinstance(value, dict):
+        raise bad_value("body", text[:BODY_SHOWN], JSON_BODY)
+    return value
+
+
+async def json_body(request: Request) -> dict:
+    """The request's body, read and checked by ``parse_body`` (a dependency in place of ``body: dict``)."""
+    return parse_body(await request.body(), request.headers.get("content-type"))
 
 
 @dataclasses.dataclass
@@ -439,7 +464,7 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
         return {"user": p.user.name, "admin": p.user.is_admin, "group": p.user.group, "job_id": p.job_id}
 
     @app.post("/api/jobs", status_code=201)
-    def submit(body: dict, p: Principal = Depends(person)):
+    def submit(p: Principal = Depends(person), body: dict = Depends(json_body)):
         body = object_body(body)
         if "yaml" in body:
             spec = specs.parse_yaml(str_field(body, "yaml", limit=specs.MAX_YAML))
@@ -562,7 +587,7 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
         return hold_flag(job_id, p, False)
 
     @app.put("/api/jobs/{job_id}/run")
-    def set_run(job_id: int, body: dict, p: Principal = Depends(principal)):
+    def set_run(job_id: int, p: Principal = Depends(principal), body: dict = Depends(json_body)):
         """The job (its own token) says where its run writes metrics; recorded as a ``run`` event."""
         if p.job_id is None:
             raise HTTPException(403, "only the job itself (its LUBAN_CLUSTER_TOKEN) reports its run directory")
@@ -672,7 +697,7 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
         return {"value": get_job(s, p, job_id, latest=True).whole_life_state}
 
     @app.put("/api/jobs/{job_id}/whole_life_state")
-    def set_wls(job_id: int, body: dict, p: Principal = Depends(principal)):
+    def set_wls(job_id: int, p: Principal = Depends(principal), body: dict = Depends(json_body)):
         value = int_field(object_body(body), "value", *INT32)
         with sessions.begin() as s:
             get_job(s, p, job_id, latest=True).whole_life_state = value
@@ -688,7 +713,7 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
                 for n in s.scalars(select(Node).order_by(Node.name))]
 
     @app.patch("/api/nodes/{name}")
-    def set_node(name: str, body: dict, p: Principal = Depends(admin)):
+    def set_node(name: str, p: Principal = Depends(admin), body: dict = Depends(json_body)):
         state = object_body(body).get("state")
         if state not in ("up", "drain", "down"):
             raise bad_value("state", state, "up, drain (no new jobs) or down (no new jobs; its jobs are suspended now)")
@@ -714,7 +739,7 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
                  "used": int(used.get((q.owner, q.node_group, q.priority), 0))} for q in s.scalars(query)]
 
     @app.put("/api/quota")
-    def set_quota(body: dict, p: Principal = Depends(admin)):
+    def set_quota(p: Principal = Depends(admin), body: dict = Depends(json_body)):
         body = object_body(body)
         owner, group = str_field(body, "owner", limit=200), body.get("node_group")
         with sessions() as s:
@@ -742,7 +767,7 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
                 for u in s.scalars(select(User).order_by(User.name))]
 
     @app.post("/api/users", status_code=201)
-    def add_user(body: dict, p: Principal = Depends(admin)):
+    def add_user(p: Principal = Depends(admin), body: dict = Depends(json_body)):
         body = object_body(body)
         name = body.get("name")
         unknown = sorted(set(body) - {"name", "admin", "group", "os_user"})
@@ -773,7 +798,7 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
         return {"name": name, "token": token, "os_user": os_user}
 
     @app.patch("/api/users/{name}")
-    def set_user(name: str, body: dict, p: Principal = Depends(admin)):
+    def set_user(name: str, p: Principal = Depends(admin), body: dict = Depends(json_body)):
         body = object_body(body)
         unknown = sorted(set(body) - {"group", "admin"})
         if unknown:
@@ -822,7 +847,7 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
                 if p.user.is_admin or g.name == p.user.group]
 
     @app.post("/api/groups", status_code=201)
-    def add_group(body: dict, p: Principal = Depends(admin)):
+    def add_group(p: Principal = Depends(admin), body: dict = Depends(json_body)):
         body = object_body(body)
         name = body.get("name")
         for key in ("data_dir", "env_dir"):  # 512: the column; no NUL: it is in its members' jobs' environment

@@ -68,7 +68,7 @@ def test_token_is_checked_before_the_body_is_parsed(api):
     ("POST", "/jobs", {"yaml": LAUGHS}, 422, "aliases"),
     ("POST", "/jobs", {"yaml": None}, 422, "yaml"),
     ("POST", "/jobs", {"yaml": "x" * 70000}, 413, "bytes"),
-    ("POST", "/jobs", [1, 2], 422, "dictionary"),
+    ("POST", "/jobs", [1, 2], 422, "body = '[1,2]': a JSON object"),
     ("POST", "/jobs", {"spec": {"name": "j", "command": "true", "nodes": 2 ** 70}}, 422, "nodes"),
     ("GET", "/jobs/1/logs?offset=-1", None, 422, "offset"),
     ("GET", f"/jobs/{2 ** 63}", None, 404, "not found"),
@@ -90,6 +90,36 @@ def test_bad_input_is_a_one_line_4xx_never_a_500(api, method, path, body, status
     assert r.status_code == status, r.text[:300]
     detail = r.json()["detail"]
     assert isinstance(detail, str) and "\n" not in detail and words in detail
+
+
+JSON = {"content-type": "application/json"}
+
+
+@pytest.mark.parametrize("path,content,headers,start", [
+    ("/jobs", b"{not json", JSON, "body = '{not json': a JSON object (Content-Type: application/json); "
+                                   "invalid JSON at line 1 column 2: Expecting property name"),
+    ("/jobs", b'{"spec": "\xff"}', JSON, "body = b'{\"spec\": \"\\xff\"}': a JSON object (Content-Type: "
+                                         "application/json); byte 10 is not UTF-8"),
+    ("/jobs", b"[" * 30_000 + b"]" * 30_000, JSON, "body = '[[[["),
+    ("/jobs", b'{"spec": ' + b"9" * 5000 + b"}", JSON, "body = '{\"spec\": 9999"),
+    ("/jobs", b'{"spec": {"name": "j", "command": "true"}}', {}, "Content-Type = '(none)': application/json: "
+                                                                 "the body is a JSON object"),
+    ("/jobs", b'{"spec": {"name": "j", "command": "true"}}', {"content-type": "text/plain"},
+     "Content-Type = 'text/plain': application/json"),
+    ("/quota", b'{"owner": "user:alice",', JSON, "body = '{\"owner\": \"user:alice\",': a JSON object"),
+])
+def test_a_body_that_is_not_a_json_object_is_one_line_naming_the_body(api, path, content, headers, start):
+    """A sweep of 2026-11-27: invalid JSON was '1 = {}: JSON decode error'; a body that is not UTF-8,
+    nested 30 000 deep or holding a 5000-digit integer a 400 'There was an error parsing the body'
+    naming nothing; no or another Content-Type "request = b'...': Input should be a valid dictionary"."""
+    svc, token, _ = api
+    r = call(svc, "PUT" if path == "/quota" else "POST", path, svc.admin_token if path == "/quota" else token,
+             headers=headers, content=content)
+    detail = r.json()["detail"]
+    assert r.status_code == 422 and isinstance(detail, str) and "\n" not in detail, (r.status_code, detail)
+    assert detail.startswith(start) and "JSON object" in detail and len(detail) < 300, detail
+    assert ("nested too deeply" in detail) == content.startswith(b"[[")
+    assert ("Exceeds the limit (4300 digits)" in detail) == (b"9" * 5000 in content)
 
 
 @pytest.mark.parametrize("method,path,body,words", [

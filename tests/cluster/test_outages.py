@@ -49,12 +49,47 @@ def test_a_database_outage_is_a_503_on_every_call_and_the_sdk_rides_it_out(servi
             wait_for(lambda: svc.log.read_text().count("database error") > warned, 60,
                      what="the SDK's call to meet the outage")
             assert not patient.done()
+            wait_for(lambda: PAUSED in svc.log.read_text(), 60, what="the scheduler to note the outage")
             _database_open(pg_url, True)
             assert patient.result(timeout=120)["user"] == "alice"
     finally:
         _database_open(pg_url, True)
     assert alice.submit({"name": "after", "command": "true"})["state"] == "queued"
-    assert "Exception in ASGI application" not in svc.log.read_text()
+    wait_for(lambda: RESUMED in svc.log.read_text(), 60, what="the scheduler to note the database is back")
+    text = svc.log.read_text()
+    assert "Exception in ASGI application" not in text
+    # the scheduler ticked every 0.2 s through the outage: one line when it began, one when it ended
+    assert "Traceback" not in text and text.count(PAUSED) == 1 and text.count(RESUMED) == 1, text[-3000:]
+
+
+PAUSED = "database unavailable: scheduling paused until it is back"
+RESUMED = "scheduling resumed"
+
+
+def test_the_scheduler_logs_a_database_outage_once_not_every_tick(tmp_path, caplog):
+    """2026-11-27: every tick while the database was down logged a full traceback ('scheduling tick
+    failed'), up to 5 a second at --tick 0.2. Now: one warning when it starts, one line when it ends."""
+    import logging
+
+    from luban.cluster import db
+    from luban.cluster.executors.local import LocalExecutor
+    from luban.cluster.scheduler import Scheduler, Settings
+
+    working = db.sessions(db.open_checked(str(tmp_path / "luban.db")))
+    down = db.sessions(db.make_engine(db.url_for(str(tmp_path / "absent" / "luban.db"))))  # cannot be opened
+    scheduler = Scheduler(working, LocalExecutor(), Settings(state_dir=str(tmp_path)))
+    scheduler.sync_nodes()
+    caplog.set_level(logging.INFO, logger="luban.cluster")
+    scheduler.sessions = down
+    for _ in range(10):
+        scheduler.guarded_tick()
+    scheduler.sessions = working
+    for _ in range(3):
+        scheduler.guarded_tick()
+    lines = [r.getMessage() for r in caplog.records if r.name == "luban.cluster"]
+    assert not any(r.exc_info for r in caplog.records), [r.getMessage() for r in caplog.records if r.exc_info]
+    assert sum(PAUSED in m for m in lines) == 1 and sum(RESUMED in m for m in lines) == 1, lines
+    assert lines.index(next(m for m in lines if PAUSED in m)) < lines.index(next(m for m in lines if RESUMED in m))
 
 
 def test_an_attempt_that_ends_while_the_service_is_down_is_charged_until_its_end(service):

@@ -35,6 +35,7 @@ class Launch:
     workdir: str | None = None
     run_as: str | None = None  # OS account the command runs as (None: the service's own)
     hide: tuple[str, ...] = ()  # directories covered in the job's namespaces (jobguard; non-root service)
+    max_log: int | None = None  # bytes of each rank's log (launcher --max-log; None: joblog.MAX_LOG)
 
 
 @dataclasses.dataclass

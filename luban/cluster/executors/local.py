@@ -39,7 +39,8 @@ class LocalExecutor:
         for rank, node in enumerate(launch.nodes):
             argv = ["--run-dir", launch.run_dir, "--log", launch.log_pattern, "--rank", str(rank),
                     "--tag", launch.name, *(["--user", launch.run_as] if launch.run_as else []),
-                    *[a for d in launch.hide for a in ("--hide", d)], "--", *launch.command]
+                    *[a for d in launch.hide for a in ("--hide", d)],
+                    *(["--max-log", str(launch.max_log)] if launch.max_log else []), "--", *launch.command]
             env = dict(launch.env, LUBAN_NODE=node)  # complete: the scheduler built it (job_env)
             proc = launcher.spawn(argv, env=env, start_new_session=True, cwd=launch.workdir or None,
                                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

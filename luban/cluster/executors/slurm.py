@@ -70,6 +70,7 @@ class SlurmExecutor:
         rank = [self.python, "-m", "luban.cluster.launcher", "--run-dir", str(run_dir), "--log",
                 launch.log_pattern, "--tag", launch.name, *(["--user", launch.run_as] if launch.run_as else []),
                 *[a for d in launch.hide for a in ("--hide", d)],
+                *(["--max-log", str(launch.max_log)] if launch.max_log else []),
                 "--", *launch.command]
         script = run_dir / "job.sbatch"
         script.write_text("#!/bin/bash\n# luban job %d\nexec srun --kill-on-bad-exit=0 --ntasks-per-node=1 "
