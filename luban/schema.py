@@ -42,6 +42,9 @@ class Invalid(argparse.ArgumentTypeError):
 
 
 def _num(x) -> str:
+    """A bound as typed: an integer whole (2**50 is 1125899906842624, not 1.1259e+15), a float short."""
+    if isinstance(x, int) and not isinstance(x, bool):
+        return str(x)
     return str(int(x)) if float(x).is_integer() and abs(x) < 1e15 else f"{x:g}"
 
 

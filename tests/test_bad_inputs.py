@@ -58,7 +58,10 @@ def test_train_file_and_flag_cases(capsys, tmp_path):
              (["train", "--set", f'run.dir="{tmp_path / "afile" / "run"}"'], "run.dir"),
              (["train", "--set", 'run.dir="/proc/luban"'], "run.dir"),
              (["train", "--nproc", "2", "--master-port", "99999"], "--master-port = 99999"),
-             (["train", "--nproc", "0"], "--nproc = 0")]
+             (["train", "--nproc", "0"], "--nproc = 0"),
+             # an integer bound as typed: it read "an integer from 1 to 1.1259e+15"
+             (["data", "build", str(tmp_path / "afile"), "--out", str(tmp_path / "ds"), "--max-bytes", "0"],
+              "--max-bytes = 0: an integer from 1 to 1125899906842624")]
     for argv, words in cases:
         code, err = run(capsys, argv)
         assert code == 2 and words in err and len(err.strip().splitlines()) == 1, (argv, err)
