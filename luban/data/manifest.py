@@ -166,7 +166,7 @@ def load_manifest(dataset_dir: str | Path) -> dict:
 
 def open_split(dataset_dir: str | Path, manifest: dict, split: str) -> list[ShardReader]:
     """Open a split's shards in order, checking each against the sizes the manifest records."""
-    if split not in manifest["splits"]:
+    if not isinstance(split, str) or split not in manifest["splits"]:
         raise bad_value("split", split, f"one of {sorted(manifest['splits'])}")
     readers = []
     for entry in manifest["splits"][split]["shards"]:

@@ -164,6 +164,7 @@ def test_val_batches_are_fixed(small_dataset):
     ({"seq_len": 10**6}, "seq_len = 1000000: at most 26492: split 'train' of .* has only"),
     ({"seq_len": 0}, "seq_len = 0: an integer >= 1"),
     ({"split": "test"}, r"split = 'test': one of \['train', 'val'\]"),
+    ({"split": ["train"]}, r"split = \['train'\]: one of \['train', 'val'\]"),  # was a TypeError
     ({"prefetch": -1}, "prefetch = -1: an integer >= 0"),
     ({"global_batch": 8.0}, "global_batch = 8.0: an integer >= 1"),
 ])
