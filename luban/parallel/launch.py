@@ -180,20 +180,31 @@ def launch(argv: list[str], nproc: int, nnodes: int = 1, node_rank: int = 0, mas
             signal.signal(sig, handler)
 
 
-def _wait(children: list[subprocess.Popen], grace_s: float = 10.0) -> int:
+SETTLE_S = 3.0  # after a rank fails, how long the others may take to end on their own before the code is chosen
+
+
+def _wait(children: list[subprocess.Popen], grace_s: float = 10.0, settle_s: float = SETTLE_S) -> int:
     """Wait for all; a rank failing (not 0, not 75) terminates the rest and its code is returned:
-    a rank killed by a signal first (the others then only lost their peer), named in one line."""
+    a rank killed by a signal first (the others then only lost their peer), named in one line, else
+    a code a rank chose (2, 74, 141, ...) over 1. A rank that lost its peer exits 1 without a word
+    (luban.cli), often before the rank that stopped has been reaped: the others get ``settle_s`` to
+    end on their own first, so that the cause, not the first rank seen, gives the exit code."""
     while True:
         codes = [c.poll() for c in children]
         failed = [code for code in codes if code not in (None, 0, EXIT_SUSPENDED)]
         if failed:
+            deadline = time.monotonic() + settle_s
+            while None in codes and time.monotonic() < deadline:
+                time.sleep(0.05)
+                codes = [c.poll() for c in children]
+            failed = [code for code in codes if code not in (None, 0, EXIT_SUSPENDED)]
             killed = next(((rank, code) for rank, code in enumerate(codes) if code is not None and code < 0), None)
             if killed is not None:
                 rank, code = killed
                 print(f"luban: error: rank {rank} was killed by {signal.Signals(-code).name}; the other ranks were "
                       f"stopped (exit {128 - code}; resume with --resume auto)", file=sys.stderr, flush=True)
             _terminate(children, grace_s)
-            first = killed[1] if killed else failed[0]
+            first = killed[1] if killed else next((code for code in failed if code != 1), failed[0])
             return first if first > 0 else 128 - first
         if all(code is not None for code in codes):
             if len(set(codes)) == 1:

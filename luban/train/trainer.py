@@ -317,13 +317,14 @@ class Trainer:
                 tokens, labels = next(self.loader)
                 t1 = time.perf_counter()
                 loss = self.engine.forward_backward(tokens, labels)
-                memory = self.engine.memory_report()
                 t2 = time.perf_counter()
                 lr = lr_at(self.step, t.lr, t.min_lr, t.warmup_steps, t.steps)
                 grad_norm = self.engine.step(lr, t.grad_clip)
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
                 t3 = time.perf_counter()
+                # after the step: a fresh optimizer makes its state there (step 1 read 0 optimizer bytes before)
+                memory = self.engine.memory_report()
                 self.step += 1
                 step_times.append(t3 - t0)
                 if len(step_times) == 1 and self.engine.compiled:

@@ -61,6 +61,37 @@ def test_failed_rank_kills_the_others(tmp_path):
         assert proc.wait(300) == 3, proc.tail()  # rank 0 sleeps 3600 s unless the launcher terminates it
 
 
+class _Rank:
+    """A finished-later rank for ``_wait``: ``poll()`` is None until ``after`` seconds have passed."""
+
+    def __init__(self, code: int, after: float):
+        self.code, self.end, self.pid = code, time.monotonic() + after, 2**22 + 7  # no such process group
+
+    def poll(self):
+        return self.code if time.monotonic() >= self.end else None
+
+    def wait(self, timeout=None):
+        time.sleep(max(0.0, self.end - time.monotonic()))
+        return self.code
+
+    def terminate(self):
+        self.end = time.monotonic()
+
+    kill = terminate
+
+
+def test_the_stopped_rank_gives_the_exit_code_not_the_peer_that_lost_it():
+    """`luban train --nproc 2 | head -1`: rank 0 ends 141 (closed stdout) while its interpreter tears
+    down; rank 1 loses its peer and exits 1 silently first. The launcher returned 1, naming nothing."""
+    from luban.parallel.launch import _wait
+
+    assert _wait([_Rank(141, after=0.5), _Rank(1, after=0.0)], grace_s=1.0) == 141
+    assert _wait([_Rank(1, after=0.0), _Rank(2, after=0.3)], grace_s=1.0) == 2
+    start = time.monotonic()  # a rank that does not end by itself is stopped after settle_s, as before
+    assert _wait([_Rank(3, after=0.0), _Rank(0, after=60.0)], grace_s=1.0, settle_s=0.2) == 3
+    assert time.monotonic() - start < 5
+
+
 def test_slurm_variables():
     env = {"SLURM_JOB_ID": "1234", "SLURM_NNODES": "4", "SLURM_NODEID": "2", "SLURM_PROCID": "9",
            "SLURM_NTASKS": "16", "SLURM_LOCALID": "1"}

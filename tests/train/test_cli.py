@@ -16,6 +16,14 @@ def _sets(overrides):
     return sum((["--set", s] for s in overrides), [])
 
 
+def test_the_first_steps_memory_record_holds_the_optimizer_state(tiny, tmp_path):
+    """metrics.jsonl's bytes are read after the optimizer step: AdamW makes its two states in the
+    first step, and step 1 read 0 optimizer bytes (taken before that step)."""
+    luban("train", *_sets(tiny(**{"train.steps": 2, "train.optimizer": '"adamw"'})), check=0)
+    records = [r for line in (tmp_path / "run" / "metrics.jsonl").open() if "checkpoint" not in (r := json.loads(line))]
+    assert [r["optimizer_bytes"] for r in records] == [2 * records[0]["param_bytes"]] * 2, records
+
+
 def test_train_logs_metrics_and_learns_then_samples_exports_imports(tiny, tmp_path):
     config = tmp_path / "c.toml"
     config.write_text('[model]\npreset = "tiny"\n[train]\noptimizer = "adamw"\n')
