@@ -228,9 +228,9 @@ def sigterm_unwinds():
         signal.signal(signal.SIGTERM, before)
 
 
-def quiet_stdout() -> None:
-    """After a closed pipe: stdout goes to /dev/null so nothing can fail to flush again."""
+def quiet_stdout(stream=None) -> None:
+    """After a closed pipe: stdout (or ``stream``) goes to /dev/null so nothing can fail to flush again."""
     with contextlib.suppress(OSError, ValueError):
         devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
+        os.dup2(devnull, (stream or sys.stdout).fileno())
         os.close(devnull)

@@ -17,12 +17,19 @@ import json
 import os
 import sys
 import time
+
+from luban import interrupt
 from pathlib import Path
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: Path, total_steps: int, tensorboard: bool, progress: str, enabled: bool = True):
+    def __init__(self, run_dir: Path, total_steps: int, tensorboard: bool, progress: str, enabled: bool = True,
+                 on_closed=None):
+        """``on_closed()``: called once when stdout or stderr turns out to be a closed pipe (the
+        trainer then saves and suspends at the end of the step, as on SIGTERM)."""
         self.enabled = enabled
+        self.on_closed = on_closed
+        self.closed: set = set()  # the streams whose reader is gone (now /dev/null)
         self.total = total_steps
         self.start = time.perf_counter()
         if not enabled:
@@ -68,18 +75,32 @@ class MetricsLogger:
         line = "  ".join(parts)
         if self.progress == "bar":
             done = int(30 * r["step"] / max(1, self.total))
-            sys.stderr.write(f"\r[{'#' * done}{'.' * (30 - done)}] {line}\033[K")
-            if r["step"] >= self.total or "val_loss" in r:
-                sys.stderr.write("\n")
-            sys.stderr.flush()
+            end = "\n" if r["step"] >= self.total or "val_loss" in r else ""
+            self._write(sys.stderr, f"\r[{'#' * done}{'.' * (30 - done)}] {line}\033[K{end}")
         else:
-            print(line, flush=True)
+            self._write(sys.stdout, line + "\n")
 
     def message(self, text: str) -> None:
+        """A line for the user: on stdout, or on stderr once stdout's reader is gone."""
         if self.enabled:
             if self.progress == "bar":
-                sys.stderr.write("\n")
-            print(text, flush=True)
+                self._write(sys.stderr, "\n")
+            self._write(sys.stderr if sys.stdout in self.closed else sys.stdout, text + "\n")
+
+    def _write(self, stream, text: str) -> None:
+        """``luban train | head``: the reader of a pipe went away. The output stops, not the run:
+        the stream goes to /dev/null and ``on_closed`` has the trainer save and exit 75 at the end
+        of the step (a closed pipe ended the run at once, losing every step since the last save)."""
+        if stream in self.closed:
+            return
+        try:
+            stream.write(text)
+            stream.flush()
+        except BrokenPipeError:
+            self.closed.add(stream)
+            interrupt.quiet_stdout(stream)
+            if self.on_closed is not None:
+                self.on_closed()
 
     def close(self) -> None:
         if self.enabled:

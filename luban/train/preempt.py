@@ -45,6 +45,10 @@ class SuspendFlag:
         self.requested = True
         self.reason = signal.Signals(signum).name
 
+    def request(self, reason: str) -> None:
+        """Suspend at the end of this step for a cause other than a signal (a closed output pipe)."""
+        self.requested, self.reason = True, self.reason or reason
+
     def agreed(self) -> bool:
         """True on every rank as soon as any rank was signalled."""
         import torch

@@ -288,7 +288,8 @@ class Trainer:
         suspend = preempt.install()
         if self.is_main:  # before anything is written there (luban.owned: a foreign folder is refused untouched)
             check_run_dir(self.run_dir, self.checkpoint_bytes(), resume=resume)
-        log = MetricsLogger(self.run_dir, t.steps, cfg.run.tensorboard, cfg.run.progress, enabled=self.is_main)
+        log = MetricsLogger(self.run_dir, t.steps, cfg.run.tensorboard, cfg.run.progress, enabled=self.is_main,
+                            on_closed=lambda: suspend.request("a closed output pipe"))
         unsafe = self.async_unsafe()
         self.async_ok = unsafe is None
         if unsafe not in (None, "off"):

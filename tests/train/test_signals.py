@@ -119,3 +119,35 @@ def test_a_rank_killed_mid_run_is_one_line_and_no_traceback(tmp_path):
     assert code == 137 and lines == ["luban: error: rank 1 was killed by SIGKILL; the other ranks were stopped "
                                      "(exit 137; resume with --resume auto)"], err.read_text()
     assert all(not Path(f"/proc/{pid}").exists() for pid in ranks)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_closed_output_pipe_suspends_the_run_with_a_checkpoint(tmp_path, nproc):
+    """`luban train ... | head -3`: the reader goes away after 3 lines. The run used to end at once
+    (exit 141), losing every step since its last checkpoint; now it saves at the end of the step
+    and exits 75, and `--resume auto` goes on from there."""
+    run = tmp_path / "run"
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(tiny_toml(run, {"steps": 2000, "global_batch": 2, "checkpoint_every": 0, "eval_every": 0,
+                                   "log_every": 1}, parallel={"dp": nproc}, run_keys={"progress": "plain"}))
+    err_path = tmp_path / "stderr"
+    with open(err_path, "wb") as err:
+        job = subprocess.Popen([sys.executable, "-m", "luban", "train", str(cfg), "--nproc", str(nproc)], cwd=ROOT,
+                               stdout=subprocess.PIPE, stderr=err, start_new_session=True)
+        lines = []
+        try:  # as head -3 does: read three lines, then close the pipe
+            while len(lines) < 3:
+                line = job.stdout.readline()
+                if not line:
+                    break
+                lines.append(line)
+        finally:
+            job.stdout.close()
+        code = wait_or_fail(job, 300, err_path.read_text)
+    stderr = err_path.read_text()
+    assert len(lines) == 3 and code == 75, (lines, code, stderr[-3000:])
+    assert "Traceback" not in stderr, stderr[-3000:]
+    saved = sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("step_"))
+    assert saved and int(saved[-1].removeprefix("step_")) >= 1, saved
+    assert "suspended on a closed output pipe" in stderr, stderr[-3000:]
