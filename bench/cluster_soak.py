@@ -212,7 +212,7 @@ def main() -> int:
     per_attempt: dict[str, int] = {}
     for _, _, job, _, _, _ in starts:
         per_attempt[job] = per_attempt.get(job, 0) + 1
-    attempts = admin.jobs(all_attempts=True)
+    attempts = admin.jobs(all_attempts=True, limit=0)  # every attempt (the default is the newest 100)
     svc.stop()
     report = {
         "jobs": args.jobs, "kills": kills, "seconds": round(elapsed, 1), "nodes": args.nodes, "run_jobs_as": args.run_jobs_as,

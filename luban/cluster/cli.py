@@ -19,6 +19,7 @@ from luban import schema
 from luban.cluster import joblog
 from luban.cluster import priority as prio
 from luban.cluster import trace as traces
+from luban.cluster.client import JOBS_LIMIT, JOBS_LIMIT_MAX
 from luban.cluster.spec import MAX_TIME_LIMIT, NAME_RE
 from luban.errors import LubanError, bad_value, for_terminal_chunks
 
@@ -207,7 +208,10 @@ def cmd_jobs(args) -> int:
     """Like squeue / sacct: the latest attempt of each chain, or with --all every attempt with its
     exit code, node-hours and how it ended."""
     _check_states(args.state)
-    rows = _client(args).jobs(all_attempts=args.all, state=args.state)
+    rows = _client(args).jobs(all_attempts=args.all, state=args.state, limit=args.limit)
+    if rows.total > len(rows):  # on stderr: stdout (the table, --json's list) stays only the rows
+        print(f"(showing the newest {len(rows)} of {rows.total} {'attempts' if args.all else 'jobs'}; "
+              f"--limit N for more, --limit 0 for all)", file=sys.stderr)
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
@@ -557,6 +561,9 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("jobs", parents=[conn], help="list your jobs (latest attempt of each chain)")
     p.add_argument("--all", action="store_true", help="every attempt, not only the latest")
     p.add_argument("--state", help="comma-separated states to show (queued, running, succeeded, ...)")
+    p.add_argument("--limit", type=schema.integer(0, JOBS_LIMIT_MAX), default=JOBS_LIMIT, metavar="N",
+                   help=f"show the newest N (default {JOBS_LIMIT}, at most {JOBS_LIMIT_MAX}); 0: all of them "
+                        "(fetched in pages); a line on stderr says how many were left out")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_jobs)
 

@@ -16,10 +16,22 @@ import httpx
 from luban.errors import LubanError, bad_value, escaped
 
 SERVICE_HEADER = "x-luban-cluster"  # luban.cluster.service marks every answer with it
+TOTAL_HEADER = "X-Total-Count"      # GET /api/jobs: how many rows match in all (the answer has at most limit)
+JOBS_LIMIT = 100                    # rows GET /api/jobs answers by default: the newest (luban jobs --limit)
+JOBS_LIMIT_MAX = 10_000             # rows one GET /api/jobs answers at most; more: pages (before=ID)
 
 DEFAULT_URL = "http://127.0.0.1:8765"
 RETRY_STATUS = 503  # the service is up but its database is not (restarting): retried like an unreachable
                    # service, within retry_for (the request was rolled back: nothing was done)
+
+
+class JobList(list):
+    """``Client.jobs``'s answer: a list of jobs, oldest first, and ``total``: how many matched in all
+    (``total - len(rows)`` were left out by the limit)."""
+
+    def __init__(self, rows=(), total: int | None = None):
+        super().__init__(rows)
+        self.total = len(self) if total is None else total
 
 
 class Client:
@@ -47,6 +59,10 @@ class Client:
             raise bad_value("--url", self.url, f"the service's http(s)://HOST[:PORT] ({err})") from None
 
     def call(self, method: str, path: str, **kwargs):
+        return self.request(method, path, **kwargs)[0]
+
+    def request(self, method: str, path: str, **kwargs) -> tuple:
+        """``call``'s answer and the response's headers."""
         deadline = time.monotonic() + self.retry_for
         while True:
             try:
@@ -71,19 +87,35 @@ class Client:
             raise LubanError(f"{method} {path} answered HTTP {response.status_code} "
                              f"({response.headers.get('content-type') or 'no content type'}) without luban's mark: "
                              f"is {self.url} a luban cluster service? (check --url or $LUBAN_CLUSTER_URL)")
-        return body
+        return body, response.headers
 
     # jobs
     def submit(self, spec: dict | str) -> dict:
         """Submit a spec mapping or YAML text; returns the new job."""
         return self.call("POST", "/jobs", json={"yaml": spec} if isinstance(spec, str) else {"spec": spec})
 
-    def jobs(self, all_attempts: bool = False, state: str | None = None) -> list[dict]:
+    def jobs(self, all_attempts: bool = False, state: str | None = None, limit: int | None = None) -> JobList:
+        """The newest ``limit`` jobs (None: the service's default, ``JOBS_LIMIT``), oldest first: the
+        latest attempt of each chain, or every attempt. ``limit=0``: all of them, fetched in pages of
+        ``JOBS_LIMIT_MAX`` (each page is read at its own moment). ``.total`` on the answer: how many
+        matched in all."""
         params = {"all": all_attempts} | ({"state": state} if state else {})
-        return self.call("GET", "/jobs", params=params)
+        if limit != 0:
+            rows, headers = self.request("GET", "/jobs", params=params | ({"limit": limit} if limit else {}))
+            return JobList(rows, _total(headers, len(rows)))
+        rows: list[dict] = []
+        before = None
+        while True:
+            page, _ = self.request("GET", "/jobs", params=params | {"limit": JOBS_LIMIT_MAX}
+                                   | ({"before": before} if before else {}))
+            rows[:0] = page
+            if len(page) < JOBS_LIMIT_MAX:
+                return JobList(rows)
+            before = page[0]["id"]
 
-    def job(self, job_id: int) -> dict:
-        return self.call("GET", f"/jobs/{job_id}")
+    def job(self, job_id: int, latest: bool = False) -> dict:
+        """One attempt; ``latest``: the newest attempt of its chain."""
+        return self.call("GET", f"/jobs/{job_id}", params={"latest": True} if latest else None)
 
     def events(self, job_id: int) -> list[dict]:
         return self.call("GET", f"/jobs/{job_id}/events")
@@ -123,8 +155,8 @@ class Client:
             time.sleep(poll)
 
     def latest(self, job_id: int) -> dict:
-        chain = self.job(job_id)["chain_id"]
-        return [j for j in self.jobs(all_attempts=True) if j["chain_id"] == chain][-1]
+        """The newest attempt of ``job_id``'s chain."""
+        return self.job(job_id, latest=True)
 
     # cluster
     def whoami(self) -> dict:
@@ -175,3 +207,9 @@ class Client:
 
     def samples(self, since: float = 0.0) -> list[dict]:
         return self.call("GET", "/samples", params={"since": since})
+
+
+def _total(headers, shown: int) -> int:
+    """``TOTAL_HEADER`` as a count, or ``shown`` where it is missing or not a count (an older service)."""
+    value = headers.get(TOTAL_HEADER, "")
+    return int(value) if value.isdigit() and len(value) < 20 else shown

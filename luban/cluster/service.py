@@ -23,10 +23,10 @@ from pathlib import Path
 
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, JSONResponse
-from sqlalchemy import func, or_, select
+from fastapi.responses import FileResponse, JSONResponse, Response
+from sqlalchemy import and_, exists, func, or_, select
 from sqlalchemy.exc import IntegrityError, OperationalError
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import Session, aliased, sessionmaker
 
 from luban import jobenv
 from luban.cluster import accounts, jobcheck, joblog
@@ -34,6 +34,7 @@ from luban.cluster import priority as prio
 from luban.cluster import spec as specs
 from luban.cluster import states
 from luban.cluster.client import SERVICE_HEADER  # on every answer: clients know they reach luban
+from luban.cluster.client import JOBS_LIMIT, JOBS_LIMIT_MAX, TOTAL_HEADER  # GET /api/jobs: rows, total
 from luban.cluster.models import ACTIVE, LIVE, Event, Job, Node, Quota, Sample, StopReason, User, UserGroup
 from luban.cluster.scheduler import Scheduler, new_token, record, token_hash
 from luban.errors import LubanError, bad_value
@@ -521,25 +522,43 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
             return job_dict(job)
 
     @app.get("/api/jobs")
-    def jobs(all: bool = False, state: str | None = None, p: Principal = Depends(person), s: Session = Depends(db)):
-        query = select(Job).where(visible(p)).order_by(Job.id)
+    def jobs(response: Response, all: bool = False, state: str | None = None, limit: int = JOBS_LIMIT,
+             before: int | None = None, p: Principal = Depends(person), s: Session = Depends(db)):
+        """The newest ``limit`` visible rows by id (before ``before``, when given: the next page), in
+        ascending id order: the latest attempt of each chain, or with ``all`` every attempt. The
+        ``X-Total-Count`` header is how many rows match in all (``before`` aside), so a caller
+        knows what was left out. Selection, order and limit are SQL: the table grows with every
+        job ever run, an answer does not."""
+        if not 1 <= limit <= JOBS_LIMIT_MAX:
+            raise bad_value("limit", limit, f"an integer from 1 to {JOBS_LIMIT_MAX} (rows, newest first; "
+                                            "page further with before=ID)")
+        if before is not None and not 1 <= before <= ID_MAX:
+            raise bad_value("before", before, f"a job id from 1 to {ID_MAX} (rows with smaller ids)")
+        match = [visible(p)]
         if state:
             wanted = state.split(",")
             for name in wanted:
                 if name not in [x.value for x in states.JobState]:
                     raise bad_value("state", name, "one of " + ", ".join(x.value for x in states.JobState))
-            query = query.where(Job.state.in_(wanted))
-        rows = s.scalars(query).all()
-        if not all:  # the latest attempt of each chain
-            latest = {}
-            for job in rows:
-                latest[job.chain_id] = job
-            rows = sorted(latest.values(), key=lambda j: j.id)
-        return [job_dict(j) for j in rows]
+            match.append(Job.state.in_(wanted))
+        if all:
+            total = s.scalar(select(func.count()).select_from(Job).where(*match))
+            rows = select(Job).where(*match)
+        else:  # the latest attempt of each chain among the matching ones: no newer matching attempt
+            newer = aliased(Job)  # of its chain exists (a chain's attempts share user and group: visibility)
+            later = [newer.chain_id == Job.chain_id, newer.id > Job.id] + ([newer.state.in_(wanted)] if state else [])
+            total = s.scalar(select(func.count(Job.chain_id.distinct())).where(*match))
+            rows = select(Job).where(*match, ~exists().where(and_(*later)))
+        if before is not None:
+            rows = rows.where(Job.id < before)
+        page = s.scalars(rows.order_by(Job.id.desc()).limit(limit)).all()
+        response.headers[TOTAL_HEADER] = str(total)
+        return [job_dict(j) for j in reversed(page)]
 
     @app.get("/api/jobs/{job_id}")
-    def job(job_id: int, p: Principal = Depends(principal), s: Session = Depends(db)):
-        return job_dict(get_job(s, p, job_id))
+    def job(job_id: int, latest: bool = False, p: Principal = Depends(principal), s: Session = Depends(db)):
+        """One attempt; with ``latest`` the newest attempt of its chain (``Client.latest``, ``wait``)."""
+        return job_dict(get_job(s, p, job_id, latest=latest))
 
     @app.get("/api/jobs/{job_id}/events")
     def job_events(job_id: int, p: Principal = Depends(person), s: Session = Depends(db)):

@@ -117,8 +117,10 @@ function quotaBars(svg, quotas) {
 
 async function refresh() {
   try {
+    // live jobs: bounded by --max-queued per user, asked for up to the API's maximum (10000) so the queue
+    // and its counts are whole; finished attempts: the newest 100 by id, of which the 30 that ended last
     const [who, nodes, jobs, quota, samples] = await Promise.all([
-      api("/whoami"), api("/nodes"), api("/jobs?state=queued,starting,running,suspending"), api("/quota"),
+      api("/whoami"), api("/nodes"), api("/jobs?state=queued,starting,running,suspending&limit=10000"), api("/quota"),
       api("/samples?since=" + (Date.now() / 1000 - 6 * 3600))]);
     if (location.hash.startsWith("#job/")) return;
     document.getElementById("who").textContent = who.user + (who.admin ? " (admin)" : "") + (who.group ? " · group " + who.group : "");
@@ -150,7 +152,7 @@ async function refresh() {
       ["state", j => j.state], ["nodes", j => j.nodes.join(",")], ["since", j => new Date(j.started_at * 1000).toLocaleTimeString()]],
       jobs.filter(j => j.state !== "queued"));
     quotaBars(document.getElementById("quota"), quota);
-    const [finished, daily] = await Promise.all([api("/jobs?all=true&state=succeeded,failed,stopped,suspended"),
+    const [finished, daily] = await Promise.all([api("/jobs?all=true&state=succeeded,failed,stopped,suspended&limit=100"),
                                                  api("/usage/daily?days=7")]);
     table("finished", [["job", j => jobLink(j.id)], ["user", j => j.user], ["name", j => j.name], ["state", j => j.state],
       ["exit", j => j.exit_code === null ? "-" : j.exit_code], ["node-hours", j => j.node_hours.toFixed(2)],
