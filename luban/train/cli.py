@@ -138,25 +138,27 @@ def _run_training(args) -> int:
     world = args.nproc * args.nnodes
     sets = list(args.set)
     if "WORLD_SIZE" not in os.environ:  # the launching process (not a rank it started)
+        from luban.parallel.layout import check_layout
         from luban.train import plan_check
+        from luban.train.memcheck import check_fits
+        from luban.train.resolve import pick_device
+        from luban.train.rundir import check_run_dir, refuse_run_dir
 
-        from luban.train.rundir import check_run_dir
-
+        # every refusal before run.dir is made: a refused run leaves no folder behind
+        refuse_run_dir(cfg.run.dir, args.resume)
+        if args.parallel == "auto":
+            cfg, prediction = plan_check.plan(cfg, world)
+        check_layout(cfg.parallel, cfg.model, cfg.train.global_batch, world, cfg.seq_len)
+        check_fits(cfg, world, args.nproc, pick_device(cfg.run.device).type)  # before any rank allocates
         check_run_dir(cfg.run.dir, resume=args.resume)
         Path(cfg.run.dir, "plan.json").unlink(missing_ok=True)
         if args.parallel == "auto":
-            cfg, prediction = plan_check.plan(cfg, world)
+            plan_check.write_plan(Path(cfg.run.dir), prediction)
             print(plan_check.describe(prediction), flush=True)
             sets += plan_check.layout_overrides(prediction["layout"])
     if "WORLD_SIZE" not in os.environ and world > 1:
         from luban.parallel.launch import launch
-        from luban.parallel.layout import check_layout
 
-        check_layout(cfg.parallel, cfg.model, cfg.train.global_batch, world, cfg.seq_len)
-        from luban.train.memcheck import check_fits
-        from luban.train.resolve import pick_device
-
-        check_fits(cfg, world, args.nproc, pick_device(cfg.run.device).type)  # before any rank allocates
         argv = ["train", args.config, *sum((["--set", s] for s in sets), [])]
         if args.resume:
             argv += ["--resume", args.resume]

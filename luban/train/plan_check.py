@@ -21,7 +21,7 @@ MEMORY_KEYS = {"param_bytes": "param_bytes", "grad_bytes": "grad_bytes", "optimi
 
 
 def plan(cfg: RunConfig, world: int) -> tuple[RunConfig, dict]:
-    """Choose the layout; returns the config with it and the prediction (also in plan.json)."""
+    """Choose the layout; returns the config with it and the prediction (``write_plan`` records it)."""
     from luban.plan.auto import choose_layout
     from luban.plan.system import load_system
 
@@ -31,10 +31,12 @@ def plan(cfg: RunConfig, world: int) -> tuple[RunConfig, dict]:
     prediction = {"layout": layout.to_dict(), "system": est.system, "step_time_s": est.step_time_s,
                   "summary": est.extra.get("summary", ""),
                   **{key: getattr(est, attr) for key, attr in MEMORY_KEYS.items()}}
-    run_dir = Path(cfg.run.dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "plan.json").write_text(json.dumps(prediction, indent=1))
     return cfg.replace(parallel=layout), prediction
+
+
+def write_plan(run_dir: Path, prediction: dict) -> None:
+    """``<run>/plan.json``, which ``compare`` reads when the run ends (run.dir checked and made by then)."""
+    (run_dir / "plan.json").write_text(json.dumps(prediction, indent=1))
 
 
 def layout_overrides(layout: dict) -> list[str]:

@@ -18,22 +18,11 @@ from luban.errors import bad_value
 
 
 def check_run_dir(run_dir: str | Path, need_bytes: int = 0, resume: str | None = None) -> None:
-    """``resume``: the ``--resume`` flag. Without it, a folder that already holds checkpoints is refused (a
-    new run there saved over the old run's equal-numbered ones and pruned the rest under its retention,
-    and ``--resume auto`` then mixed the two runs); so is one naming a checkpoint of another folder (an
-    imported one, another run's) where this folder holds a run."""
+    """``refuse_run_dir``, then the folder is made luban's (``owned.claim``) with its ``checkpoints``,
+    which must take a write (and with ``need_bytes``, one more checkpoint)."""
+    refuse_run_dir(run_dir, resume)
     owned.claim(run_dir, "run", "run.dir")
     root = Path(run_dir) / "checkpoints"
-    held = owned.step_dirs(root) if not resume or _elsewhere(resume, root) else []
-    if held and resume:
-        raise bad_value("--resume", resume, f"a checkpoint of another folder, and run.dir = {str(run_dir)!r} already "
-                                            f"holds a run ({len(held)} checkpoint(s), the newest {held[0].name}) whose "
-                                            "checkpoints this run's would save over and mix with; start it in a new "
-                                            "run.dir (nothing was changed)")
-    if held:
-        raise bad_value("run.dir", str(run_dir), f"already holds a run ({len(held)} checkpoint(s), the newest "
-                                                 f"{held[0].name}); continue it with --resume auto, or choose a new "
-                                                 "run.dir (nothing was changed)")
     try:
         root.mkdir(parents=True, exist_ok=True)
         probe = root / f".write-test-{os.getpid()}"
@@ -46,6 +35,26 @@ def check_run_dir(run_dir: str | Path, need_bytes: int = 0, resume: str | None =
     if free < need_bytes:
         raise bad_value("run.dir", str(run_dir), f"{free / 2**30:.2f} GiB free, a checkpoint needs about "
                                                  f"{need_bytes / 2**30:.2f} GiB; free space or choose another")
+
+
+def refuse_run_dir(run_dir: str | Path, resume: str | None = None) -> None:
+    """The refusals that read, never write (a refused run leaves no folder behind): a folder luban may
+    not write a run into (``owned.check``); without ``--resume`` (``resume``), one that already holds
+    checkpoints (a new run there saved over the old run's equal-numbered ones and pruned the rest under
+    its retention, and ``--resume auto`` then mixed the two runs); so is one naming a checkpoint of
+    another folder (an imported one, another run's) where this folder holds a run."""
+    owned.check(run_dir, "run", "run.dir")
+    root = Path(run_dir) / "checkpoints"
+    held = owned.step_dirs(root) if not resume or _elsewhere(resume, root) else []
+    if held and resume:
+        raise bad_value("--resume", resume, f"a checkpoint of another folder, and run.dir = {str(run_dir)!r} already "
+                                            f"holds a run ({len(held)} checkpoint(s), the newest {held[0].name}) whose "
+                                            "checkpoints this run's would save over and mix with; start it in a new "
+                                            "run.dir (nothing was changed)")
+    if held:
+        raise bad_value("run.dir", str(run_dir), f"already holds a run ({len(held)} checkpoint(s), the newest "
+                                                 f"{held[0].name}); continue it with --resume auto, or choose a new "
+                                                 "run.dir (nothing was changed)")
 
 
 def _elsewhere(resume: str | None, root: Path) -> bool:

@@ -47,6 +47,21 @@ def test_multi_rank_launch_is_refused_in_the_launcher_naming_bytes_per_rank(tiny
     assert "GiB per rank x 2 rank(s) on this node" in err[0]
 
 
+@pytest.mark.parametrize("nproc", ["1", "2"])
+def test_a_refused_run_leaves_no_run_folder(tiny, monkeypatch, capsys, tmp_path, nproc):
+    """A run refused before training (here: it cannot fit) made its run.dir first, and left it behind
+    holding luban's marker and an empty checkpoints/: every refusal now comes before the folder."""
+    from luban import cli
+    from luban.parallel import launch
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(launch, "launch", _no_engine)  # no rank may start
+    sets = sum((["--set", s] for s in [*tiny(), *HUGE, "model.seq_len=128", f"parallel.dp={nproc}"]), [])
+    assert cli.main(["train", "--nproc", nproc, *sets]) == 2
+    assert capsys.readouterr().err.startswith("luban: error: memory: ")
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_model_that_fits_is_not_refused(tiny):
     from luban.train.memcheck import check_fits, rank_bytes
 
