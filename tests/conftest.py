@@ -33,11 +33,11 @@ os.environ.setdefault("LUBAN_PEAK_FLOPS", "1e12")
 # of one worker finishing a 4-minute file alone. Order only: every test still runs.
 HEAVY_FIRST = [
     "tests/parallel/test_layouts.py",         # one 2-, 4- and 8-rank spawn of every layout (~290 s)
-    "tests/train/test_layouts_e2e.py",        # 8-rank suspend/resume (~140 s)
-    "tests/train/test_auto.py",
-    "tests/train/test_async_checkpoint.py",
-    "tests/plan/test_study.py",
+    "tests/train/test_auto.py",               # beside it, files of at most 4 ranks: two 8-rank spawns at once
+    "tests/train/test_async_checkpoint.py",   # (this file and test_layouts_e2e's, 16 processes on 2 cores)
+    "tests/plan/test_study.py",               # took 408 s and 420 s here on 2026-11-27, the suite 36 min
     "tests/train/test_compile.py",
+    "tests/train/test_layouts_e2e.py",        # 8-rank suspend/resume (~140 s)
     "tests/train/test_resume_layouts.py",
     "tests/parallel/test_fsdp_tp_output.py",
     "tests/train/test_signals.py",
