@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         interrupt.announce()
         interrupt.leave(EXIT_INTERRUPTED)  # no interpreter teardown: seconds once torch is loaded
     except BrokenPipeError:  # `luban jobs | head -1`: the reader is gone, and so is the output
-        interrupt.quiet_stdout()
+        interrupt.quiet()
         code = interrupt.EXIT_PIPE
     interrupt.finished(code)
     return code

@@ -228,8 +228,8 @@ def sigterm_unwinds():
         signal.signal(signal.SIGTERM, before)
 
 
-def quiet_stdout(stream=None) -> None:
-    """After a closed pipe: stdout (or ``stream``) goes to /dev/null so nothing can fail to flush again."""
+def quiet(stream=None) -> None:
+    """After a closed pipe: ``stream`` (stdout by default; the metrics stream, which may be stderr) goes to /dev/null so nothing can fail to flush again."""
     with contextlib.suppress(OSError, ValueError):
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, (stream or sys.stdout).fileno())

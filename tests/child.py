@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -144,6 +145,27 @@ def wait_or_fail(proc: subprocess.Popen, timeout: float, output=lambda: "") -> i
             pass
         raise AssertionError(f"{proc.args}: still running after {timeout} s\n--- output (tail) ---\n"
                              f"{str(output())[-TAIL:]}") from None
+
+
+def read_lines(proc: subprocess.Popen, n: int, timeout: float, output=lambda: "") -> list[bytes]:
+    """The first ``n`` lines of ``proc.stdout`` (a pipe), read in a thread with a bound: a child that
+    hangs without printing fails the test after ``timeout`` s (killed, with ``output()``) instead of
+    blocking ``readline`` until pytest's own timeout. Fewer lines come back if the pipe ends first."""
+    lines: list[bytes] = []
+
+    def reader():
+        while len(lines) < n:
+            line = proc.stdout.readline()
+            if not line:
+                return
+            lines.append(line)
+
+    thread = threading.Thread(target=reader, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        wait_or_fail(proc, 0, lambda: f"{len(lines)} of {n} lines read within {timeout} s: {lines!r}\n{output()}")
+    return lines
 
 
 def launch(argv, nproc: int, module: str, timeout: float = 840, log: Path | None = None) -> tuple[int, str]:

@@ -98,7 +98,7 @@ class MetricsLogger:
             stream.flush()
         except BrokenPipeError:
             self.closed.add(stream)
-            interrupt.quiet_stdout(stream)
+            interrupt.quiet(stream)
             if self.on_closed is not None:
                 self.on_closed()
 

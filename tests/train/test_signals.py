@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.child import wait_or_fail
+from tests.child import read_lines, wait_or_fail
 from luban import procs
 from luban.cluster import launcher
 from tests.conftest import tiny_toml
@@ -135,13 +135,8 @@ def test_a_closed_output_pipe_suspends_the_run_with_a_checkpoint(tmp_path, nproc
     with open(err_path, "wb") as err:
         job = subprocess.Popen([sys.executable, "-m", "luban", "train", str(cfg), "--nproc", str(nproc)], cwd=ROOT,
                                stdout=subprocess.PIPE, stderr=err, start_new_session=True)
-        lines = []
         try:  # as head -3 does: read three lines, then close the pipe
-            while len(lines) < 3:
-                line = job.stdout.readline()
-                if not line:
-                    break
-                lines.append(line)
+            lines = read_lines(job, 3, 300, err_path.read_text)
         finally:
             job.stdout.close()
         code = wait_or_fail(job, 300, err_path.read_text)
