@@ -40,12 +40,12 @@ def require(available: bool, what: str) -> None:
 
 
 def wait_for(predicate, timeout: float = 60.0, every: float = 0.1, what: str = "condition"):
-    deadline = time.time() + timeout
+    deadline = time.monotonic() + timeout
     while True:
         value = predicate()
         if value:
             return value
-        if time.time() > deadline:
+        if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(every)
 

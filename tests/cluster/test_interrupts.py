@@ -98,7 +98,7 @@ def test_sigterm_during_serve_start_up_leaves_nothing_behind(tmp_path):
             _, err = proc.communicate(timeout=60)
         except subprocess.TimeoutExpired:
             proc.kill()
-            _, err = proc.communicate()
+            _, err = proc.communicate(timeout=30)  # a child still holding the pipe fails the test, not hangs it
         err = err.decode(errors="replace")
         assert proc.returncode == 143 and "Traceback" not in err, (state, proc.returncode, err)
         if state == given:

@@ -108,7 +108,7 @@ def test_a_rank_killed_mid_run_is_one_line_and_no_traceback(tmp_path):
             assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "out").read_text() + err.read_text()
             time.sleep(0.5)
         ranks = [int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
-                                                text=True).stdout.split()]
+                                                text=True, timeout=30).stdout.split()]
         assert len(ranks) == 2, ranks
         os.kill(ranks[1], signal.SIGKILL)
         code = wait_or_fail(proc, 120, err.read_text)
