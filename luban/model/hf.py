@@ -140,35 +140,44 @@ TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 BUFFER = re.compile(r"\.attn\.(masked_)?bias$|\.rotary_emb\.inv_freq$")
 
 
+# The config.json key each ModelConfig field is read from, per model_type (a refusal names the key in
+# the user's file, not luban's), and the key hf_config writes it to; tests/model/test_hf.py checks that
+# read_config reads each field from its key.
+_LLAMA_KEYS = {"hidden": "hidden_size", "layers": "num_hidden_layers", "heads": "num_attention_heads",
+               "kv_heads": "num_key_value_heads", "head_dim": "head_dim", "vocab": "vocab_size",
+               "seq_len": "max_position_embeddings", "norm_eps": "rms_norm_eps", "rope_theta": "rope_theta",
+               "init_std": "initializer_range", "dropout": "attention_dropout", "ffn_hidden": "intermediate_size",
+               "tie_embeddings": "tie_word_embeddings"}
+_ROUTER_KEYS = {"experts_per_token": "num_experts_per_tok", "aux_loss_coef": "router_aux_loss_coef"}
+CONFIG_KEYS = {
+    "gpt2": {"hidden": "n_embd", "layers": "n_layer", "heads": "n_head", "ffn_hidden": "n_inner", "vocab": "vocab_size",
+             "seq_len": "n_positions", "norm_eps": "layer_norm_epsilon", "init_std": "initializer_range",
+             "dropout": "resid_pdrop", "tie_embeddings": "tie_word_embeddings"},
+    "llama": _LLAMA_KEYS,
+    "mixtral": {**_LLAMA_KEYS, **_ROUTER_KEYS, "expert_ffn_hidden": "intermediate_size", "experts": "num_local_experts"},
+    "qwen3_moe": {**_LLAMA_KEYS, **_ROUTER_KEYS, "expert_ffn_hidden": "moe_intermediate_size", "experts": "num_experts"},
+}
+
+
 def hf_config(cfg: ModelConfig, family: str) -> dict:
     """The config.json of ``cfg``; read by transformers 4.40 to 5.x alike (RoPE's theta both at the top,
-    as 4.x reads it, and under ``rope_parameters``, as 5.x writes it)."""
+    as 4.x reads it, and under ``rope_parameters``, as 5.x writes it). The fields come from ``CONFIG_KEYS``
+    (in mixtral one intermediate_size holds both widths), then each family's constants."""
+    fields = {key: getattr(cfg, field) for field, key in CONFIG_KEYS[family].items()}
     if family == "gpt2":
-        return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": cfg.vocab,
-                "n_positions": cfg.seq_len, "n_embd": cfg.hidden, "n_layer": cfg.layers, "n_head": cfg.heads,
-                "n_inner": cfg.ffn_hidden, "activation_function": "gelu_new", "layer_norm_epsilon": cfg.norm_eps,
-                "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout,
-                "initializer_range": cfg.init_std, "tie_word_embeddings": cfg.tie_embeddings,
-                "torch_dtype": "float32"}
-    common = {"vocab_size": cfg.vocab, "hidden_size": cfg.hidden, "num_hidden_layers": cfg.layers,
-              "num_attention_heads": cfg.heads, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
-              "max_position_embeddings": cfg.seq_len, "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
-              "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-              "hidden_act": "silu", "attention_dropout": cfg.dropout,
-              "initializer_range": cfg.init_std, "tie_word_embeddings": cfg.tie_embeddings, "torch_dtype": "float32"}
+        return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", **fields, "activation_function": "gelu_new",
+                "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout, "torch_dtype": "float32"}
+    common = {**fields, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta}, "hidden_act": "silu",
+              "torch_dtype": "float32"}
     if family == "mixtral":
-        return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", **common,
-                "intermediate_size": cfg.expert_ffn_hidden, "num_local_experts": cfg.experts,
-                "num_experts_per_tok": cfg.experts_per_token, "router_aux_loss_coef": cfg.aux_loss_coef,
-                "router_jitter_noise": 0.0, "sliding_window": None}
+        return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", **common, "router_jitter_noise": 0.0,
+                "sliding_window": None}
     if family == "qwen3_moe":
         return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", **common, "attention_bias": False,
-                "intermediate_size": cfg.ffn_hidden, "moe_intermediate_size": cfg.expert_ffn_hidden,
-                "num_experts": cfg.experts, "num_experts_per_tok": cfg.experts_per_token, "norm_topk_prob": True,
-                "decoder_sparse_step": 1, "mlp_only_layers": list(range(cfg.dense_layers)),
-                "router_aux_loss_coef": cfg.aux_loss_coef, "use_sliding_window": False}
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **common,
-            "intermediate_size": cfg.ffn_hidden, "attention_bias": cfg.bias, "mlp_bias": cfg.bias}
+                "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": list(range(cfg.dense_layers)),
+                "use_sliding_window": False}
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **common, "attention_bias": cfg.bias,
+            "mlp_bias": cfg.bias}
 
 
 def _expert_pairs(cfg: ModelConfig, family: str):
@@ -258,23 +267,6 @@ def read_config(raw, src: str = "config.json") -> tuple[ModelConfig, dict, list[
     except LubanError as err:
         names = {**CONFIG_KEYS[kind], **({} if "num_experts" in raw else {"experts": "num_local_experts"})}
         raise LubanError(f"{src}: {_in_config_keys(str(err), names)}") from None
-
-
-# The config.json key each ModelConfig field is read from, per model_type (a refusal names the key in
-# the user's file, not luban's); tests/model/test_hf.py checks each against what hf_config writes.
-_LLAMA_KEYS = {"hidden": "hidden_size", "layers": "num_hidden_layers", "heads": "num_attention_heads",
-               "kv_heads": "num_key_value_heads", "head_dim": "head_dim", "vocab": "vocab_size",
-               "seq_len": "max_position_embeddings", "norm_eps": "rms_norm_eps", "rope_theta": "rope_theta",
-               "init_std": "initializer_range", "dropout": "attention_dropout", "ffn_hidden": "intermediate_size"}
-_ROUTER_KEYS = {"experts_per_token": "num_experts_per_tok", "aux_loss_coef": "router_aux_loss_coef"}
-CONFIG_KEYS = {
-    "gpt2": {"hidden": "n_embd", "layers": "n_layer", "heads": "n_head", "ffn_hidden": "n_inner", "vocab": "vocab_size",
-             "seq_len": "n_positions", "norm_eps": "layer_norm_epsilon", "init_std": "initializer_range",
-             "dropout": "resid_pdrop"},
-    "llama": _LLAMA_KEYS,
-    "mixtral": {**_LLAMA_KEYS, **_ROUTER_KEYS, "expert_ffn_hidden": "intermediate_size", "experts": "num_local_experts"},
-    "qwen3_moe": {**_LLAMA_KEYS, **_ROUTER_KEYS, "expert_ffn_hidden": "moe_intermediate_size", "experts": "num_experts"},
-}
 
 
 def _in_config_keys(message: str, keys: dict) -> str:

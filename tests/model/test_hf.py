@@ -779,10 +779,11 @@ def test_a_config_luban_refuses_is_named_in_config_json_keys(case, changes, mess
     assert re.search(f"config.json: {message}", err) and "model." not in err, err
 
 
-def test_the_config_keys_named_in_refusals_are_those_export_writes():
-    """``hf.CONFIG_KEYS`` (which config.json key holds which ModelConfig field) agrees with ``hf_config``,
-    the one writer of config.json."""
-    from luban.model.hf import CONFIG_KEYS, hf_config
+def test_each_field_is_read_from_the_config_key_that_export_writes_it_to():
+    """``hf.CONFIG_KEYS`` (which config.json key holds which ModelConfig field) feeds both the writer
+    (``hf_config``) and the names in refusals; here the reader agrees: a config.json that export wrote,
+    with one key changed, reads back with exactly that field changed."""
+    from luban.model.hf import CONFIG_KEYS, hf_config, read_config
     from luban.model.presets import get_preset
 
     models = {"gpt2": get_preset("tiny"), "llama": get_preset("tiny-llama"),
@@ -793,6 +794,17 @@ def test_the_config_keys_named_in_refusals_are_those_export_writes():
                                                           position="rope", shared_experts=0, dense_layers=1,
                                                           qk_norm=True, expert_ffn_hidden=24)}
     for family, keys in CONFIG_KEYS.items():
-        written = hf_config(models[family], family)
+        model = models[family]
         for field, key in keys.items():
-            assert written[key] == getattr(models[family], field), (family, field, key)
+            raw = hf_config(model, family)
+            assert raw[key] == getattr(model, field) or family == "mixtral" and key == "intermediate_size", \
+                (family, field, key)
+            old = raw[key]
+            raw[key] = (not old if isinstance(old, bool) else old * 2 if isinstance(old, int)
+                        else old / 2 if old else 0.25)
+            if key == "rope_theta":
+                raw["rope_parameters"]["rope_theta"] = raw[key]
+            cfg, _, _ = read_config(raw)
+            changed = {f for f in keys if getattr(cfg, f) != getattr(model, f)}  # (head_dim follows gpt2's n_embd)
+            want = {f for f, k in keys.items() if k == key}  # mixtral: both widths
+            assert changed == want, (family, key, changed)
