@@ -166,14 +166,26 @@ class ShardReader:
                 f"index CRC mismatch (document index and chunk CRCs, bytes "
                 f"{self.index_offset}-{self.size - 1})", self.index_offset)
         n_index = self.documents * _INDEX_DTYPE.itemsize
-        self.doc_starts = np.frombuffer(tail, _INDEX_DTYPE, self.documents).astype(np.int64)
-        self._check_index()
-        self._chunk_crcs = np.frombuffer(tail, _CRC_DTYPE, offset=n_index)
+        self._check_index(np.frombuffer(tail, _INDEX_DTYPE, self.documents).astype(np.int64))  # a temporary
+        # Only the chunk CRCs stay in memory (4 bytes per chunk); the document index (8 bytes per
+        # document: 120 GB for a 15-billion-document corpus, in every rank) is read again by
+        # ``document``, which the loader never calls.
+        self._chunk_crcs = np.frombuffer(tail, _CRC_DTYPE, offset=n_index).copy()
         self._verified = np.zeros(len(self._chunk_crcs), dtype=bool)
-        self._tokens = (
-            np.memmap(self.path, self.dtype, "r", offset=HEADER_SIZE, shape=(self.tokens,))
-            if self.tokens else np.zeros(0, self.dtype)
-        )
+        self._map: np.ndarray | None = None
+
+    @property
+    def _tokens(self) -> np.ndarray:
+        """The tokens, mapped on first use (``unmap`` gives the mapping back)."""
+        if self._map is None:
+            self._map = (np.memmap(self.path, self.dtype, "r", offset=HEADER_SIZE, shape=(self.tokens,))
+                         if self.tokens else np.zeros(0, self.dtype))
+        return self._map
+
+    def unmap(self) -> None:
+        """Give the memory map back (the next read maps the file again; verified chunks stay verified).
+        A process has at most ``vm.max_map_count`` maps, so a stream of many shards keeps few."""
+        self._map = None
 
     def _parse_header(self, head: bytes, size: int) -> None:
         if len(head) < HEADER_SIZE:
@@ -201,9 +213,8 @@ class ShardReader:
         if size > self.size:
             raise self._error(f"{size - self.size} trailing bytes after the end", self.size)
 
-    def _check_index(self) -> None:
+    def _check_index(self, starts: np.ndarray) -> None:
         """Document starts from 0, in order, within the tokens (a shard with tokens has documents)."""
-        starts = self.doc_starts
         ok = (starts[0] == 0 and bool((np.diff(starts) >= 0).all()) and starts[-1] <= self.tokens
               if self.documents else self.tokens == 0)
         if not ok:
@@ -234,9 +245,18 @@ class ShardReader:
         return np.array(self._tokens[start:stop])
 
     def document(self, i: int) -> np.ndarray:
-        """The tokens of document ``i`` (ending with its end-of-document id)."""
-        stop = self.doc_starts[i + 1] if i + 1 < self.documents else self.tokens
-        return self.read(int(self.doc_starts[i]), int(stop))
+        """The tokens of document ``i`` (ending with its end-of-document id); its two index entries
+        are read from the file (checked at open; ``read`` bounds them and checks the tokens' CRCs)."""
+        if not 0 <= i < self.documents:
+            raise IndexError(f"{self.path}: document {i} outside [0, {self.documents})")
+        with open(self.path, "rb") as f:
+            f.seek(self.index_offset + i * _INDEX_DTYPE.itemsize)
+            raw = f.read(_INDEX_DTYPE.itemsize * (2 if i + 1 < self.documents else 1))
+        starts = [int(v) for v in np.frombuffer(raw, _INDEX_DTYPE)] + [self.tokens]
+        if len(starts) < (3 if i + 1 < self.documents else 2) or not 0 <= starts[0] <= starts[1] <= self.tokens:
+            raise self._error(f"document index changed since the shard was opened (document {i})",
+                              self.index_offset + i * _INDEX_DTYPE.itemsize)
+        return self.read(starts[0], starts[1])
 
     def verify(self) -> None:
         """Check every chunk's CRC (``luban data verify``)."""
