@@ -474,7 +474,8 @@ def cmd_serve(args) -> int:
                                 secret_dirs=hidden, max_log=args.max_log)
             scheduler = Scheduler(sessions, make(args.executor, **options), settings)
             token_path = ensure_admin(sessions, state)
-            app = create_app(sessions, scheduler, max_body=args.max_body, max_queued=args.max_queued)
+            app = create_app(sessions, scheduler, max_body=args.max_body, max_queued=args.max_queued,
+                             body_timeout=args.body_timeout)
         except BaseException as err:
             sock.close()
             if isinstance(err, StateInUse):  # another service made the folder at the same moment: it is its
@@ -661,6 +662,9 @@ def register(subparsers) -> None:
                         "in namespaces that hide its state (default otherwise); service: this service's account, "
                         "unisolated")
     p.add_argument("--max-body", type=schema.integer(1024, 1 << 30), default=1 << 20, help="largest request body in bytes (default 1 MiB)")
+    p.add_argument("--body-timeout", type=schema.number(0.1, 3600), default=30.0, metavar="SECONDS",
+                   help="seconds a request's whole body has to arrive; past it one-line 408, connection closed "
+                        "(default 30)")
     p.add_argument("--max-queued", type=schema.integer(1, 10_000_000), default=1000, help="queued jobs one user may have (default 1000)")
     p.add_argument("--max-log", type=schema.integer(joblog.MIN_LOG, 1 << 50), default=joblog.MAX_LOG, metavar="BYTES",
                    help="bytes of each rank's log of a job (all its attempts); past it the job's output is dropped "

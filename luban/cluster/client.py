@@ -145,12 +145,12 @@ class Client:
     def wait(self, job_id: int, states=("succeeded", "failed", "stopped"), timeout: float = 600.0,
              poll: float = 0.2) -> dict:
         """Poll until the chain's latest attempt reaches one of ``states``."""
-        deadline = time.time() + timeout
+        deadline = time.monotonic() + timeout  # not the wall clock: a step back of it made this wait on and on
         while True:
             job = self.latest(job_id)
             if job["state"] in states:
                 return job
-            if time.time() > deadline:
+            if time.monotonic() > deadline:
                 raise TimeoutError(f"job {job_id} still {job['state']} after {timeout}s")
             time.sleep(poll)
 

@@ -25,6 +25,7 @@ from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from luban import jobenv
+from luban.cluster import clock as clocks
 from luban.cluster import policy, states
 from luban.cluster.executors import Executor, Launch
 from luban.cluster.models import ACTIVE, LIVE, Allocation, Event, Job, Node, Quota, Sample, StopReason, User, UserGroup
@@ -57,15 +58,15 @@ def new_token() -> str:
 
 
 def record(session: Session, kind: str, message: str, job_id: int | None = None) -> None:
-    session.add(Event(t=time.time(), job_id=job_id, kind=kind, message=message))
+    session.add(Event(t=clocks.now(), job_id=job_id, kind=kind, message=message))
     log.info("%s job=%s %s", kind, job_id, message)
 
 
-def charged_until(job: Job, ended_at: float | None) -> float:
+def charged_until(job: Job, ended_at: float | None, now: float) -> float:
     """An ended attempt's ``ended_at``: the executor's end time (an attempt that ended while the
-    service was down is not charged node-hours for the downtime), kept between its start and now —
-    an exit file's time comes from a node's clock, which may be skewed."""
-    now = time.time()
+    service was down is not charged node-hours for the downtime), kept between its start and
+    ``now`` (the scheduler's clock) — an exit file's time comes from a node's clock, which may be
+    skewed or stepped."""
     if ended_at is None:
         return now
     return min(now, max(ended_at, job.started_at if job.started_at is not None else ended_at))
@@ -83,8 +84,11 @@ def free_port() -> int:
 
 
 class Scheduler:
-    def __init__(self, sessions: sessionmaker, executor: Executor, settings: Settings):
+    def __init__(self, sessions: sessionmaker, executor: Executor, settings: Settings,
+                 clock: clocks.Clock | None = None):
         self.sessions, self.executor, self.settings = sessions, executor, settings
+        # every time the scheduler stores or compares: steps of the wall clock change no duration (clock.py)
+        self.clock = clock or clocks.CLOCK
         self.last_sample = 0.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -125,7 +129,7 @@ class Scheduler:
         while handles and time.monotonic() < deadline:
             handles = [h for h in handles if not self.executor.poll(h).done]
             time.sleep(0.1)
-        self.observe(time.time())  # record the ends now, not at the next start
+        self.observe(self.clock.now())  # record the ends now, not at the next start
         return len(handles)
 
     def _loop(self) -> None:
@@ -162,7 +166,7 @@ class Scheduler:
             self.outage_since = None
 
     def tick(self) -> policy.Plan:
-        now = time.time()
+        now = self.clock.now()
         self.observe(now)
         with self.sessions() as s:
             snap = self.snapshot(s, now)
@@ -259,17 +263,20 @@ class Scheduler:
         states.move(job, state)
         job.exit_code, job.stop_reason = code, int(reasons)
         job.reason = f"{message} ({why})" if why else message  # the reason column says how it ended
-        job.ended_at, job.token_hash, job.suspend_deadline = charged_until(job, ended_at), None, None
+        now = self.clock.now()
+        if ended_at is not None:  # an exit file's mtime: the wall clock's, step and all
+            ended_at = self.clock.from_wall(ended_at)
+        job.ended_at, job.token_hash, job.suspend_deadline = charged_until(job, ended_at, now), None, None
         s.execute(Allocation.__table__.delete().where(Allocation.job_id == job.id))
         record(s, state, message, job.id)
         if state == states.SUSPENDED:
-            next_state, place = states.requeue(job.place, time.time(), bool(job.stop_reason & StopReason.TIME_SHARE))
+            next_state, place = states.requeue(job.place, now, bool(job.stop_reason & StopReason.TIME_SHARE))
             nxt = Job(chain_id=job.chain_id, first_id=job.first_id, restart_count=job.restart_count + 1,
                       whole_life_state=job.whole_life_state, user=job.user, group=job.group, owner=job.owner,
                       name=job.name, spec=job.spec, priority=job.priority, node_group=job.node_group,
                       nnodes=job.nnodes, state=next_state, chain_submitted_at=job.chain_submitted_at,
                       place=place,
-                      queued_at=time.time(), nodes=[], requested=0, stop_reason=0, reason=f"requeued: {job.reason}")
+                      queued_at=now, nodes=[], requested=0, stop_reason=0, reason=f"requeued: {job.reason}")
             s.add(nxt)
             s.flush()
             record(s, "requeue", f"attempt {nxt.restart_count} of chain {job.chain_id} (was job {job.id})", nxt.id)
@@ -333,7 +340,7 @@ class Scheduler:
                                         f"{quota.nodes if quota else 0}", job_id)
                     return None
                 claimed = s.execute(update(Job).where(Job.id == job_id, Job.state == states.QUEUED).values(
-                    state=states.STARTING, nodes=list(nodes), started_at=time.time(), reason=why,
+                    state=states.STARTING, nodes=list(nodes), started_at=self.clock.now(), reason=why,
                     token_hash=token_hash(token)))
                 if claimed.rowcount != 1:
                     return None

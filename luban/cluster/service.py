@@ -8,6 +8,7 @@ alone manage users, groups, quotas and nodes. A bad spec is a 422 naming the key
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import pwd
 import stat
@@ -30,6 +31,7 @@ from sqlalchemy.orm import Session, aliased, sessionmaker
 
 from luban import jobenv
 from luban.cluster import accounts, jobcheck, joblog
+from luban.cluster import clock as clocks
 from luban.cluster import priority as prio
 from luban.cluster import spec as specs
 from luban.cluster import states
@@ -45,9 +47,6 @@ LOG_CHUNK = 1 << 20
 MAX_BODY = 1 << 20            # bytes of a request body (--max-body); checked before reading it
 MAX_QUEUED_PER_USER = 1000    # queued attempts one user may have (--max-queued)
 ID_MAX = INT32[1]
-
-
-_cut_char = joblog.cut_char  # a log read in chunks decodes each whole character once
 
 
 def int_field(body: dict, key: str, lo: int, hi: int, default=None) -> int:
@@ -113,11 +112,11 @@ class Principal:
     job_id: int | None = None  # set for a job token: only that job's own SDK calls are allowed
 
 
-def node_hours(job: Job, since: float = 0.0, until: float | None = None) -> float:
-    """Node-hours the attempt held nodes within [since, until] (until: now)."""
+def node_hours(job: Job, since: float = 0.0, until: float | None = None, now: float | None = None) -> float:
+    """Node-hours the attempt held nodes within [since, until] (until: now, the service's clock)."""
     if job.started_at is None:
         return 0.0
-    end = job.ended_at if job.ended_at is not None else time.time()
+    end = job.ended_at if job.ended_at is not None else (now if now is not None else clocks.now())
     end = min(end, until) if until is not None else end
     return max(0.0, end - max(job.started_at, since)) * job.nnodes / 3600.0
 
@@ -183,13 +182,22 @@ def database_unavailable(err: OperationalError) -> str:
     return "the service's database is unavailable now; retry later (the service log says why)"
 
 
+BODY_TIMEOUT_S = 30.0       # seconds a request's whole body has, from the moment the service starts reading it
+                            # (--body-timeout): a body trickled a byte at a time, or never sent, held its
+                            # connection and request forever (the head's bound, HEAD_TIMEOUT_S, ends where it starts)
+
+
 class Guard:
     """ASGI middleware in front of every request that has a body: the size is checked against
-    ``max_body`` before a byte is read (Content-Length, or counted while a chunked body arrives)
-    and the token before the body is parsed — an anonymous 60 MiB body costs one header read."""
+    ``max_body`` before a byte is read (Content-Length, or counted while a chunked body arrives),
+    the token before the body is parsed — an anonymous 60 MiB body costs one header read — and
+    the whole body must arrive within ``body_timeout`` seconds of the first read (else one-line
+    408). Every refusal here closes the connection (``Connection: close``): what the client still
+    sends is not read."""
 
-    def __init__(self, app, max_body: int, authenticate):
+    def __init__(self, app, max_body: int, authenticate, body_timeout: float = BODY_TIMEOUT_S):
         self.app, self.max_body, self.authenticate = app, max_body, authenticate
+        self.body_timeout = body_timeout
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -212,11 +220,23 @@ class Guard:
             return await self._reject(send, 503, database_unavailable(err))
         if not known:
             return await self._reject(send, 401, "missing or invalid bearer token (Authorization: Bearer TOKEN)")
-        seen, rejected = 0, False
+        seen, rejected, deadline = 0, False, None
 
         async def counted():
-            nonlocal seen, rejected
-            message = await receive()
+            nonlocal seen, rejected, deadline
+            if rejected:
+                return {"type": "http.disconnect"}
+            loop = asyncio.get_running_loop()
+            if deadline is None:  # from the app's first read: the time it took to get there is not the client's
+                deadline = loop.time() + self.body_timeout
+            try:  # a body already received is returned at once, whatever is left of the deadline
+                async with asyncio.timeout(max(0.0, deadline - loop.time())):
+                    message = await receive()
+            except TimeoutError:
+                rejected = True
+                await self._reject(send, 408, f"request body of {seen} bytes so far not complete within "
+                                              f"{self.body_timeout:g}s: send the whole body at once")
+                return {"type": "http.disconnect"}
             seen += len(message.get("body", b""))
             if seen > self.max_body and not rejected:
                 rejected = True
@@ -238,8 +258,9 @@ class Guard:
     @staticmethod
     async def _reject(send, status: int, detail: str) -> None:
         body = json.dumps({"detail": detail}).encode()
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.start", "status": status,  # the rest of the body is not read: close
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close")]})
         await send({"type": "http.response.body", "body": body})
 
 
@@ -362,7 +383,8 @@ def check_command(spec: specs.JobSpec, account: str) -> None:
 
 
 def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool = True,
-               max_body: int = MAX_BODY, max_queued: int = MAX_QUEUED_PER_USER) -> FastAPI:
+               max_body: int = MAX_BODY, max_queued: int = MAX_QUEUED_PER_USER,
+               body_timeout: float = BODY_TIMEOUT_S) -> FastAPI:
     state_dir = Path(scheduler.settings.state_dir)
     per_user = scheduler.settings.run_jobs_as == "user"
 
@@ -418,7 +440,7 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
                 return Principal(s.get(User, job.user), job.id)
         return None
 
-    app.add_middleware(Guard, max_body=max_body, authenticate=lookup)
+    app.add_middleware(Guard, max_body=max_body, authenticate=lookup, body_timeout=body_timeout)
     redact_access_log()
 
     def principal(request: Request) -> Principal:
@@ -509,7 +531,7 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
                 raise bad_value("priority", level.name, f"{owner} may hold {quota.get(level, 0)} node(s) at "
                                 f"{level.name} in node group {spec.node_group}, the job needs {spec.nodes} "
                                 f"(quotas: {have})")
-            now = time.time()
+            now = clocks.now()
             job = Job(chain_id="c" + secrets.token_hex(6), restart_count=0, whole_life_state=0,
                       user=user.name, group=spec.group, owner=owner, name=spec.name, spec=spec.to_dict(),
                       priority=int(level), node_group=spec.node_group, nnodes=spec.nodes, state=states.QUEUED,
@@ -662,7 +684,7 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
         """Node-hours per user per calendar day (UTC) over the last ``days`` days, oldest first."""
         if not 1 <= days <= 366:
             raise bad_value("days", days, "an integer from 1 to 366")
-        today = math.floor(time.time() / 86400) * 86400
+        today = math.floor(clocks.now() / 86400) * 86400
         starts = [today - 86400 * i for i in range(days - 1, -1, -1)]
         jobs = s.scalars(select(Job).where(visible(p), Job.started_at.is_not(None),
                                            or_(Job.ended_at.is_(None), Job.ended_at >= starts[0]))).all()
@@ -692,7 +714,7 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
                 text = f.read(LOG_CHUNK)
         done = job.state not in LIVE
         if not (done and len(text) < LOG_CHUNK):  # a character cut by the chunk or a write under way: next time
-            text = text[:len(text) - _cut_char(text)]
+            text = text[:len(text) - joblog.cut_char(text)]
         return {"text": text.decode(errors="replace"), "offset": offset + len(text), "done": done,
                 "state": job.state, "job_id": job.id}
 

@@ -15,6 +15,8 @@ from luban.errors import LubanError, bad_value, plain_name
 MAX_YAML = 64 << 10        # bytes of a YAML job spec
 MAX_TIME_LIMIT = 365 * 24 * 3600
 MAX_SPEC = 256 << 10       # bytes of a job spec as JSON (args + env + the rest)
+MAX_ARG = (128 << 10) - 1  # bytes of one argument or one NAME=value environment entry: execve refuses a
+                           # longer string (Linux MAX_ARG_STRLEN, with its NUL) — the job could never start
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 ENV_RE = jobenv.NAME_RE
 
@@ -63,6 +65,21 @@ def _no_nul(key: str, value: str) -> None:
         raise bad_value(key, value, "text without NUL bytes (no command line, path or environment entry can hold one)")
 
 
+def _exec_size(key: str, value: str, extra: int = 0) -> None:
+    """One string of a command line or environment longer than execve takes: refused at submission
+    (it was accepted and the attempt failed at launch: "Argument list too long")."""
+    size = len(value.encode("utf-8", "surrogateescape")) + extra
+    if size > MAX_ARG:
+        raise bad_value(key, f"<{size} bytes>", f"at most {MAX_ARG} bytes (the longest string a program can be "
+                                                "started with; pass more through a file)")
+
+
+def _command(data: dict) -> str:
+    command = _str(data, "command", required=True)
+    _exec_size("command", command)
+    return command
+
+
 def parse(data) -> JobSpec:
     """Validate a mapping (already-parsed YAML/JSON) into a ``JobSpec``."""
     if not isinstance(data, dict):
@@ -78,6 +95,7 @@ def parse(data) -> JobSpec:
         if not isinstance(a, (str, int)) or isinstance(a, bool):
             raise bad_value(f"args[{i}]", a, "a string or an integer (quote other values in YAML: \"3e-4\", \"true\")")
         _no_nul(f"args[{i}]", str(a))
+        _exec_size(f"args[{i}]", str(a))
     env = data.get("env", {}) or {}
     if not isinstance(env, dict):
         raise bad_value("env", env, "a mapping of NAME: value")
@@ -88,6 +106,7 @@ def parse(data) -> JobSpec:
         if not isinstance(v, str):  # strict: 5 is not silently "5" (docs/platform.md)
             raise bad_value(f"env.{k}", v, "a string (quote it in YAML: \"5\", \"true\")")
         _no_nul(f"env.{k}", v)
+        _exec_size(f"env.{k}", v, len(k.encode()) + 1)
     time_limit = data.get("time_limit")
     if time_limit is not None and (isinstance(time_limit, bool) or not isinstance(time_limit, int)
                                    or not 1 <= time_limit <= MAX_TIME_LIMIT):
@@ -107,7 +126,7 @@ def parse(data) -> JobSpec:
         raise bad_value("spec", f"<{size} bytes>", f"at most {MAX_SPEC} bytes (command, args and env together)")
     return JobSpec(
         name=_str(data, "name", required=True, pattern=NAME_RE),
-        command=_str(data, "command", required=True),
+        command=_command(data),
         args=[str(a) for a in args],
         env=dict(env),
         env_only=env_only,

@@ -80,3 +80,15 @@ def test_serve_max_log_caps_a_jobs_log(service):
     assert log.stat().st_size < CAP + 1024  # the cut line and luban's own start and end lines
     shown = svc.cli("logs", str(job["id"])).stdout
     assert joblog.cut_line(CAP).decode() in shown and shown.endswith("exited with code 0 ==\n"), shown[-300:]
+
+
+def test_the_logs_api_cuts_characters_with_joblog_cut_char():
+    """One function decides where a log read in chunks may end (a whole UTF-8 character): the
+    service read it through an alias (``service._cut_char``), removed 2026-11-28."""
+    import inspect
+
+    from luban.cluster import service
+
+    assert not hasattr(service, "_cut_char")
+    assert "joblog.cut_char(" in inspect.getsource(service.create_app)
+    assert joblog.cut_char("ab\u00e9".encode()[:-1]) == 1 and joblog.cut_char(b"ab") == 0

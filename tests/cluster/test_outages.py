@@ -5,10 +5,12 @@ reaches a user, and the jobs' SDK rides the outage out."""
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import signal
 import socket
 
 import httpx
+import pytest
 
 from luban.cluster.client import Client
 from tests.cluster.conftest import wait_for
@@ -136,3 +138,60 @@ def test_a_client_that_never_finishes_its_request_is_cut_off(service):
 
         wait_for(lambda: cut(slow) and cut(idle), HEAD_TIMEOUT_S + 30, what="the server to close both connections")
     assert svc.admin().whoami()["user"] == "admin"  # a client that sends its request is served as before
+
+
+def _read_until_closed(sock, timeout: float) -> bytes:
+    """What the server sends until it closes the connection; fails (never hangs) after ``timeout``."""
+    import time
+
+    got, deadline = b"", time.monotonic() + timeout
+    sock.settimeout(0.2)
+    while time.monotonic() < deadline:
+        try:
+            chunk = sock.recv(65536)
+        except TimeoutError:
+            continue
+        except ConnectionResetError:
+            return got
+        if not chunk:
+            return got
+        got += chunk
+    raise AssertionError(f"the server kept the connection open for {timeout}s; it sent {got[:300]!r}")
+
+
+@pytest.mark.parametrize("trickle", [True, False], ids=["a-byte-at-a-time", "never"])
+def test_a_request_body_that_never_completes_is_a_408_and_the_connection_is_closed(service, trickle):
+    """2026-11-28: the head of a request had HEAD_TIMEOUT_S but its body had no bound: headers with
+    Content-Length: 1000000 and then a byte every few seconds (or nothing) held the connection and
+    the request forever. Now the whole body has --body-timeout seconds: one-line 408, closed."""
+    import threading
+
+    svc = service("--nodes", "1", "--tick", "0.2", "--body-timeout", "1")
+    head = (f"POST /api/jobs HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {svc.admin_token}\r\n"
+            "Content-Type: application/json\r\nContent-Length: 1000000\r\n\r\n{").encode()
+    with socket.create_connection(("127.0.0.1", svc.port), timeout=5) as sock:
+        sock.sendall(head)
+        done = threading.Event()
+
+        def dribble():
+            while not done.wait(0.2):
+                try:
+                    sock.sendall(b" ")
+                except OSError:
+                    return
+
+        feeder = threading.Thread(target=dribble, daemon=True)
+        if trickle:
+            feeder.start()
+        try:
+            answer = _read_until_closed(sock, 60)
+        finally:
+            done.set()
+            if trickle:
+                feeder.join(10)
+    status, _, rest = answer.partition(b"\r\n")
+    assert status.startswith(b"HTTP/1.1 408"), answer[:300]
+    body = rest.split(b"\r\n\r\n", 1)[1]
+    assert b"\n" not in body and "within 1s" in json.loads(body)["detail"], body
+    assert svc.admin().whoami()["user"] == "admin"  # the service serves the next client as before
+    assert "Traceback" not in svc.log.read_text(errors="replace")

@@ -76,3 +76,25 @@ def test_yaml_python_cannot_hold_is_one_line(text, words):
     with pytest.raises(LubanError, match=words) as err:
         spec.parse_yaml(text)
     assert "\n" not in str(err.value) and str(err.value).startswith("yaml = '<")
+
+
+@pytest.mark.parametrize("where", ["command", "args", "env"])
+def test_a_string_no_program_can_be_started_with_is_refused_at_submission(where):
+    """2026-11-28: a 200 KB argument or environment value (the spec allows 256 KiB) was accepted and
+    every attempt failed at launch ("Argument list too long"). The longest string that fits is
+    accepted and does start."""
+    import subprocess
+
+    def spec_with(size: int) -> dict:
+        if where == "command":
+            return {"name": "j", "command": "/" + "x" * (size - 1)}
+        if where == "args":
+            return {"name": "j", "command": "true", "args": ["x" * size]}
+        return {"name": "j", "command": "true", "env": {"BIG": "x" * (size - len("BIG="))}}
+
+    with pytest.raises(LubanError) as err:
+        spec.parse(spec_with(spec.MAX_ARG + 1))
+    assert "\n" not in str(err.value) and f"at most {spec.MAX_ARG} bytes" in str(err.value)
+    fits = spec.parse(spec_with(spec.MAX_ARG))
+    if where != "command":  # the longest accepted string does start
+        subprocess.run(["true", *fits.args], env=fits.env, check=True, timeout=60)

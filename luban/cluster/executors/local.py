@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 from luban import procs
@@ -42,11 +43,30 @@ class LocalExecutor:
                     *[a for d in launch.hide for a in ("--hide", d)],
                     *(["--max-log", str(launch.max_log)] if launch.max_log else []), "--", *launch.command]
             env = dict(launch.env, LUBAN_NODE=node)  # complete: the scheduler built it (job_env)
-            proc = launcher.spawn(argv, env=env, start_new_session=True, cwd=launch.workdir or None,
-                                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            try:
+                proc = launcher.spawn(argv, env=env, start_new_session=True, cwd=launch.workdir or None,
+                                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            except BaseException:
+                # the attempt fails (the scheduler ends it): the ranks already started must not run on
+                # without it (a fork refused at the process limit, E2BIG, an interrupt)
+                self._stop_started(json.dumps({"pids": pids, "run_dir": launch.run_dir, "tag": launch.name}))
+                raise
             self.children[proc.pid] = proc
             pids.append(proc.pid)
         return json.dumps({"pids": pids, "run_dir": launch.run_dir, "tag": launch.name})
+
+    def _stop_started(self, handle: str, timeout: float = 30.0) -> None:
+        """Kill the launchers of a start that failed part way and wait (bounded) until they are gone."""
+        self.kill(handle)
+        deadline = time.monotonic() + timeout
+        for _, pid, _ in self._ranks(handle):
+            proc = self.children.pop(pid, None)
+            if proc is not None:
+                try:
+                    proc.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(10)
 
     def find(self, launch: Launch) -> str | None:
         """Launchers are found by ``--tag <name>`` in their command line, ranks that already ended

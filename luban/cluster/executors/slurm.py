@@ -22,6 +22,8 @@ from luban.cluster import launcher
 from luban.cluster.executors import Launch, NodeInfo, Status, combine
 from luban.errors import LubanError
 
+TIMEOUT_S = 60  # seconds one Slurm command may take (a slow or hung slurmctld)
+FORGOTTEN = "Invalid job id"  # scontrol's answer for a job slurmctld no longer knows (MinJobAge), not an outage
 RUNNING = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING", "SIGNALING",
            "STAGE_OUT"}
 
@@ -40,13 +42,19 @@ class SlurmExecutor:
     def __init__(self, partition: str | None = None, state_dir: str = ".", python: str = sys.executable):
         self.partition, self.state_dir, self.python = partition, state_dir, python
 
-    def _run(self, *args: str) -> str:
+    def _run(self, *args: str, env: dict[str, str] | None = None) -> str:
+        """A Slurm command's output; one line (RuntimeError, LubanError when it is not installed)
+        for a failure, a timeout included."""
         try:
-            result = subprocess.run(args, capture_output=True, text=True, timeout=60)
+            result = subprocess.run(args, capture_output=True, text=True, timeout=TIMEOUT_S, env=env,
+                                    errors="replace")
         except FileNotFoundError:
             raise LubanError(f"{args[0]} not found: install slurm-wlm (client) or use --executor local") from None
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"{args[0]} did not answer within {TIMEOUT_S}s (slurmctld slow or down?)") from None
         if result.returncode != 0:
-            raise RuntimeError(f"{' '.join(args)} failed ({result.returncode}): {result.stderr.strip()}")
+            why = " ".join(result.stderr.split())[:300]
+            raise RuntimeError(f"{' '.join(args[:3])} failed ({result.returncode}): {why}")
         return result.stdout
 
     def discover(self) -> list[NodeInfo]:
@@ -82,24 +90,39 @@ class SlurmExecutor:
         if self.partition:
             args.append(f"--partition={self.partition}")
         env = dict(launch.env)  # complete: the scheduler built it (job_env)
-        result = subprocess.run([*args, str(script)], capture_output=True, text=True, env=env, timeout=60)
-        if result.returncode != 0:
-            raise RuntimeError(f"sbatch failed: {result.stderr.strip()}")
-        slurm_id = result.stdout.strip().split(";")[0]
+        try:
+            out = self._run(*args, str(script), env=env)
+        except RuntimeError:  # a timeout may still have submitted it: the attempt fails, so nothing of it may run
+            self._cancel_by_name(launch.name)
+            raise
+        slurm_id = out.strip().split(";")[0]
+        if not slurm_id.isdigit():  # not --parsable's "ID[;cluster]": a job we could not follow must not run
+            self._cancel_by_name(launch.name)
+            raise RuntimeError(f"sbatch printed {out.strip()[:100]!r}, not a job id")
         return json.dumps({"slurm_id": slurm_id, "run_dir": str(run_dir), "ranks": len(launch.nodes),
                            "tag": launch.name})
 
+    def _cancel_by_name(self, name: str) -> None:
+        try:
+            self._run("scancel", f"--name={name}")
+        except (RuntimeError, LubanError):
+            pass  # nothing to cancel, or slurmctld unreachable: find() by the tag after a restart
+
     def poll(self, handle: str) -> Status:
         info = json.loads(handle)
+        run_dir = Path(info["run_dir"])
+        files = [launcher.exit_file(run_dir, r) for r in range(info["ranks"])]
         try:
             f = fields(self._run("scontrol", "show", "job", "-o", info["slurm_id"])) if info["slurm_id"] else {}
-        except RuntimeError:
+        except RuntimeError as err:
+            if FORGOTTEN not in str(err) and not all(p.exists() for p in files):
+                # slurmctld down, slow or printing errors: the job is as it was, not lost (declaring it
+                # lost ended the attempt while Slurm ran it on, and swept its processes on this host)
+                return Status(done=False)
             f = {}  # forgotten by slurmctld (MinJobAge): fall back to the launchers' exit files
         state = f.get("JobState", "")
         if state in RUNNING:
             return Status(done=False, started=state not in ("PENDING", "CONFIGURING"))
-        run_dir = Path(info["run_dir"])
-        files = [launcher.exit_file(run_dir, r) for r in range(info["ranks"])]
         if all(p.exists() for p in files):
             return Status(done=True, exit_code=combine([int(p.read_text()) for p in files]),
                           ended_at=launcher.ended_at(run_dir, len(files)))
