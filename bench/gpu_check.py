@@ -1,8 +1,17 @@
 """One command checks a GPU (issue #22 item 7): luban against its peers, the planner against
 luban, every single-GPU option, the checkpoint stall and deterministic resume, in one process.
 
-    python bench/gpu_check.py                     # a CUDA machine: bench/results/gpu.md (<= 8 min, one H100)
-    python bench/gpu_check.py --cpu --out FILE    # the smoke mode CI runs: tiny shapes, every section
+    python3 bench/gpu_check.py                    # a CUDA machine: $OUT/gpu.md if $OUT is set, else
+                                                  # bench/results/gpu.md (stops starting rows at 8 min)
+    python3 bench/gpu_check.py --cpu --out FILE   # the smoke mode CI runs: tiny shapes, every section
+
+The report is rewritten after every row (and each row printed as it ends), so a run killed at its
+time limit still leaves every row it finished. ``--budget-s`` (default 480 on a GPU) bounds the
+run: a row is not started with less than ``ROW_RESERVE_S`` (60 s) left (it reads "skipped: time
+budget"), and one still running ``OVERRUN_S`` (60 s) past the budget is stopped ("stopped: time
+budget"); on an H100 the whole check takes longer than 8 minutes, so the last sections may be skipped
+(``--sections`` picks which run).
+luban need not be installed: the script puts its own checkout first on ``sys.path``.
 
 Sections of the report (each a table; a row that fails says why instead of stopping the run):
 
@@ -44,6 +53,7 @@ import argparse
 import contextlib
 import datetime
 import json
+import os
 import platform
 import shlex
 import statistics
@@ -53,14 +63,18 @@ import time
 import traceback
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
-from torch import nn
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # `python3 bench/gpu_check.py` on a machine where luban is not installed
+    sys.path.insert(0, str(ROOT))
 
-from luban.config import config_from_dict
-from luban.model import flops
-from luban.model.config import ModelConfig
-from luban.model.presets import get_preset
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+from luban.config import config_from_dict  # noqa: E402
+from luban.model import flops  # noqa: E402
+from luban.model.config import ModelConfig  # noqa: E402
+from luban.model.presets import get_preset  # noqa: E402
 
 # dense bf16 peak FLOP/s of the devices this is run on (NVIDIA H100/H200 SXM datasheets:
 # 989.4 TFLOP/s without sparsity); luban.train.peak measures the CPU's
@@ -75,11 +89,47 @@ def moe_of_gpt2_width(vocab: int = 50257, seq: int = 1024) -> ModelConfig:
                                           rope_theta=10000.0)
 
 
-class Setup:
-    """Shapes and models for one mode."""
+# a row is started only with this much of the budget left (a compiled Llama 1B row on an H100
+# takes about a minute or two), and one still running this long past the budget is stopped;
+# both at most an eighth of the budget (a short budget: the tests)
+ROW_RESERVE_S = 60.0
+OVERRUN_S = 60.0
 
-    def __init__(self, cpu: bool):
+
+def reserve_s(budget: float) -> float:
+    return min(ROW_RESERVE_S, budget / 8)
+
+
+def overrun_s(budget: float) -> float:
+    return min(OVERRUN_S, budget / 8)
+
+
+class TimeUp(BaseException):
+    """Raised in the main thread ``OVERRUN_S`` after the budget (not an ``Exception``: the
+    sections' per-row handlers let it through to ``main``)."""
+
+
+class Rows(list):
+    """A section's rows: each append rewrites the report (``Setup.live``)."""
+
+    def __init__(self, on_append):
+        super().__init__()
+        self.on_append = on_append
+
+    def append(self, row) -> None:
+        super().append(row)
+        self.on_append(row)
+
+
+class Setup:
+    """Shapes and models for one mode, the time budget, and the live rows of the section running."""
+
+    def __init__(self, cpu: bool, budget_s: float = 0.0):
         self.cpu = cpu
+        self.start, self.budget_s = time.perf_counter(), budget_s
+        self.current: Rows | None = None  # the running section's rows
+        self.stopped: str | None = None  # a signal suspended a run: start nothing more
+        self.on_row = lambda row: None  # main: print the row, rewrite the report
         self.device = torch.device("cpu" if cpu else "cuda")
         if cpu:
             self.batch, self.seq, self.steps, self.warmup = 2, 32, 4, 1
@@ -100,6 +150,22 @@ class Setup:
 
             self.peak = peak_flops(self.device.type, "bf16")
 
+    def rows(self) -> Rows:
+        """A new section's rows (every append is reported at once)."""
+        self.current = Rows(lambda row: self.on_row(row))
+        return self.current
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def out_of_time(self) -> str | None:
+        """Why a new row must not start (a signal arrived, too little of the budget left), or None."""
+        if self.stopped:
+            return self.stopped
+        if self.budget_s and self.elapsed() > self.budget_s - reserve_s(self.budget_s):
+            return f"skipped: time budget ({self.elapsed():.0f} s of {self.budget_s:.0f} s used)"
+        return None
+
 
 # ---- luban train's own path ------------------------------------------------------------------
 def luban_train(setup: Setup, model: ModelConfig, run_dir: Path, steps: int | None = None,
@@ -119,8 +185,9 @@ def luban_train(setup: Setup, model: ModelConfig, run_dir: Path, steps: int | No
     cfg = config_from_dict(raw)
     if setup.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    if Trainer(cfg).train(resume).suspended:
-        raise RuntimeError("the run was suspended by a signal (SIGUSR1/SIGTERM/SIGINT); rerun the check")
+    if Trainer(cfg).train(resume).suspended:  # luban's handlers took a SIGTERM/SIGINT/SIGUSR1 (a time limit?)
+        setup.stopped = "skipped: a signal suspended a luban train run (SIGUSR1/SIGTERM/SIGINT)"
+        raise TimeUp("stopped: the run was suspended by a signal (SIGUSR1/SIGTERM/SIGINT)")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps_ = [r for r in records if "time_step_s" in r]
     times = [r["time_step_s"] for r in steps_[setup.warmup:]] or [r["time_step_s"] for r in steps_]
@@ -270,12 +337,15 @@ def maybe_compile(setup: Setup, fn):
 
 # ---- the sections ------------------------------------------------------------------------------
 def peers(setup: Setup, root: Path) -> tuple[list, list]:
-    rows, plan_rows = [], []
+    rows, plan_rows = setup.rows(), []
     for name, model in setup.models.items():
         cfg = model.replace(seq_len=max(model.seq_len, setup.seq))
         fpt = flops.flops_per_token(cfg, setup.seq)
         result = {}
         for runner in ("luban train", "Hugging Face", HF_NO_MASK, "reference loop"):
+            if skipped := setup.out_of_time():
+                rows.append([name, runner, skipped, "", "", ""])
+                continue
             try:
                 if runner == "luban train":
                     r = luban_train(setup, cfg, root / f"peer-{len(rows)}")
@@ -381,11 +451,13 @@ def probed_system(setup: Setup):
 
 
 def plan_table(setup: Setup, plan_rows) -> list:
-    try:
-        probed = probed_system(setup)
-    except Exception as err:  # noqa: BLE001 - the builtin column still reports
-        probed, probe_error = None, one_line(err)
-    rows = []
+    probed, probe_error = None, setup.out_of_time()
+    if probe_error is None:
+        try:
+            probed = probed_system(setup)
+        except Exception as err:  # noqa: BLE001 - the builtin column still reports
+            probe_error = one_line(err)
+    rows = setup.rows()
     for name, measured, cfg in plan_rows:
         row, builtin = [name, ms(measured["step_s"])], planned(setup, cfg)
         for plan in (builtin, planned(setup, cfg, probed) if probed else {"error": "probe: " + probe_error}):
@@ -394,7 +466,9 @@ def plan_table(setup: Setup, plan_rows) -> list:
                     else ["not planned: " + plan.get("error", ""), ""])
         mem = builtin.get("peak_bytes")
         rows.append(row + [gib(measured["peak_gib"]), gib(mem / 2**30) if mem else ""])
-    return rows + reference_rows(setup, probed)
+    for row in reference_rows(setup, probed):
+        rows.append(row)
+    return rows
 
 
 def reference_rows(setup: Setup, probed) -> list:
@@ -433,25 +507,31 @@ OPTIONS = [("bf16 (default)", {}, {}), ("fp32", {}, {"precision": "fp32"}), ("fp
 
 def options(setup: Setup, root: Path) -> list:
     name, model = next(iter(setup.models.items()))
-    rows = []
+    rows = setup.rows()
     for i, (label, train, parallel) in enumerate(OPTIONS):
         if setup.cpu and label == "compile on":
             continue  # minutes of compiling on a CPU; tests/train/test_compile.py covers it there
+        if skipped := setup.out_of_time():
+            rows.append([f"{name}: {label}", skipped, "", "", "", ""])
+            continue
         try:
             r = luban_train(setup, model, root / f"opt-{i}", train=train, parallel=parallel)
-            rows.append([label, ms(r["step_s"]), f"{r['tokens_s']:,.0f}", pct(r["mfu"]), gib(r["peak_gib"]),
-                         f"{r['first_step_s']:.1f} s"])
+            rows.append([f"{name}: {label}", ms(r["step_s"]), f"{r['tokens_s']:,.0f}", pct(r["mfu"]),
+                         gib(r["peak_gib"]), f"{r['first_step_s']:.1f} s"])
         except Exception as err:  # noqa: BLE001
-            rows.append([label, "failed", one_line(err), "", "", ""])
+            rows.append([f"{name}: {label}", "failed", one_line(err), "", "", ""])
         finally:
             free(setup)
-    return [[f"{name}: {r[0]}", *r[1:]] for r in rows]
+    return rows
 
 
 def checkpoint_stall(setup: Setup, root: Path) -> list:
     name, model = next(iter(setup.models.items()))
-    rows, every = [], max(2, setup.steps // 3)
+    rows, every = setup.rows(), max(2, setup.steps // 3)
     for mode in ("sync", "async"):
+        if skipped := setup.out_of_time():
+            rows.append([name, mode, skipped, "", ""])
+            continue
         try:
             r = luban_train(setup, model, root / f"ckpt-{mode}", steps=setup.warmup + 3 * every,
                             train={"checkpoint_every": every, "async_checkpoint": mode == "async"})
@@ -473,6 +553,8 @@ def deterministic_resume(setup: Setup, root: Path) -> list:
     name, model = next(iter(setup.models.items()))
     steps = setup.warmup + 4
     det = {"deterministic": True, "checkpoint_every": steps // 2}
+    if skipped := setup.out_of_time():
+        return [[name, "first vs second, first vs resumed", skipped, ""]]
     try:
         finals = {}
         for label in ("first", "second"):
@@ -538,8 +620,11 @@ def moe_pieces(setup: Setup) -> list:
 
     reps = 3 if setup.cpu else 20
     dtype = torch.bfloat16
-    rows = []
+    rows = setup.rows()
     for label, model, ep, tokens, precision in moe_shapes(setup):
+        if skipped := setup.out_of_time():
+            rows.append([label, "all pieces", skipped, "", ""])
+            continue
         h, f, k, experts = model.hidden, model.expert_ffn_hidden, model.experts_per_token, model.experts
         local, per_expert = experts // ep, tokens * k * ep // experts
         problem = Problem(model, load_system(builtin_system(setup)), ep, tokens, ep, runtime="megatron-core")
@@ -692,26 +777,90 @@ def table(header: list[str], rows: list[list]) -> str:
     return "\n".join(lines + ["| " + " | ".join(str(c) for c in r) + " |" for r in rows])
 
 
+def default_out() -> str:
+    """Where the report goes: ``$OUT/gpu.md`` where ``OUT`` is set (the device machine brings back
+    only what is written under ``$OUT``), else bench/results/gpu.md of this checkout."""
+    out = os.environ.get("OUT")
+    return str(Path(out) / "gpu.md") if out else str(ROOT / "bench" / "results" / "gpu.md")
+
+
+def write_report(path: Path, lines: list[str]) -> None:
+    """The whole report, replaced in one rename (a kill mid-write leaves the previous one)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("\n".join(lines) + "\n")
+    os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def watchdog(seconds: float):
+    """Raise ``TimeUp`` in the main thread after ``seconds`` (0: never), where SIGALRM exists."""
+    import signal
+
+    if not seconds or not hasattr(signal, "SIGALRM"):
+        yield
+        return
+
+    def alarm(signum, frame):
+        raise TimeUp(f"stopped: time budget ({seconds:.0f} s)")
+    previous, (pending, _) = signal.signal(signal.SIGALRM, alarm), signal.getitimer(signal.ITIMER_REAL)
+    armed = time.monotonic()
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        if pending:  # someone else's alarm (pytest-timeout's): put it back, what is left of it
+            signal.setitimer(signal.ITIMER_REAL, max(0.001, pending - (time.monotonic() - armed)))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu", action="store_true", help="smoke mode: tiny shapes on the CPU")
-    parser.add_argument("--out", default="bench/results/gpu.md")
+    parser.add_argument("--out", default=None, help="the report (default: $OUT/gpu.md where OUT is set, "
+                        "else bench/results/gpu.md)")
     parser.add_argument("--sections", default="abcdef", help="which of (a)-(f) to run")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="seconds for the whole check: no row starts with less than "
+                             f"{ROW_RESERVE_S:.0f} s left, one running {OVERRUN_S:.0f} s past it is stopped "
+                             "(each at most budget/8; default 480 on a GPU, none with --cpu; 0: none)")
     args = parser.parse_args(argv)
     if not args.cpu and not torch.cuda.is_available():
         print("gpu_check: no CUDA device; run with --cpu for the smoke mode", file=sys.stderr)
         return 2
-    setup = Setup(args.cpu)
-    start = time.perf_counter()
+    budget = args.budget_s if args.budget_s is not None else (0.0 if args.cpu else 480.0)
+    out_path = Path(args.out or default_out())
+    setup = Setup(args.cpu, budget)
+    start = setup.start
     out = [f"# GPU check ({'CPU smoke mode' if args.cpu else setup.device_name})", "",
            f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
-           f"- device: {setup.device_name}" + (f", driver {torch.cuda.get_device_properties(0).name} / CUDA "
-                                               f"{torch.version.cuda}" if not args.cpu else ""),
+           f"- device: {setup.device_name}" + (f", CUDA {torch.version.cuda}" if not args.cpu else ""),
            f"- torch {torch.__version__}, Python {platform.python_version()}",
            f"- command: `python {' '.join(shlex.quote(a) for a in [sys.argv[0], *(argv or sys.argv[1:])])}`",
            f"- shapes: batch {setup.batch} x seq {setup.seq}, bf16, median of {setup.steps} steps after "
-           f"{setup.warmup} warm-up steps; MFU against {setup.peak / 1e12:.0f} TFLOP/s", ""]
-    with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
+           f"{setup.warmup} warm-up steps; MFU against {setup.peak / 1e12:.0f} TFLOP/s",
+           f"- time budget: {f'{budget:.0f} s' if budget else 'none'}", ""]
+    running: list = []  # the title and header of the section running (its rows: setup.current)
+
+    def flush(note: str | None = None) -> None:
+        lines = list(out)
+        if running:
+            title, header = running
+            lines += [f"## {title}", "", table(header, list(setup.current or [])), "",
+                      note or f"(section running: {setup.elapsed():.0f} s so far)", ""]
+        write_report(out_path, lines + [f"Wall time so far: {setup.elapsed():.0f} s."])
+
+    def on_row(row) -> None:
+        try:  # the file first: a row printed is a row written
+            flush()
+        except OSError as err:  # the rows are on stdout too
+            print(f"gpu_check: could not write {out_path}: {err}", file=sys.stderr, flush=True)
+        print("gpu_check: | " + " | ".join(str(c) for c in row) + " |", flush=True)
+    setup.on_row = on_row
+    write_report(out_path, out + ["(no section finished yet)"])
+    with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp, \
+            watchdog(max(1.0, budget + overrun_s(budget) - setup.elapsed()) if budget else 0):
         root = Path(tmp)
         sections = [
             ("a", "(a) luban against its peers", ["model", "runner", "step", "tokens/s", "MFU", "peak memory"]),
@@ -728,8 +877,12 @@ def main(argv=None) -> int:
         for key, title, header in sections:
             if key not in args.sections:
                 continue
+            running[:] = [title, header]
+            setup.current = None
             try:
-                if key == "a":
+                if skipped := setup.out_of_time():
+                    rows = [[f"section {skipped}"] + [""] * (len(header) - 1)]
+                elif key == "a":
                     rows, plan_rows = peers(setup, root)
                 elif key == "b":
                     rows = plan_table(setup, plan_rows)
@@ -741,17 +894,22 @@ def main(argv=None) -> int:
                     rows = deterministic_resume(setup, root)
                 else:
                     rows = moe_pieces(setup)
+            except TimeUp as err:  # the row in progress is stopped; the rows before it stand
+                rows = list(setup.current or []) + [[str(err)] + [""] * (len(header) - 1)]
+                with contextlib.suppress(Exception):
+                    free(setup)
             except Exception:  # noqa: BLE001 - the report says what broke
-                rows = [["section failed: " + traceback.format_exc().splitlines()[-1].replace("|", "/")]
-                        + [""] * (len(header) - 1)]
+                rows = list(setup.current or []) + [
+                    ["section failed: " + traceback.format_exc().splitlines()[-1].replace("|", "/")]
+                    + [""] * (len(header) - 1)]
+            running.clear()
             out += [f"## {title}", "", table(header, rows), ""]
+            flush()
             print(f"gpu_check: {title} done ({time.perf_counter() - start:.0f} s)", flush=True)
     out.append(f"Total wall time: {time.perf_counter() - start:.0f} s.")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text("\n".join(out) + "\n")
-    print(f"gpu_check: wrote {args.out}")
+    write_report(out_path, out)
+    print(f"gpu_check: wrote {out_path}")
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
