@@ -55,8 +55,8 @@ def write_chart(estimates: list, path: "str | Path", title: str = "") -> Path:
     ax_mem.set_title("memory per GPU (dashed: HBM)")
     ax_time.set_title("step time breakdown")
     ax_mem.tick_params(axis="y", labelsize=7)
-    if title:
-        fig.suptitle(title)
+    if title:  # plain text: a '$' in a model's or profile's name is not TeX (an unbalanced one was a traceback)
+        fig.suptitle(title, parse_math=False)
     fig.tight_layout()
     import io
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from luban import schema
 from luban.plan import ATTENTION_KERNELS, DISPATCHERS
-from luban.errors import LubanError, bad_value
+from luban.errors import LubanError, bad_value, for_terminal
 
 DEGREE = schema.integer(1, 1 << 20)  # a parallel degree or a count of micro-batches / stages
 COUNT = schema.integer(1, 1 << 24)  # GPUs, sequences per step, tokens per sequence
@@ -211,8 +211,8 @@ def cmd_estimate(args) -> int:
             out["nearest_feasible"] = [n.layout.to_dict() for n in near]
         print(json_text(out))
         return 0
-    print(f"{problem.model.name} on {args.gpus}x {problem.system.name}, seq {problem.seq}, "
-          f"global batch {problem.global_batch}: {describe(layout)}")
+    print(for_terminal(f"{problem.model.name} on {args.gpus}x {problem.system.name}, seq {problem.seq}, "  # names from files
+                       f"global batch {problem.global_batch}: {describe(layout)}", sys.stdout))
     print(explain(est, problem) if args.explain else _summary(est))
     if est.train_tokens:
         print(f"training {est.train_tokens:.3g} tokens: {est.train_time_s / 86400:,.2f} days, "

@@ -444,11 +444,13 @@ def _mem_total() -> float:
 def write_profile(profile: dict, path: "str | Path", own: bool = False) -> Path:
     """Write a profile as JSON (``.json``) or TOML (anything else), whole or not at all: to a new
     file, never over an existing one (``--out``'s error line if something is there), or, ``own``,
-    replacing luban's own file (its probe cache)."""
+    replacing luban's own file (its probe cache). A profile ``System.from_dict`` refuses is not written."""
     from luban.data.atomic import create_bytes, write_bytes
     from luban.errors import bad_value
+    from luban.plan.system import System
 
     path = Path(path)
+    System.from_dict(profile, source="probe")  # a measurement out of the planner's bounds: one line, no file it cannot read
     if path.suffix == ".json":
         text = json.dumps(profile, indent=2) + "\n"
     else:
@@ -476,14 +478,16 @@ def cache_path() -> Path:
 def cached_profile() -> dict:
     """This machine's probe, measured once and kept in ``cache_path()`` (measured again when the
     cached one predates any of the ``cpu`` terms)."""
-    from luban.plan.system import CPU_KEYS
+    from luban.errors import LubanError
+    from luban.plan.system import CPU_KEYS, System
 
     path = cache_path()
-    try:  # luban's own cache: an unreadable or damaged one is measured again
+    try:  # luban's own cache: an unreadable or damaged one, or one the planner refuses, is measured again
         cached = json.loads(path.read_text())
         if isinstance(cached, dict) and isinstance(cached.get("cpu"), dict) and set(CPU_KEYS) <= set(cached["cpu"]):
+            System.from_dict(cached, source="probe")  # edited, or written under looser bounds than today's
             return cached
-    except (OSError, ValueError, RecursionError):
+    except (OSError, ValueError, RecursionError, LubanError):
         pass
     profile = probe_system()
     path.parent.mkdir(parents=True, exist_ok=True)

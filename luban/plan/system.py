@@ -160,15 +160,10 @@ class System:
         for key, value in eff.items():
             if value is None:
                 raise bad_value(f"{source}.efficiency.{key}", None, "required (no default)")
-            low, high, closed = EFFICIENCY_RANGES[key]
-            ok = (isinstance(value, (list, tuple)) and all(_in_range(v, low, high, closed) for v in value)
-                  if key in CURVES else _in_range(value, low, high, closed)
-                  or key in NOT_MEASURED and _is_number(value) and value == NOT_MEASURED[key])
+            ok = (isinstance(value, (list, tuple)) and all(_in_range(v, *EFFICIENCY_RANGES[key]) for v in value)
+                  if key in CURVES else efficiency_ok(key, value))
             if not ok:
-                what = f"{'a list of numbers, each' if key in CURVES else 'a number'} {'>=' if closed else '>'} {low:g} and <= {high:g}"
-                if key in NOT_MEASURED:
-                    what = f"{NOT_MEASURED[key]:g} (not measured) or {what}"
-                raise bad_value(f"{source}.efficiency.{key}", value, what)
+                raise bad_value(f"{source}.efficiency.{key}", value, efficiency_allowed(key))
         for a, b in (("matmul_size", "matmul"), ("collective_size", "collective")):
             if len(eff[a]) != len(eff[b]) or len(eff[a]) < 2 or list(eff[a]) != sorted(eff[a]):
                 raise bad_value(f"{source}.efficiency.{a}", eff[a], f"ascending sizes, as many as efficiency.{b}")
@@ -225,27 +220,46 @@ def apply_overrides(raw: dict, sets, key: str = "--system-set") -> dict:
             value = float(text)
         except ValueError:
             raise bad_value(f"{key} {name}", text, "a number (inf for unlimited)") from None
-        if name.startswith("efficiency."):
-            share = name.endswith("_overlap")
-            if not (0 <= value <= 1 if share else 0 < value < math.inf):
-                raise bad_value(f"{key} {name}", text, "a share from 0 to 1" if share else "a finite number > 0")
-        elif not value > 0:
-            raise bad_value(f"{key} {name}", text, "a positive number (inf for unlimited)")
         prefix, _, sub = name.partition(".")
+        if prefix == "efficiency" and sub in EFFICIENCY_KEYS and sub not in CURVES:  # the profile's own range
+            if not efficiency_ok(sub, value):
+                raise bad_value(f"{key} {name}", text, efficiency_allowed(sub))
+            out["efficiency"][sub] = value
+            continue
+        if prefix in PEAK_PREFIXES and sub in PRECISIONS:  # checked in the unit typed (was: the whole peak_flops table)
+            factor = PEAK_PREFIXES[prefix]
+            out["peak_flops"][sub] = value * factor
+            if not MIN_PEAK <= out["peak_flops"][sub] <= MAX_PEAK:
+                raise bad_value(f"{key} {name}", text, f"a number from {MIN_PEAK / factor:g} to {MAX_PEAK / factor:g}"
+                                                       f" ({'T' if factor > 1 else ''}FLOP/s per GPU)")
+            continue
+        if name not in fields_ and name not in ALIASES:
+            raise bad_value(key, item, f"unknown key {name!r}; {allowed}")
+        if not value > 0:
+            raise bad_value(f"{key} {name}", text, "a positive number (inf for unlimited)")
         if name in fields_:
             out[name] = int(value) if name in INTEGERS and value.is_integer() and value <= MAX_GROUP else value
-        elif name in ALIASES:
+        else:  # an alias, checked in the unit typed (hbm_gbps=1e-300 was refused as hbm_bandwidth = 1e-291)
             field_, factor = ALIASES[name]
             out[field_] = value * factor
-            if math.isfinite(value) and not out[field_] <= MAX_NUMBER:  # in its unit (hbm_gib=1e300 overflowed to inf)
-                raise bad_value(f"{key} {name}", text, f"a number > 0 and <= {MAX_NUMBER / factor:g} (inf for unlimited)")
-        elif prefix in PEAK_PREFIXES and sub in PRECISIONS:
-            out["peak_flops"][sub] = value * PEAK_PREFIXES[prefix]
-        elif prefix == "efficiency" and sub in EFFICIENCY_KEYS and not isinstance(EFFICIENCY_KEYS[sub], type(None)):
-            out["efficiency"][sub] = value
-        else:
-            raise bad_value(key, item, f"unknown key {name!r}; {allowed}")
+            low, high = NUMBER_RANGES.get(field_, (0.0, MAX_NUMBER))
+            if math.isfinite(value) and not low <= out[field_] <= high:  # hbm_gib=1e300 overflowed to inf
+                raise bad_value(f"{key} {name}", text, f"a number {'>' if low == 0 else '>='} {low / factor:g} and "
+                                                       f"<= {high / factor:g} (inf for unlimited)")
     return out
+
+
+def efficiency_ok(key: str, value) -> bool:
+    """Whether ``value`` may be the profile's scalar ``efficiency.<key>`` (``EFFICIENCY_RANGES``, ``NOT_MEASURED``)."""
+    return (_in_range(value, *EFFICIENCY_RANGES[key])
+            or key in NOT_MEASURED and _is_number(value) and value == NOT_MEASURED[key])
+
+
+def efficiency_allowed(key: str) -> str:
+    """What ``efficiency.<key>`` may be, in words (the error line's last part)."""
+    low, high, closed = EFFICIENCY_RANGES[key]
+    what = f"{'a list of numbers, each' if key in CURVES else 'a number'} {'>=' if closed else '>'} {low:g} and <= {high:g}"
+    return f"{NOT_MEASURED[key]:g} (not measured) or {what}" if key in NOT_MEASURED else what
 
 
 def _is_number(x) -> bool:
@@ -253,8 +267,9 @@ def _is_number(x) -> bool:
 
 
 def _in_range(x, low: float, high: float, closed: bool) -> bool:
-    """A finite number in [low, high] (``closed``) or (low, high]."""
-    return _is_number(x) and math.isfinite(x) and (low <= x if closed else low < x) and x <= high
+    """A finite number in [low, high] (``closed``) or (low, high]. An int is compared as it is: one beyond a
+    float (a JSON profile's 10**400) is out of range, not an OverflowError."""
+    return _is_number(x) and (isinstance(x, int) or math.isfinite(x)) and (low <= x if closed else low < x) and x <= high
 
 
 def _log_interp(x, xs, ys):
@@ -301,6 +316,5 @@ def load_system(spec: "str | Path | System", overrides=(), key: str = "--system"
         raise bad_value(key, str(spec), f"a readable profile file ({err.strerror})") from None
     if not isinstance(raw, dict):
         raise bad_value(key, str(spec), f"a profile table (name, gpus_per_node, ...), not {type(raw).__name__}")
-    if overrides:
-        return System.from_dict(apply_overrides(raw, overrides), source="--system-set")
-    return System.from_dict(raw, source=path.name)
+    system = System.from_dict(raw, source=path.name)  # the file's own faults named by the file, not by --system-set
+    return System.from_dict(apply_overrides(raw, overrides), source="--system-set") if overrides else system

@@ -231,3 +231,37 @@ def test_a_chart_of_a_huge_top_draws_the_best_chart_rows(tmp_path):
     path = write_chart([one] * (CHART_ROWS + 30), tmp_path / "best.png")
     width, height = struct.unpack(">II", path.read_bytes()[16:24])  # the PNG's IHDR
     assert height == round((2.2 + 0.6 * CHART_ROWS) * 110), (width, height)
+
+
+def test_a_dollar_in_a_name_does_not_break_the_chart(tmp_path):
+    """A model or profile named 'gpt $\\frac{$ x' made the chart's title TeX: matplotlib's mathtext
+    raised a ValueError traceback after the whole search, and the search's result was never printed
+    (a hostile sweep, 2026-11-27). The title is plain text."""
+    from luban.model.presets import get_preset
+    from luban.parallel.layout import ParallelLayout
+    from luban.plan.chart import write_chart
+    from luban.plan.estimate import estimate
+
+    one = estimate(get_preset("tiny"), "dgx-h100", ParallelLayout(), global_batch=1)
+    path = write_chart([one], tmp_path / "best.png", "gpt $\\frac{$ x on 8x h100")
+    assert path.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_name_from_a_file_cannot_drive_the_terminal(tmp_path, monkeypatch):
+    """A model file's (or profile's) name is printed in estimate's first line: one named
+    'x\\x1b]0;title\\x07\\x1b[2J' set the terminal's title and cleared the screen (a hostile sweep,
+    2026-11-27). On a terminal its controls are shown escaped (luban.errors.for_terminal); a pipe gets them as written."""
+    import io
+
+    model = tmp_path / "m.json"
+    model.write_text(json.dumps({"preset": "tiny", "name": "x\x1b]0;title\x07\x1b[2J"}))
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    out = Terminal()
+    monkeypatch.setattr(sys, "stdout", out)
+    assert main(["plan", "estimate", "--model", str(model), "--gpus", "1", "--global-batch", "1"]) == 0
+    first = out.getvalue().splitlines()[0]
+    assert first.startswith("x\\x1b]0;title\\x07\\x1b[2J on 1x ") and "\x1b" not in out.getvalue(), first

@@ -93,3 +93,31 @@ def test_probe_system_writes_a_loadable_profile(tmp_path, monkeypatch):
     assert system.peak("fp32") > 0 and system.hbm_bandwidth > 0 and system.nvlink_bandwidth > 0
     assert max(system.efficiency["matmul"]) == 1.0 and system.gpus_per_node == 2
     assert system.cpu["op_overhead_s"] > 0 and system.cpu["oversubscription_exponent"] >= 1.0
+
+
+def test_a_cached_probe_the_planner_refuses_is_measured_again(tmp_path, monkeypatch):
+    """The probe cache is luban's own file, measured again when damaged; one that parsed but held a value the
+    planner refuses (edited, or written under looser bounds than today's: here oversubscribed_stall_s = 0,
+    which must be > 0) was returned as is, and every --parallel auto then failed on
+    'probe.cpu.oversubscribed_stall_s = 0' until the user found and deleted the cache (a hostile sweep, 2026-11-27)."""
+    monkeypatch.setenv("LUBAN_CACHE", str(tmp_path))
+    stale = fake_profile()
+    stale["cpu"]["oversubscribed_stall_s"] = 0
+    probe.cache_path().parent.mkdir(parents=True, exist_ok=True)
+    probe.cache_path().write_text(json.dumps(stale))
+    fresh = fake_profile()
+    monkeypatch.setattr(probe, "probe_system", lambda world=2: fresh)
+    assert probe.cached_profile() == fresh
+    assert json.loads(probe.cache_path().read_text()) == fresh
+
+
+def test_a_profile_the_planner_would_refuse_is_not_written(tmp_path):
+    """A probe whose measurement fell outside the planner's bounds (here an elementwise-traffic fit of 5000,
+    allowed up to 1000) wrote a profile that every later 'luban plan estimate --system' refused: the file
+    is now not written, and the one line names the value (a hostile sweep, 2026-11-27)."""
+    bad = fake_profile()
+    bad["efficiency"]["elementwise_traffic"] = 5000.0
+    out = tmp_path / "me.toml"
+    with pytest.raises(LubanError, match=r"^probe\.efficiency\.elementwise_traffic = 5000\.0: a number >= 0 and <= 1000$"):
+        probe.write_profile(bad, out)
+    assert not out.exists() and list(tmp_path.iterdir()) == []

@@ -52,13 +52,13 @@ def test_optional_fields_default_from_the_others():
     ("hbm_gb=80", "unknown key 'hbm_gb'"), ("peak_tflops.int4=1", "unknown key"), ("efficiency.matmul=1", "unknown key"),
     ("hbm_gib", "KEY=VALUE"), ("hbm_gib=lots", "a number"), ("hbm_gib=-1", "a positive number"),
     ("offload_gbps=nan", "a positive number"), ("nvlink_domain=2.5", "positive integer"),
-    ("efficiency.pp_overlap=inf", "a share from 0 to 1"), ("efficiency.hbm_efficiency=0", "finite number > 0"),
+    ("efficiency.pp_overlap=inf", "unknown key"), ("efficiency.hbm_efficiency=0", "a number >= 1e-09 and <= 1$"),
     ("nvlink_domain=inf", "a number > 0 and <= 1e"), ("gpus_per_node=inf", "a number > 0 and <= 1e"),
-    ("framework_overhead_bytes=inf", "a number > 0 and <= 1e"), ("peak_tflops.bf16=inf", "FLOP/s per precision"),
+    ("framework_overhead_bytes=inf", "a number > 0 and <= 1e"), ("peak_tflops.bf16=inf", r"from 1e-12 to 1e\+12 \(TFLOP/s"),
     # what once overflowed into a traceback or printed inf / NaN (a hostile sweep, 2026-11-27)
     ("nvlink_domain=1e19", "positive integer up to 16,777,216"), ("nvlink_latency=1e308", "<= 3600"),
-    ("nvlink_gbps=1e-300", "a number >= 1 and"), ("peak_flops.bf16=1e-300", r"each from 1 to 1e\+24"),
-    ("peak_flops.bf16=1e308", r"each from 1 to 1e\+24"), ("efficiency.elementwise_traffic=1e300", "<= 1000"),
+    ("nvlink_gbps=1e-300", "a number >= 1e-09 and"), ("peak_flops.bf16=1e-300", r"a number from 1 to 1e\+24"),
+    ("peak_flops.bf16=1e308", r"a number from 1 to 1e\+24"), ("efficiency.elementwise_traffic=1e300", "<= 1000"),
     ("efficiency.hbm_efficiency=5", "a number >= 1e-09 and <= 1"),
 ])
 def test_bad_overrides_are_one_line_errors(item, match):
@@ -173,7 +173,7 @@ def test_an_override_beyond_its_field_in_convenient_units_is_refused(item):
     """hbm_gib=1e300 overflowed to inf bytes and was taken as "unlimited" (hbm_bytes=1e300 itself is
     refused), and hbm_gib=1e25 was refused as hbm_bytes = 1.07e+34 (a hostile sweep, 2026-11-27)."""
     name = item.partition("=")[0]
-    with pytest.raises(LubanError, match=rf"^--system-set {name} = '[0-9e]+': a number > 0 and <= [0-9.e+]+ \(inf for unlimited\)$"):
+    with pytest.raises(LubanError, match=rf"^--system-set {name} = '[0-9e]+': a number >=? [0-9.e+-]+ and <= [0-9.e+]+ \(inf for unlimited\)$"):
         load_system("dgx-h100", [item])
     assert math.isinf(load_system("dgx-h100", ["hbm_gib=inf"]).hbm_bytes)  # what inf is for
 
@@ -190,3 +190,46 @@ def test_a_huge_profile_or_model_file_is_refused_unread(tmp_path):
     for load, key in ((load_system, "--system"), (load_model, "--model")):
         with pytest.raises(LubanError, match=rf"^{key} = '.*model.safetensors': a file of at most 16,777,216 bytes"):
             load(str(big))
+
+
+@pytest.mark.parametrize("item,field", [("efficiency.kernel_launch_s=0", "kernel_launch_s"),
+                                        ("efficiency.elementwise_traffic=0", "elementwise_traffic"),
+                                        ("efficiency.unaligned_gemm=0", "unaligned_gemm"),
+                                        ("efficiency.zero3_overlap=0", "zero3_overlap")])
+def test_an_override_may_set_what_a_profile_may_hold(item, field):
+    """--system-set kept ranges of its own for efficiency.*: "a finite number > 0" refused kernel_launch_s=0 (the
+    default: no host pacing), elementwise_traffic=0 (a CPU probe's fit) and unaligned_gemm=0 (not measured), all
+    of which a profile file holds (a hostile sweep, 2026-11-27). It now takes the profile's own ranges."""
+    assert load_system("dgx-h100", [item]).efficiency[field] == 0
+
+
+@pytest.mark.parametrize("item,match", [
+    ("hbm_gbps=1e-300", r"^--system-set hbm_gbps = '1e-300': a number >= 1e-09 and <= 1e\+21 \(inf for unlimited\)$"),
+    ("peak_tflops.bf16=1e300", r"^--system-set peak_tflops.bf16 = '1e300': a number from 1e-12 to 1e\+12 \(TFLOP/s per GPU\)$"),
+    ("peak_flops.fp8=-1", r"^--system-set peak_flops.fp8 = '-1': a number from 1 to 1e\+24 \(FLOP/s per GPU\)$"),
+    ("efficiency.kernel_launch_s=5", r"^--system-set efficiency.kernel_launch_s = '5': a number >= 0 and <= 1$"),
+])
+def test_a_bad_override_is_named_as_typed(item, match):
+    """hbm_gbps=1e-300 was refused as '--system-set.hbm_bandwidth = 1e-291' and peak_tflops.bf16=1e300 as the
+    whole peak_flops table in FLOP/s: neither the key nor the value the user typed (a hostile sweep, 2026-11-27)."""
+    with pytest.raises(LubanError, match=match):
+        load_system("dgx-h100", [item])
+
+
+def test_a_profile_files_own_fault_is_named_by_the_file_not_by_system_set(tmp_path):
+    """A profile file with a key it should not have, loaded with any --system-set, was refused as
+    '--system-set.bogus = 1: not a profile key': the user's override blamed for the file (a hostile sweep,
+    2026-11-27)."""
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps({**load_system("dgx-h100").to_dict(), "bogus": 1}))
+    with pytest.raises(LubanError, match=r"^mine\.json\.bogus = 1: not a profile key"):
+        load_system(str(path), ["hbm_gbps=100"])
+
+
+@pytest.mark.parametrize("raw", [_profile(zero3_overlap=10**400), _profile(cpu={"op_overhead_s": 10**400}),
+                                 _profile(matmul=[10**400] * 6)])
+def test_an_integer_beyond_a_float_in_a_profile_is_a_one_line_error(raw):
+    """A JSON profile may hold an integer of hundreds of digits; an efficiency or [cpu] term of 10**400 was an
+    OverflowError traceback in the range check (a hostile sweep, 2026-11-27)."""
+    with pytest.raises(LubanError, match=r"= \[?1000000.*: a (list of numbers, each|number) >=? "):
+        System.from_dict(raw)
