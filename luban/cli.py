@@ -30,7 +30,7 @@ import importlib  # noqa: E402
 import re  # noqa: E402
 
 from luban import interrupt  # noqa: E402
-from luban.errors import EXIT_INTERRUPTED, LubanError
+from luban.errors import EXIT_INTERRUPTED, LubanError, for_terminal
 
 SUBCOMMAND_MODULES = [
     "luban.train.cli",
@@ -40,6 +40,13 @@ SUBCOMMAND_MODULES = [
 ]
 
 
+def error_line(what) -> str:
+    """``luban: error: <what>`` as one line whatever a path or a name in it holds (line feeds shown as
+    ``\\n``), and on a terminal with its control codes shown escaped (a file name or a model's name
+    can hold ESC: a title, a clipboard write, a cleared screen)."""
+    return for_terminal(f"luban: error: {what}", sys.stderr).replace("\n", "\\n")
+
+
 class Parser(argparse.ArgumentParser):
     """argparse's usage errors as every other bad input: one line, exit 2 (argparse would print
     the whole usage first). A bad value reads ``luban: error: --key = 'value': <what is allowed>``,
@@ -47,7 +54,7 @@ class Parser(argparse.ArgumentParser):
     Sub-parsers inherit the class."""
 
     def error(self, message: str):
-        print(f"luban: error: {self.render(message)}".replace("\n", "\\n"), file=sys.stderr)
+        print(error_line(self.render(message)), file=sys.stderr)
         sys.exit(2)
 
     def render(self, message: str) -> str:
@@ -130,7 +137,7 @@ def _run(argv: list[str] | None, entry: bool) -> int:
         code = int(args.func(args) or 0)
     except LubanError as err:
         if not (err.everywhere and os.environ.get("RANK", "0") != "0"):  # one line for the job, not one per rank
-            print(f"luban: error: {err}".replace("\n", "\\n"), file=sys.stderr)  # one line, whatever a path holds
+            print(error_line(err), file=sys.stderr)
         code = err.exit_code
     except Exception as err:  # noqa: BLE001 - a rank of luban's launcher whose peer died: one line
         from luban import procs

@@ -288,3 +288,25 @@ def test_every_toml_luban_writes_reads_back_as_written(value):
 
     assert tomllib.loads(f"v = {toml_value(value)}")["v"] == value
     assert parse_override(f"train.x={toml_value(value)}")[2] == value
+
+
+def test_an_error_line_shows_control_codes_escaped_on_a_terminal(tmp_path):
+    """A folder's name can hold ESC (set the title, clear the screen, write the clipboard), and some
+    errors name a path as it is: the one error line shows it escaped on a terminal, as it is into a
+    pipe or a file."""
+    folder = tmp_path / "run\x1b]0;pwned\x07"
+    folder.mkdir()
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    for stream in (Terminal(), io.StringIO()):
+        with contextlib.redirect_stderr(stream):
+            assert main(["data", "info", str(folder)]) == 2
+        line = stream.getvalue()
+        assert line.startswith("luban: error: ") and line.count("\n") == 1, line
+        if isinstance(stream, Terminal):
+            assert "\x1b" not in line and "run\\x1b]0;pwned\\x07" in line, repr(line)
+        else:
+            assert "run\x1b]0;pwned\x07" in line, repr(line)
