@@ -122,14 +122,14 @@ def load_model(spec: str):
     """A preset name or a TOML/JSON file holding a ModelConfig (flat, or under [model])."""
     from luban.model.config import ModelConfig
     from luban.model.presets import PRESETS, get_preset
-    from luban.plan.system import read_small_text
+    from luban.plan.system import is_json, read_small_text
 
     path = Path(spec)
     if spec in PRESETS:
         return get_preset(spec)
     if not path.is_file():
         raise bad_value("--model", spec, f"a .toml/.json file or a preset: {', '.join(PRESETS)}")
-    kind = "JSON" if path.suffix == ".json" else "TOML"
+    kind = "JSON" if is_json(path) else "TOML"
     try:
         text = read_small_text(path, "--model", spec)
         raw = json.loads(text) if kind == "JSON" else tomllib.loads(text)

@@ -447,11 +447,11 @@ def write_profile(profile: dict, path: "str | Path", own: bool = False) -> Path:
     replacing luban's own file (its probe cache). A profile ``System.from_dict`` refuses is not written."""
     from luban.data.atomic import create_bytes, write_bytes
     from luban.errors import bad_value
-    from luban.plan.system import System
+    from luban.plan.system import System, is_json
 
     path = Path(path)
     System.from_dict(profile, source="probe")  # a measurement out of the planner's bounds: one line, no file it cannot read
-    if path.suffix == ".json":
+    if is_json(path):
         text = json.dumps(profile, indent=2) + "\n"
     else:
         flat = [f"{k} = {toml_value(v)}" for k, v in profile.items() if not isinstance(v, dict)]

@@ -262,6 +262,11 @@ def efficiency_allowed(key: str) -> str:
     return f"{NOT_MEASURED[key]:g} (not measured) or {what}" if key in NOT_MEASURED else what
 
 
+def is_json(path: Path) -> bool:
+    """A model or profile file is JSON by its suffix, in any case (``.json``, ``.JSON``); else TOML."""
+    return path.suffix.lower() == ".json"
+
+
 def _is_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
@@ -309,7 +314,7 @@ def load_system(spec: "str | Path | System", overrides=(), key: str = "--system"
         raise bad_value(key, str(spec), f"a profile file or one of {', '.join(builtin_systems())}")
     try:
         text = read_small_text(path, key, spec)
-        raw = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
+        raw = json.loads(text) if is_json(path) else tomllib.loads(text)
     except (ValueError, tomllib.TOMLDecodeError, RecursionError) as err:
         raise LubanError(f"{key} = {str(spec)!r}: cannot parse {path.name}: {err}".replace("\n", " ")) from None
     except OSError as err:

@@ -233,3 +233,21 @@ def test_an_integer_beyond_a_float_in_a_profile_is_a_one_line_error(raw):
     OverflowError traceback in the range check (a hostile sweep, 2026-11-27)."""
     with pytest.raises(LubanError, match=r"= \[?1000000.*: a (list of numbers, each|number) >=? "):
         System.from_dict(raw)
+
+
+def test_a_json_file_is_json_whatever_the_case_of_its_suffix(tmp_path):
+    """``.JSON`` was read as TOML ("cannot parse") by the planner and written as TOML by probe."""
+    import tomllib
+
+    from luban.model.presets import get_preset
+    from luban.plan.cli import load_model
+    from luban.plan.probe import write_profile
+
+    raw = tomllib.loads((ROOT / "luban/plan/systems/dgx-h100.toml").read_text())
+    profile = tmp_path / "H100.JSON"
+    write_profile(raw, profile)
+    assert json.loads(profile.read_text())["name"] == raw["name"]
+    assert load_system(str(profile)).hbm_bytes == load_system("dgx-h100").hbm_bytes
+    model = tmp_path / "M.Json"
+    model.write_text(json.dumps(get_preset("tiny").to_dict()))
+    assert load_model(str(model)) == get_preset("tiny")
