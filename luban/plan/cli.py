@@ -15,6 +15,7 @@ from pathlib import Path
 
 from luban import schema
 from luban.plan import ATTENTION_KERNELS, DISPATCHERS
+from luban.plan.probe_device import BASE
 from luban.errors import LubanError, bad_value, for_terminal
 
 DEGREE = schema.integer(1, 1 << 20)  # a parallel degree or a count of micro-batches / stages
@@ -113,8 +114,8 @@ def register(sub) -> None:
     probe.add_argument("--out", type=schema.path("new-file"), help="profile file to write (.toml or .json); default: print it")
     probe.add_argument("--device", default="cpu", type=schema.custom(_probe_device, "cpu, cuda or cuda:N"), help="cpu (default: luban's CPU ranks) or cuda[:N]: an accelerator's "
                        "GEMM curve, attention, elementwise traffic, HBM and host link (luban.plan.probe_device)")
-    probe.add_argument("--base", default="dgx-h100", help="with --device cuda: the built-in profile of the same GPU "
-                       "whose datasheet figures are kept")
+    probe.add_argument("--base", default=None, help="with --device cuda: the built-in profile of the same GPU "
+                       f"whose datasheet figures are kept (default {BASE})")
     probe.set_defaults(func=cmd_probe)
 
 
@@ -403,6 +404,8 @@ def _probe_device(value: str) -> str:
 def cmd_probe(args) -> int:
     from luban.plan.probe import probe_system, write_profile
 
+    if args.device == "cpu" and args.base is not None:  # it would be ignored: the CPU profile has no datasheet base
+        raise bad_value("--base", args.base, "only with --device cuda[:N] (the CPU probe measures every figure)")
     if args.device != "cpu":
         import torch
 
@@ -416,7 +419,7 @@ def cmd_probe(args) -> int:
     else:
         from luban.plan.probe_device import probe_device
 
-        profile = probe_device(args.device, args.base)
+        profile = probe_device(args.device, args.base or BASE)
     if args.out:
         write_profile(profile, args.out)
         print(f"wrote {args.out}")

@@ -34,6 +34,8 @@ import math
 
 from luban.plan.probe import _best_seconds
 
+BASE = "dgx-h100"  # the built-in profile whose datasheet figures a probe keeps (plan probe --base)
+
 
 def _sync(device: str):
     """Wait for ``device`` itself (``cuda:1`` is not the current device: a bare synchronize would
@@ -154,7 +156,7 @@ def unaligned_gemm_share(device: str, peak: float, curve, tokens: int = 16384, h
     return min(1.0, flops / (peak * (flops / (peak * curve(flops)) + extra)))
 
 
-def probe_device(device: str = "cuda", base: str = "dgx-h100", scale: float = 1.0, budget: float = 0.2) -> dict:
+def probe_device(device: str = "cuda", base: str = BASE, scale: float = 1.0, budget: float = 0.2) -> dict:
     """A profile of ``base`` with the efficiencies measured on ``device``. ``scale`` < 1 shrinks
     every buffer and GEMM (the tests run it on ``cpu`` at 1e-3); sizes are those of the planner."""
     from luban.plan.system import load_system

@@ -265,3 +265,11 @@ def test_a_name_from_a_file_cannot_drive_the_terminal(tmp_path, monkeypatch):
     assert main(["plan", "estimate", "--model", str(model), "--gpus", "1", "--global-batch", "1"]) == 0
     first = out.getvalue().splitlines()[0]
     assert first.startswith("x\\x1b]0;title\\x07\\x1b[2J on 1x ") and "\x1b" not in out.getvalue(), first
+
+
+def test_probe_base_is_refused_where_it_would_be_ignored():
+    """``--base`` names the GPU's datasheet profile for ``--device cuda``; the CPU probe has none, so
+    the flag did nothing there, silently."""
+    r = luban("probe", "--base", "hgx-h200")
+    assert r.returncode == 2 and r.stderr.startswith("luban: error: --base = 'hgx-h200': only with --device cuda"), \
+        r.stderr
