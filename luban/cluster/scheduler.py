@@ -27,11 +27,14 @@ from sqlalchemy.orm import Session, sessionmaker
 from luban import jobenv
 from luban.cluster import clock as clocks
 from luban.cluster import policy, states
-from luban.cluster.executors import Executor, Launch
+from luban.cluster.executors import Executor, Launch, Status, Unavailable
 from luban.cluster.models import ACTIVE, LIVE, Allocation, Event, Job, Node, Quota, Sample, StopReason, User, UserGroup
+from luban.errors import LubanError
 
 log = logging.getLogger("luban.cluster")
 LAUNCH_GRACE = 60.0  # seconds a claimed job may go without an executor handle
+RETRY_MIN_S, RETRY_MAX_S = 5.0, 300.0  # starts while the executor is unavailable: first retry, longest wait
+MAX_REPORTED = 1000  # distinct executor problems remembered (each logged once)
 
 
 @dataclasses.dataclass
@@ -57,9 +60,28 @@ def new_token() -> str:
     return secrets.token_urlsafe(24)
 
 
-def record(session: Session, kind: str, message: str, job_id: int | None = None) -> None:
+def record(session: Session, kind: str, message: str, job_id: int | None = None, quiet: bool = False) -> None:
+    """A decision: into the events table, and a line of the service log (``quiet``: debug level)."""
     session.add(Event(t=clocks.now(), job_id=job_id, kind=kind, message=message))
-    log.info("%s job=%s %s", kind, job_id, message)
+    log.log(logging.DEBUG if quiet else logging.INFO, "%s job=%s %s", kind, job_id, message)
+
+
+def one_line(err: BaseException | str, limit: int = 300) -> str:
+    return " ".join(str(err).split())[:limit]
+
+
+@dataclasses.dataclass
+class ExecutorOutage:
+    """The executor cannot reach what runs the jobs (``executors.Unavailable``) since ``since``
+    (the scheduler's clock). Starts wait until ``retry_at``; each start that meets the outage
+    doubles ``delay`` (``RETRY_MIN_S`` .. ``RETRY_MAX_S``). ``starts``: a start met it, so only a
+    start that succeeds ends it (a poll that reached slurmctld does not prove sbatch works)."""
+
+    since: float
+    cause: str
+    retry_at: float = 0.0
+    delay: float = RETRY_MIN_S
+    starts: bool = False
 
 
 def charged_until(job: Job, ended_at: float | None, now: float) -> float:
@@ -93,6 +115,9 @@ class Scheduler:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.outage_since: float | None = None  # when the database became unavailable to the ticks (None: it is not)
+        self.executor_outage: ExecutorOutage | None = None  # the executor's (None: it answers)
+        self.reported: dict[str, int] = {}  # executor problems logged (once each) and still seen: text -> job id
+        self._answers = {"reached": False, "unavailable": False}  # this tick's: the executor answered / did not
 
     # -- nodes -------------------------------------------------------------------------------
     def sync_nodes(self) -> None:
@@ -124,7 +149,10 @@ class Scheduler:
                 record(s, "kill", "service shutting down (--on-shutdown kill)", job.id)
             handles = [job.handle for job in jobs]
         for handle in handles:
-            self.executor.kill(handle)
+            try:
+                self.executor.kill(handle)
+            except (RuntimeError, LubanError) as err:  # Unavailable included: said in one line, not a traceback
+                log.warning("could not kill %s at shutdown: %s", handle, one_line(err))
         deadline = time.monotonic() + timeout
         while handles and time.monotonic() < deadline:
             handles = [h for h in handles if not self.executor.poll(h).done]
@@ -165,13 +193,79 @@ class Scheduler:
                         time.monotonic() - self.outage_since)
             self.outage_since = None
 
+    def _executor_unavailable(self, err: BaseException | str, start: bool = False) -> None:
+        """The executor could not reach what runs the jobs: the first time, one warning; a start that
+        met it is retried after the backoff, which doubles with each such start."""
+        now = self.clock.now()
+        self._answers["unavailable"] = True
+        if self.executor_outage is None:
+            self.executor_outage = ExecutorOutage(since=now, cause=one_line(err))
+            log.warning("executor unavailable: jobs keep their state, starts wait and are retried with a "
+                        "backoff (%s)", self.executor_outage.cause)
+        outage = self.executor_outage
+        if start:  # the reason of the jobs that wait names what their start met
+            outage.cause = one_line(err)
+            outage.starts = True
+            outage.retry_at = now + outage.delay
+            outage.delay = min(outage.delay * 2, RETRY_MAX_S)
+
+    def _executor_reached(self, start: bool = False) -> None:
+        """The executor answered: an outage ends, in one line — one a start met, with a start; any
+        other at the end of a tick in which the executor answered and nothing met the outage
+        (``tick``: a poll that answered and a kill that did not are still an outage)."""
+        outage = self.executor_outage
+        if outage is None or (outage.starts and not start):
+            return
+        if not start:
+            self._answers["reached"] = True
+            return
+        log.warning("executor available again after %.0fs: starts resumed", self.clock.now() - outage.since)
+        self.executor_outage = None
+
+    def starts_wait(self, now: float) -> bool:
+        """Starts wait for the executor: an outage met a start and its retry time has not come."""
+        outage = self.executor_outage
+        return outage is not None and outage.starts and now < outage.retry_at
+
+    def _waiting_reason(self) -> str:
+        return f"waiting for the executor to answer: {self.executor_outage.cause} (the start is retried)"
+
+    def _report(self, status: Status, job_id: int, seen: set[str]) -> None:
+        """An executor's answer about a job: an outage goes to the outage's two lines; a problem it
+        could not read past (a missing command, unparseable output) is one line the first time it
+        is seen, not one a tick."""
+        if status.unavailable:
+            self._executor_unavailable(status.unavailable)
+        elif status.problem is None:
+            self._executor_reached()  # noted; the outage ends at the end of the tick (tick)
+        if status.problem and not status.done:
+            self._problem(status.problem, job_id, seen)
+
+    def _problem(self, problem: str, job_id: int, seen: set[str]) -> None:
+        """One line the first time a problem is seen; ``observe`` says when a pass no longer sees it."""
+        seen.add(problem)
+        if problem not in self.reported:
+            if len(self.reported) >= MAX_REPORTED:
+                self.reported.clear()
+            self.reported[problem] = job_id
+            log.warning("job %s: the executor could not tell its state: %s; it stays as it was until it can",
+                        job_id, problem)
+
+    def _end_outage(self) -> None:
+        outage = self.executor_outage
+        if outage is not None and self._answers["reached"] and not self._answers["unavailable"] and not outage.starts:
+            log.warning("executor available again after %.0fs: starts resumed", self.clock.now() - outage.since)
+            self.executor_outage = None
+
     def tick(self) -> policy.Plan:
         now = self.clock.now()
+        self._answers = {"reached": False, "unavailable": False}  # what the executor did this tick
         self.observe(now)
         with self.sessions() as s:
             snap = self.snapshot(s, now)
         result = policy.plan(snap)
         self.apply(result, now)
+        self._end_outage()
         if now - self.last_sample >= self.settings.sample_every:
             self.sample(now)
         return result
@@ -187,18 +281,26 @@ class Scheduler:
                 job = s.get(Job, job_id)
                 if job.state == states.QUEUED:
                     self._end(s, job, states.STOPPED, None, job.requested, "stopped while queued")
+        seen: set[str] = set()
         for job_id in ids:
             try:
                 with self.sessions.begin() as s:
                     job = s.get(Job, job_id, with_for_update=True)
                     if job.state in ACTIVE:
-                        self._observe_one(s, job, now)
+                        self._observe_one(s, job, now, seen)
             except OperationalError:
                 raise  # the database, not this job: the tick ends here (guarded_tick logs the outage once)
+            except Unavailable as err:  # rolled back, the job as it was: asked again next tick
+                self._executor_unavailable(err)
+            except LubanError as err:  # the executor's one line (a missing Slurm command): the same, said once
+                self._problem(one_line(err), job_id, seen)
             except Exception:  # one job's executor trouble must not stop the others; retried next tick
                 log.exception("observing job %s failed", job_id)
+        for problem in [p for p in self.reported if p not in seen]:  # a whole pass without it: gone
+            log.warning("job %s: the executor can tell its state again (was: %s)", self.reported.pop(problem),
+                        problem)
 
-    def _observe_one(self, s: Session, job: Job, now: float) -> None:
+    def _observe_one(self, s: Session, job: Job, now: float, seen: set[str] | None = None) -> None:
         if job.handle is None:  # being launched, or the service died between claim and recording the launch
             if now - job.started_at > LAUNCH_GRACE:
                 # exactly once: adopt the copy that started (found by its tag), or requeue if none did
@@ -206,12 +308,14 @@ class Scheduler:
                 if handle is not None:
                     job.handle = handle
                     record(s, "adopt", "found running after a service restart; adopted", job.id)
-                else:
-                    self._end(s, job, states.SUSPENDED, None, StopReason.LOST, "never launched; requeued")
+                else:  # it never ran: charged nothing (the nodes were held only by the crash)
+                    self._end(s, job, states.SUSPENDED, None, StopReason.LOST, "never launched; requeued",
+                              ended_at=job.started_at, on_service_clock=True)
             return
         status = self.executor.poll(job.handle)
+        self._report(status, job.id, seen if seen is not None else set())
         if status.done:
-            self._finish(s, job, status.exit_code, status.lost, status.ended_at)
+            self._finish(s, job, status.exit_code, status.lost, status.ended_at, status.problem)
             return
         if job.state == states.STARTING and status.started:
             states.move(job, states.RUNNING)
@@ -238,7 +342,8 @@ class Scheduler:
             self.executor.kill(job.handle)
             record(s, "kill", f"no acknowledgement within {self.settings.suspend_timeout:g}s: killed", job.id)
 
-    def _finish(self, s: Session, job: Job, code: int | None, lost: bool, ended_at: float | None = None) -> None:
+    def _finish(self, s: Session, job: Job, code: int | None, lost: bool, ended_at: float | None = None,
+                problem: str | None = None) -> None:
         stop = job.requested & (StopReason.USER_STOP | StopReason.ADMIN_STOP)
         end = functools.partial(self._end, ended_at=ended_at)
         if job.stop_reason & StopReason.TIME_LIMIT:
@@ -251,20 +356,22 @@ class Scheduler:
         elif code == 0:
             end(s, job, states.SUCCEEDED, 0, job.stop_reason, "exit code 0")
         elif lost:
-            end(s, job, states.FAILED, None, job.stop_reason | StopReason.LOST, "lost: launcher gone, no exit code")
+            end(s, job, states.FAILED, None, job.stop_reason | StopReason.LOST,
+                f"lost: {problem}" if problem else "lost: launcher gone, no exit code")
         else:
             end(s, job, states.FAILED, code, job.stop_reason | StopReason.NONZERO_EXIT, f"exit code {code}")
 
     def _end(self, s: Session, job: Job, state: str, code: int | None, reasons: int, message: str,
-             ended_at: float | None = None) -> None:
+             ended_at: float | None = None, on_service_clock: bool = False) -> None:
         """Close an attempt, free its nodes; a suspended attempt is requeued as the next one.
-        ``ended_at``: when it ended as the executor reports it (None: now)."""
+        ``ended_at``: when it ended as the executor reports it (None: now), a wall-clock time
+        unless ``on_service_clock``."""
         why = job.reason if job.state == states.SUSPENDING else None  # the suspend's cause (_suspend)
         states.move(job, state)
         job.exit_code, job.stop_reason = code, int(reasons)
         job.reason = f"{message} ({why})" if why else message  # the reason column says how it ended
         now = self.clock.now()
-        if ended_at is not None:  # an exit file's mtime: the wall clock's, step and all
+        if ended_at is not None and not on_service_clock:  # an exit file's mtime: the wall clock's, step and all
             ended_at = self.clock.from_wall(ended_at)
         job.ended_at, job.token_hash, job.suspend_deadline = charged_until(job, ended_at, now), None, None
         s.execute(Allocation.__table__.delete().where(Allocation.job_id == job.id))
@@ -314,10 +421,26 @@ class Scheduler:
                         self._suspend(s, job, flag, why, now)
             except OperationalError:
                 raise  # the database, not this job: the tick ends here (guarded_tick logs the outage once)
+            except Unavailable as err:  # rolled back: the policy asks again next tick
+                self._executor_unavailable(err)
             except Exception:  # rolled back: the policy asks again next tick
                 log.exception("suspending job %s failed", job_id)
+        outage = self.executor_outage
+        if outage is not None and outage.starts and not result.starts and now >= outage.retry_at:
+            outage.starts = False  # nothing left to retry: the next answer of the executor ends the outage
+        postponed = []
         for job_id, nodes, why in result.starts:
-            self.launch(job_id, nodes, why)
+            if self.starts_wait(self.clock.now()):  # a start met the outage (this tick, or its retry is not due)
+                postponed.append(job_id)
+            else:
+                self.launch(job_id, nodes, why)
+        if postponed:
+            reason = self._waiting_reason()
+            with self.sessions.begin() as s:
+                for job in s.scalars(select(Job).where(Job.id.in_(postponed), Job.state == states.QUEUED)):
+                    if job.reason != reason:
+                        job.reason = reason
+                        record(s, "wait", reason, job.id, quiet=True)
         if result.waits:
             with self.sessions.begin() as s:
                 for job in s.scalars(select(Job).where(Job.id.in_(list(result.waits)))):
@@ -325,7 +448,7 @@ class Scheduler:
                         job.reason = result.waits[job.id]
                         record(s, "wait", job.reason, job.id)
 
-    def claim(self, job_id: int, nodes: tuple[str, ...], why: str) -> tuple[Job, str] | None:
+    def claim(self, job_id: int, nodes: tuple[str, ...], why: str, quiet: bool = False) -> tuple[Job, str] | None:
         """The start transaction: quota row locked and recounted, nodes inserted; None if refused."""
         token = new_token()
         try:
@@ -345,13 +468,14 @@ class Scheduler:
                 if claimed.rowcount != 1:
                     return None
                 s.add_all(Allocation(node=n, job_id=job_id) for n in nodes)
-                record(s, "start", f"on {','.join(nodes)}: {why}", job_id)
+                record(s, "start", f"on {','.join(nodes)}: {why}", job_id, quiet=quiet)
             return job, token
         except IntegrityError:
             return None  # another scheduler took one of the nodes first
 
     def launch(self, job_id: int, nodes: tuple[str, ...], why: str) -> None:
-        claimed = self.claim(job_id, nodes, why)
+        retry = self.executor_outage is not None and self.executor_outage.starts  # its lines are debug-level
+        claimed = self.claim(job_id, nodes, why, quiet=retry)
         if claimed is None:
             return
         job, token = claimed
@@ -360,12 +484,29 @@ class Scheduler:
         launch = self.launch_of(job, env, nodes)
         try:
             handle = self.executor.start(launch)
-        except Exception as err:  # noqa: BLE001 - any launch failure fails this attempt, not the service
+        except Unavailable as err:  # an outage, not the job: back to the queue, the same attempt, retried later
+            self._executor_unavailable(err, start=True)
             with self.sessions.begin() as s:
-                self._end(s, s.get(Job, job_id), states.FAILED, None, StopReason.LOST, f"launch failed: {err}")
+                self._unclaim(s, s.get(Job, job_id, with_for_update=True), quiet=retry)
             return
+        except Exception as err:  # noqa: BLE001 - any other launch failure fails this attempt, not the service
+            with self.sessions.begin() as s:
+                self._end(s, s.get(Job, job_id), states.FAILED, None, StopReason.LOST,
+                          f"launch failed: {one_line(err, 500)}")
+            return
+        self._executor_reached(start=True)
         with self.sessions.begin() as s:
             s.get(Job, job_id).handle = handle
+
+    def _unclaim(self, s: Session, job: Job, quiet: bool = False) -> None:
+        """Undo a claim whose start met an executor outage: the attempt is queued again as it was
+        (same id, same place), its nodes are freed and it is charged nothing; its reason says why
+        it waits."""
+        states.move(job, states.QUEUED)
+        s.execute(Allocation.__table__.delete().where(Allocation.job_id == job.id))
+        job.nodes, job.started_at, job.token_hash, job.handle = [], None, None, None
+        job.reason = self._waiting_reason()
+        record(s, "wait", f"start postponed: {job.reason}", job.id, quiet=quiet)
 
     def launch_of(self, job: Job, env: dict[str, str], nodes: tuple[str, ...] | None = None) -> Launch:
         """The attempt's launch; its name (the tag) and run dir are fixed by the job alone, so a

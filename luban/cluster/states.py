@@ -8,6 +8,9 @@ An *attempt* (one row of ``jobs``) moves through::
     stopped    succeeded | failed | stopped | suspended           ▼
                                                           next attempt: queued
 
+and ``starting ──► queued`` for a start the executor could not make for an outage (the same
+attempt waits in the queue; ``Scheduler._unclaim``).
+
 ``move`` is the only way a state changes (it refuses any other edge), ``FINAL`` states have no
 way out, and ``requeue`` is the one rule for the attempt after a suspend: a job that yielded
 its time slice goes to the back of its priority (its place becomes the requeue time); a job
@@ -44,8 +47,9 @@ _ENDS = {S.SUSPENDED, S.SUCCEEDED, S.FAILED, S.STOPPED}
 TRANSITIONS: dict[JobState, frozenset[JobState]] = {
     S.QUEUED: frozenset({S.STARTING, S.STOPPED}),
     # starting: the launch may fail, be lost (service crash before launch: suspended, requeued),
-    # be stopped, or be asked to suspend before the executor reports it running
-    S.STARTING: frozenset({S.RUNNING, S.SUSPENDING} | _ENDS),
+    # be stopped, or be asked to suspend before the executor reports it running; a start that
+    # met an executor outage goes back to the queue as the same attempt (Scheduler._unclaim)
+    S.STARTING: frozenset({S.QUEUED, S.RUNNING, S.SUSPENDING} | _ENDS),
     S.RUNNING: frozenset({S.SUSPENDING} | _ENDS),
     S.SUSPENDING: frozenset(_ENDS),
     **{s: frozenset() for s in _ENDS},

@@ -43,13 +43,27 @@ class Status:
     """``done`` with the job's exit code (75 = suspended), or still running (``started`` false
     while the executor has not started it yet); ``lost`` when the executor cannot find it.
     ``ended_at``: when it ended, where the executor knows (its exit files' time), so an attempt that
-    ended while the service was down is charged until its end, not until the service saw it."""
+    ended while the service was down is charged until its end, not until the service saw it.
+    ``unavailable`` / ``problem``: why the executor could not tell (an outage / anything else, one
+    line each); with ``done`` false the job is as it was, with ``done`` the attempt ended as said
+    and ``problem`` tells what could not be read (the scheduler puts it in the reason)."""
 
     done: bool
     exit_code: int | None = None
     lost: bool = False
     started: bool = True
     ended_at: float | None = None
+    unavailable: str | None = None  # the executor could not ask (Slurm's controller unreachable): why, in one line
+    problem: str | None = None  # what it could not read (a missing command, output it cannot parse), in one line
+
+
+class Unavailable(RuntimeError):
+    """The executor cannot reach what runs the jobs now: a Slurm command that timed out or could not
+    reach slurmctld. Not a verdict on the job: nothing of what was asked is left running (a start
+    that met it cancelled what it may have submitted, or its next try makes sure), so the scheduler
+    keeps the job as it was — a start goes back to the queue, the same attempt, and is retried
+    with a backoff. Any other exception from ``start`` is the executor refusing the job: the
+    attempt fails."""
 
 
 def combine(codes: list[int]) -> int:
@@ -61,6 +75,9 @@ def combine(codes: list[int]) -> int:
 
 
 class Executor(Protocol):
+    """Each call may raise ``Unavailable`` (an outage: asked again later, the job as it was); ``start``
+    raising anything else fails the attempt."""
+
     def discover(self) -> list[NodeInfo]: ...
     def start(self, launch: Launch) -> str: ...
     def poll(self, handle: str) -> Status: ...

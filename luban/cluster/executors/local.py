@@ -22,6 +22,24 @@ from luban.cluster.executors import Launch, NodeInfo, Status, combine
 _alive = procs.alive
 
 
+def _is_launcher(pid: int, tag: str | None) -> bool:
+    """``pid`` is still the launcher of the job tagged ``tag``: alive, and its command line names the
+    tag. A handle's pid outlives its launcher (a restart may come long after the launcher died):
+    a pid the system gave to another process since is neither the job running nor ours to signal."""
+    if not _alive(pid):
+        return False
+    if tag is None:  # a handle written before handles carried the tag
+        return True
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    if not cmdline:  # a launcher just started is still in exec (its command line not set yet): cannot tell
+        return True
+    argv = cmdline.decode(errors="replace").split("\0")
+    return "luban.cluster.launcher" in argv and "--tag" in argv and argv[argv.index("--tag") + 1] == tag
+
+
 class LocalExecutor:
     runs_here = True  # jobs run on the service's machine: it can check their command up front (jobcheck)
 
@@ -94,6 +112,9 @@ class LocalExecutor:
         info = json.loads(handle)
         return [(rank, pid, Path(info["run_dir"])) for rank, pid in enumerate(info["pids"])]
 
+    def _live(self, handle: str, pid: int) -> bool:
+        return _is_launcher(pid, json.loads(handle).get("tag"))
+
     def poll(self, handle: str) -> Status:
         codes, running = [], False
         for rank, pid, run_dir in self._ranks(handle):
@@ -102,7 +123,7 @@ class LocalExecutor:
             path = launcher.exit_file(run_dir, rank)
             if path.exists():
                 codes.append(int(path.read_text()))
-            elif _alive(pid):
+            elif self._live(handle, pid):
                 running = True
             else:  # the launcher died without a word (kill -9): nothing of its job may run on
                 self._sweep(handle)
@@ -115,6 +136,8 @@ class LocalExecutor:
 
     def suspend(self, handle: str) -> None:
         for _, pid, _ in self._ranks(handle):
+            if not self._live(handle, pid):
+                continue  # gone (poll ends it), or its pid now another process's
             try:
                 os.killpg(pid, signal.SIGUSR1)  # the launcher forwards it to the job's group
             except ProcessLookupError:
@@ -125,7 +148,7 @@ class LocalExecutor:
         process group, tag) and writes its exit file once none is left; the part of a launcher
         that is already gone is swept from here."""
         for rank, pid, _ in self._ranks(handle):
-            if _alive(pid):
+            if self._live(handle, pid):
                 try:
                     os.kill(pid, signal.SIGTERM)
                     continue

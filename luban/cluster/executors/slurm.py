@@ -12,6 +12,7 @@ before it exits; the state is read back with ``scontrol show job``, and the laun
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import subprocess
 import sys
@@ -19,13 +20,22 @@ from pathlib import Path
 
 from luban import procs
 from luban.cluster import launcher
-from luban.cluster.executors import Launch, NodeInfo, Status, combine
+from luban.cluster.executors import Launch, NodeInfo, Status, Unavailable, combine
 from luban.errors import LubanError
 
 TIMEOUT_S = 60  # seconds one Slurm command may take (a slow or hung slurmctld)
 FORGOTTEN = "Invalid job id"  # scontrol's answer for a job slurmctld no longer knows (MinJobAge), not an outage
+# what Slurm's commands print when they cannot reach slurmctld (down, restarting, overloaded, network):
+# an outage, not an answer about the job (slurm/src/common/slurm_errno.c, errno strings)
+UNREACHABLE = ("unable to contact slurm controller", "socket timed out", "connection refused", "connection timed out",
+               "zero bytes were transmitted", "communication connection failure", "backup controller in standby",
+               "transport endpoint is not connected", "resource temporarily unavailable", "slurm_receive_msg",
+               "no route to host", "network is unreachable")
 RUNNING = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING", "SIGNALING",
-           "STAGE_OUT"}
+           "STAGE_OUT", "STOPPED", "REQUEUE_HOLD", "REQUEUE_FED", "RESV_DEL_HOLD"}
+CANCELLED = "sbatch.cancelled"  # in a run dir: a failed try's scancel --name was taken (its retry waits for it)
+ENDED = {"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL", "DEADLINE",
+         "OUT_OF_MEMORY", "REVOKED", "SPECIAL_EXIT"}
 
 
 def fields(line: str) -> dict[str, str]:
@@ -43,18 +53,21 @@ class SlurmExecutor:
         self.partition, self.state_dir, self.python = partition, state_dir, python
 
     def _run(self, *args: str, env: dict[str, str] | None = None) -> str:
-        """A Slurm command's output; one line (RuntimeError, LubanError when it is not installed)
-        for a failure, a timeout included."""
+        """A Slurm command's output; a failure is one line: ``Unavailable`` when the command timed
+        out or could not reach slurmctld, LubanError when it is not installed, RuntimeError else."""
         try:
             result = subprocess.run(args, capture_output=True, text=True, timeout=TIMEOUT_S, env=env,
                                     errors="replace")
         except FileNotFoundError:
             raise LubanError(f"{args[0]} not found: install slurm-wlm (client) or use --executor local") from None
         except subprocess.TimeoutExpired:
-            raise RuntimeError(f"{args[0]} did not answer within {TIMEOUT_S}s (slurmctld slow or down?)") from None
+            raise Unavailable(f"{args[0]} did not answer within {TIMEOUT_S}s (slurmctld slow or down?)") from None
         if result.returncode != 0:
             why = " ".join(result.stderr.split())[:300]
-            raise RuntimeError(f"{' '.join(args[:3])} failed ({result.returncode}): {why}")
+            message = f"{' '.join(args[:3])} failed ({result.returncode}): {why}"
+            if any(marker in why.lower() for marker in UNREACHABLE):
+                raise Unavailable(message)
+            raise RuntimeError(message)
         return result.stdout
 
     def discover(self) -> list[NodeInfo]:
@@ -81,6 +94,10 @@ class SlurmExecutor:
                 *(["--max-log", str(launch.max_log)] if launch.max_log else []),
                 "--", *launch.command]
         script = run_dir / "job.sbatch"
+        if script.exists():  # an earlier try of this attempt met an outage: it may have submitted a copy
+            earlier = self._earlier_try(launch, run_dir)
+            if earlier is not None:
+                return earlier
         script.write_text("#!/bin/bash\n# luban job %d\nexec srun --kill-on-bad-exit=0 --ntasks-per-node=1 "
                           "--nodes=%d --ntasks=%d %s\n" % (launch.job_id, len(launch.nodes), len(launch.nodes),
                                                           shlex.join(rank)))
@@ -92,8 +109,9 @@ class SlurmExecutor:
         env = dict(launch.env)  # complete: the scheduler built it (job_env)
         try:
             out = self._run(*args, str(script), env=env)
-        except RuntimeError:  # a timeout may still have submitted it: the attempt fails, so nothing of it may run
-            self._cancel_by_name(launch.name)
+        except RuntimeError:  # a timeout may still have submitted it: whether the attempt fails (an error)
+            if self._cancel_by_name(launch.name):  # or waits (Unavailable), nothing of this try may run
+                (run_dir / CANCELLED).touch()  # its retry waits for what it may have started to end
             raise
         slurm_id = out.strip().split(";")[0]
         if not slurm_id.isdigit():  # not --parsable's "ID[;cluster]": a job we could not follow must not run
@@ -102,36 +120,80 @@ class SlurmExecutor:
         return json.dumps({"slurm_id": slurm_id, "run_dir": str(run_dir), "ranks": len(launch.nodes),
                            "tag": launch.name})
 
-    def _cancel_by_name(self, name: str) -> None:
+    def _earlier_try(self, launch: Launch, run_dir: Path) -> str | None:
+        """Before starting an attempt again after an outage, what its earlier try left: a copy its
+        timed-out sbatch submitted and nothing cancelled is this attempt — adopted (its handle), live
+        or ended (all exit files); a copy still listed otherwise (cancelled, ending) is waited for
+        (``Unavailable``, as while slurmctld cannot be asked); else its exit and pgid files are
+        removed and None says: submit."""
+        cancelled = (run_dir / CANCELLED).exists()
+        listed = self._run("squeue", "-h", "-n", launch.name, "-o", "%i %T").split()
+        handle = {"run_dir": str(run_dir), "ranks": len(launch.nodes), "tag": launch.name}
+        if listed:
+            if not cancelled and listed[1:2] and listed[1] in RUNNING - {"COMPLETING", "SIGNALING", "STAGE_OUT"}:
+                return json.dumps({"slurm_id": listed[0], **handle})
+            raise Unavailable(f"an earlier try of {launch.name} is still ending in Slurm")
+        exits = [launcher.exit_file(run_dir, rank) for rank in range(len(launch.nodes))]
+        if not cancelled and all(path.exists() for path in exits):
+            return json.dumps({"slurm_id": "", **handle})  # it ran to its end meanwhile
+        for rank, path in enumerate(exits):
+            path.unlink(missing_ok=True)
+            launcher.pgid_file(run_dir, rank).unlink(missing_ok=True)
+        (run_dir / CANCELLED).unlink(missing_ok=True)
+        return None
+
+    def _cancel_by_name(self, name: str) -> bool:
+        """``scancel --name``: True when Slurm took it (nothing of the name will run)."""
         try:
             self._run("scancel", f"--name={name}")
+            return True
         except (RuntimeError, LubanError):
-            pass  # nothing to cancel, or slurmctld unreachable: find() by the tag after a restart
+            return False  # slurmctld unreachable: the retry (_earlier_try) or find() after a restart decides
 
     def poll(self, handle: str) -> Status:
+        """The attempt's state: ``scontrol show job``, and the launchers' exit files once Slurm has
+        ended it (or forgotten it). What cannot be asked or read leaves the job as it was
+        (``done=False``) and says why in one line: ``unavailable`` while slurmctld cannot be reached,
+        ``problem`` for a missing ``scontrol`` or output without a known ``JobState``. An ended job
+        whose launchers wrote no exit files and whose ``ExitCode`` cannot be read ends as lost, the
+        ``problem`` saying what was printed."""
         info = json.loads(handle)
         run_dir = Path(info["run_dir"])
         files = [launcher.exit_file(run_dir, r) for r in range(info["ranks"])]
+        unavailable = problem = None
         try:
-            f = fields(self._run("scontrol", "show", "job", "-o", info["slurm_id"])) if info["slurm_id"] else {}
-        except RuntimeError as err:
-            if FORGOTTEN not in str(err) and not all(p.exists() for p in files):
-                # slurmctld down, slow or printing errors: the job is as it was, not lost (declaring it
-                # lost ended the attempt while Slurm ran it on, and swept its processes on this host)
-                return Status(done=False)
+            out = self._run("scontrol", "show", "job", "-o", info["slurm_id"]) if info["slurm_id"] else ""
+            f = fields(out) if out else {}
+            if info["slurm_id"] and not f.get("JobState"):
+                problem = f"scontrol show job {info['slurm_id']} printed no JobState ({' '.join(out.split())[:100]!r})"
+        except Unavailable as err:  # slurmctld down, slow or unreachable: the job is as it was, not lost
+            unavailable, f = str(err), {}  # (declaring it lost ended the attempt while Slurm ran it on)
+        except (RuntimeError, LubanError) as err:
+            if FORGOTTEN not in str(err):  # scontrol missing or failing otherwise: cannot tell
+                problem = str(err)
             f = {}  # forgotten by slurmctld (MinJobAge): fall back to the launchers' exit files
         state = f.get("JobState", "")
         if state in RUNNING:
             return Status(done=False, started=state not in ("PENDING", "CONFIGURING"))
         if all(p.exists() for p in files):
             return Status(done=True, exit_code=combine([int(p.read_text()) for p in files]),
-                          ended_at=launcher.ended_at(run_dir, len(files)))
+                          ended_at=launcher.ended_at(run_dir, len(files)), unavailable=unavailable)
+        if unavailable or problem:
+            return Status(done=False, unavailable=unavailable, problem=problem)
+        if state and state not in ENDED:  # a state this code does not know: it may still run
+            return Status(done=False, problem=f"Slurm job {info['slurm_id']} is in JobState={state[:40]!r}, "
+                                              "which luban does not know")
         for rank in range(info["ranks"] if info.get("tag") else 0):  # launchers died without exit files:
             procs.kill_job(launcher.node_tag(info["tag"], rank))  # sweep here (elsewhere: proctrack/cgroup)
         if not state:
             return Status(done=True, lost=True)
-        code, _, sig = f.get("ExitCode", "0:0").partition(":")
-        code = int(code) or (128 + int(sig or 0) if int(sig or 0) else (0 if state == "COMPLETED" else 1))
+        exit_code = f.get("ExitCode", "0:0")
+        parsed = re.fullmatch(r"(\d{1,3}):(\d{1,3})", exit_code)
+        if parsed is None:
+            return Status(done=True, lost=True, problem=f"Slurm job {info['slurm_id']} ended ({state}) with an "
+                                                        f"unreadable ExitCode={exit_code[:40]!r}")
+        code, sig = int(parsed.group(1)), int(parsed.group(2))
+        code = code or (128 + sig if sig else (0 if state == "COMPLETED" else 1))
         return Status(done=True, exit_code=code)
 
     def find(self, launch: Launch) -> str | None:

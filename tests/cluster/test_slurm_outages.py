@@ -1,0 +1,294 @@
+"""The scheduler over a Slurm whose controller goes away or answers garbage (fake ``sbatch``,
+``scontrol``, ``squeue``, ``scancel`` on PATH: no Slurm needed; the clock is injected). A start
+that meets an outage waits in the queue as the same attempt and is retried with a backoff; what
+Slurm says that cannot be read is one line, once, never a traceback a tick.
+
+2026-11-28: with slurmctld down every job that tried to start failed ("launch failed: sbatch ...
+Unable to contact slurm controller"); an unreadable ``ExitCode`` (ValueError) or a missing
+``scontrol`` (LubanError, not the RuntimeError handled) logged "observing job N failed" with a
+traceback every tick, and ``scontrol`` output without a ``JobState`` ended a running job as lost."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import func, select
+
+from luban.cluster import clock as clocks
+from luban.cluster import db, launcher
+from luban.cluster.executors import Launch
+from luban.cluster.executors import slurm as slurm_module
+from luban.cluster.executors.slurm import SlurmExecutor
+from luban.cluster.models import Allocation, Event, Job
+from luban.cluster.scheduler import Scheduler, Settings
+from luban.cluster.service import create_app, ensure_admin
+from tests.cluster.test_clock import FakeTime
+
+DOWN = 'echo "$0: error: Unable to contact slurm controller (connect failure)" >&2; exit 1'
+# Each fake command: "down" (a file) makes it fail as Slurm's commands do without slurmctld; "hang"
+# makes it outlive TIMEOUT_S. scontrol answers from the file "job" (default: the job runs).
+FAKES = {
+    "sbatch": 'echo 4242',
+    "scontrol": 'if [ "$2" = node ]; then echo "NodeName=node1 Partitions=debug AvailableFeatures=zone1"; '
+                'echo "NodeName=node2 Partitions=debug AvailableFeatures=zone1"; '
+                'elif [ -f "$D/job" ]; then cat "$D/job"; else echo "JobId=4242 JobState=RUNNING ExitCode=0:0"; fi',
+    "squeue": ':',
+    "scancel": ':',
+}
+
+
+@pytest.fixture
+def slurm(tmp_path, monkeypatch, caplog):
+    """(scheduler, submit(), fake-Slurm folder, its calls.log, FakeTime) over SQLite."""
+    fake = tmp_path / "fake"
+    bin_dir = fake / "bin"
+    bin_dir.mkdir(parents=True)
+    calls = fake / "calls.log"
+    tools = fake / "tools"  # what the fakes use, and no real Slurm command: PATH holds only these two
+    tools.mkdir()
+    for tool in ("cat", "sleep"):
+        (tools / tool).symlink_to(shutil.which(tool))
+    for name, body in FAKES.items():
+        path = bin_dir / name
+        path.write_text(f'#!/bin/sh\nD={fake}\necho "{name} $*" >> {calls}\n'
+                        f'if [ -f "$D/hang" ]; then sleep 30; fi\nif [ -f "$D/down" ]; then {DOWN}; fi\n{body}\n')
+        path.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{tools}")
+    monkeypatch.setattr(slurm_module, "TIMEOUT_S", 1)
+    t = FakeTime()
+    monkeypatch.setattr(clocks, "CLOCK", t.clock())
+    state = tmp_path / "state"
+    state.mkdir()
+    engine = db.open_checked(str(state / "luban.db"))
+    sessions = db.sessions(engine)
+    scheduler = Scheduler(sessions, SlurmExecutor(state_dir=str(state)), Settings(state_dir=str(state)),
+                          clock=t.clock())
+    scheduler.sync_nodes()
+    ensure_admin(sessions, state)
+    http = TestClient(create_app(sessions, scheduler, run_scheduler=False))
+    admin = {"Authorization": "Bearer " + (state / "admin.token").read_text().strip()}
+    token = http.post("/api/users", json={"name": "alice"}, headers=admin).json()["token"]
+    assert http.put("/api/quota", json={"owner": "user:alice", "priority": "NORMAL", "nodes": 2,
+                                        "node_group": "debug"}, headers=admin).status_code == 200
+
+    def submit() -> int:
+        r = http.post("/api/jobs", json={"spec": {"name": "j", "command": "true"}},
+                      headers={"Authorization": f"Bearer {token}"})
+        assert r.status_code == 201, r.text
+        return r.json()["id"]
+
+    caplog.set_level(logging.DEBUG, logger="luban.cluster")
+    yield scheduler, submit, fake, calls, t
+    engine.dispose()
+
+
+def job(scheduler, job_id: int) -> Job:
+    with scheduler.sessions() as s:
+        return s.get(Job, job_id)
+
+
+def count(scheduler, what) -> int:
+    with scheduler.sessions() as s:
+        return s.scalar(select(func.count()).select_from(what))
+
+
+def logged(caplog, text: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records if text in r.getMessage()]
+
+
+def no_tracebacks(caplog) -> None:
+    assert not [r for r in caplog.records if r.exc_info], \
+        [r.getMessage() for r in caplog.records if r.exc_info][:3]
+
+
+@pytest.mark.parametrize("outage", ["down", "hang"])
+def test_a_start_during_a_slurmctld_outage_waits_in_the_queue_and_is_retried_with_a_backoff(slurm, caplog, outage):
+    scheduler, submit, fake, calls, t = slurm
+    (fake / outage).touch()
+    j = submit()
+    scheduler.guarded_tick()
+    waiting = job(scheduler, j)
+    assert waiting.state == "queued", (waiting.state, waiting.reason)  # not failed: the same attempt waits
+    assert "waiting for the executor" in waiting.reason
+    assert ("Unable to contact slurm controller" if outage == "down" else "did not answer") in waiting.reason
+    assert waiting.started_at is None and waiting.nodes == [] and waiting.token_hash is None
+    assert count(scheduler, Allocation) == 0 and count(scheduler, Job) == 1
+    if outage == "hang":  # what a timed-out sbatch may have submitted is cancelled
+        assert "scancel --name=" in calls.read_text()
+    for _ in range(40):  # 20 s of ticks at 0.5 s
+        t.elapse(0.5)
+        scheduler.guarded_tick()
+    with scheduler.sessions() as s:
+        tries = s.scalar(select(func.count()).select_from(Event).where(Event.kind == "start"))
+    assert 2 <= tries <= 4, tries  # retried, with a backoff (5 s, then 10 s): not once a tick
+    assert count(scheduler, Job) == 1 and job(scheduler, j).state == "queued"
+    assert len(logged(caplog, "executor unavailable")) == 1
+    info = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]
+    assert len(info) < 10, info  # the retries' own lines are debug-level
+
+    for path in fake.glob(outage):
+        path.unlink()
+    t.elapse(600)  # past any backoff (RETRY_MAX_S)
+    scheduler.guarded_tick()
+    started = job(scheduler, j)
+    assert started.state in ("starting", "running") and started.handle and started.nodes
+    assert count(scheduler, Job) == 1
+    assert len(logged(caplog, "executor available again")) == 1 and scheduler.executor_outage is None
+    no_tracebacks(caplog)
+
+
+def test_a_running_job_rides_out_an_outage_and_a_stop_during_it_is_done_after(slurm, caplog):
+    scheduler, submit, fake, calls, t = slurm
+    j = submit()
+    scheduler.guarded_tick()  # started
+    scheduler.guarded_tick()  # seen running
+    assert job(scheduler, j).state == "running"
+    (fake / "down").touch()
+    with scheduler.sessions.begin() as s:  # `luban stop` while slurmctld is down: scancel fails too
+        s.get(Job, j).requested = 1
+    for _ in range(10):
+        t.elapse(1)
+        scheduler.guarded_tick()
+    assert job(scheduler, j).state == "running" and job(scheduler, j).stop_reason == 0  # asked again later
+    assert len(logged(caplog, "executor unavailable")) == 1 and not logged(caplog, "available again")
+    (fake / "down").unlink()
+    t.elapse(1)
+    scheduler.guarded_tick()
+    assert job(scheduler, j).stop_reason == 1 and "scancel 4242" in calls.read_text()
+    (fake / "job").write_text("JobId=4242 JobState=CANCELLED ExitCode=0:15\n")
+    t.elapse(1)
+    scheduler.guarded_tick()
+    assert job(scheduler, j).state == "stopped"
+    assert len(logged(caplog, "executor available again")) == 1
+    no_tracebacks(caplog)
+
+
+def test_a_start_slurm_refuses_still_fails_the_attempt(slurm, caplog):
+    """Not an outage: sbatch's own refusal of the job ends the attempt at once, in one line."""
+    scheduler, submit, fake, calls, t = slurm
+    (fake / "bin" / "sbatch").write_text('#!/bin/sh\necho "sbatch: error: Batch job submission failed: '
+                                         'Invalid account or account/partition combination specified" >&2\nexit 1\n')
+    j = submit()
+    scheduler.guarded_tick()
+    failed = job(scheduler, j)
+    assert failed.state == "failed" and "Invalid account" in failed.reason and "\n" not in failed.reason
+    assert getattr(scheduler, "executor_outage", None) is None and not logged(caplog, "executor unavailable")
+    no_tracebacks(caplog)
+
+
+@pytest.mark.parametrize("earlier", ["submitted", "cancelled", "ran"])
+def test_the_retry_of_a_start_adopts_or_waits_for_what_an_earlier_try_left(tmp_path, monkeypatch, earlier):
+    """A timed-out sbatch may have submitted the attempt. Its next try adopts that copy when nothing
+    cancelled it (running, or ended with all exit files): the attempt runs once; a copy that was
+    cancelled is waited for while Slurm lists it, then its exit files are cleared and it is
+    submitted again."""
+    from tests.cluster.test_executor_faults import fake_slurm
+
+    listed = tmp_path / "listed"
+    listed.write_text("76 COMPLETING\n" if earlier == "cancelled" else "76 RUNNING\n")
+    calls = fake_slurm(tmp_path, monkeypatch, sbatch="echo 77", scancel="exit 0",
+                       squeue=f'if [ -f {listed} ]; then cat {listed}; fi')
+    run_dir = tmp_path / "runs" / "7"
+    run_dir.mkdir(parents=True)
+    (run_dir / "job.sbatch").write_text("# the earlier try\n")
+    if earlier == "cancelled":
+        (run_dir / slurm_module.CANCELLED).touch()
+    if earlier != "submitted":
+        launcher.write_atomic(launcher.exit_file(run_dir, 0), "137" if earlier == "cancelled" else "0")
+    if earlier == "ran":
+        listed.unlink()
+    launch = Launch(job_id=7, name="luban-7-c", nodes=["node1"], command=["true"], env=dict(os.environ),
+                    run_dir=str(run_dir), log_pattern=str(tmp_path / "rank{rank}.log"))
+    executor = SlurmExecutor(state_dir=str(tmp_path))
+    if earlier == "cancelled":
+        with pytest.raises(RuntimeError, match="still ending"):  # executors.Unavailable: the start waits
+            executor.start(launch)
+        listed.unlink()
+        handle = executor.start(launch)
+        assert '"slurm_id": "77"' in handle and not launcher.exit_file(run_dir, 0).exists()
+        assert not (run_dir / slurm_module.CANCELLED).exists()
+    else:
+        handle = executor.start(launch)
+        assert json.loads(handle)["slurm_id"] == ("76" if earlier == "submitted" else "")
+        assert "sbatch" not in calls.read_text()  # not submitted twice
+        if earlier == "ran":
+            assert executor.poll(handle).done and executor.poll(handle).exit_code == 0
+
+
+def test_an_unreadable_exit_code_ends_the_attempt_once_in_one_line(slurm, caplog):
+    scheduler, submit, fake, calls, t = slurm
+    j = submit()
+    scheduler.guarded_tick()  # started
+    scheduler.guarded_tick()  # seen running
+    assert job(scheduler, j).state == "running"
+    (fake / "job").write_text("JobId=4242 JobName=x JobState=FAILED ExitCode=garbage\n")
+    for _ in range(5):
+        t.elapse(1)
+        scheduler.guarded_tick()
+    ended = job(scheduler, j)
+    assert ended.state == "failed" and ended.exit_code is None and _lost(ended)
+    assert "unreadable ExitCode='garbage'" in ended.reason, ended.reason
+    assert count(scheduler, Allocation) == 0
+    assert len(logged(caplog, "unreadable ExitCode")) == 1, logged(caplog, "unreadable ExitCode")
+    no_tracebacks(caplog)
+
+
+def _lost(j: Job) -> bool:
+    from luban.cluster.models import StopReason
+
+    return bool(j.stop_reason & StopReason.LOST)
+
+
+@pytest.mark.parametrize("fault", ["no-scontrol", "no-jobstate"])
+def test_a_state_that_cannot_be_read_leaves_the_job_running_and_is_said_once(slurm, caplog, fault):
+    scheduler, submit, fake, calls, t = slurm
+    j = submit()
+    scheduler.guarded_tick()  # started
+    scheduler.guarded_tick()  # seen running
+    assert job(scheduler, j).state == "running"
+    scontrol = fake / "bin" / "scontrol"
+    saved = scontrol.read_text()
+    if fault == "no-scontrol":
+        scontrol.unlink()
+    else:
+        (fake / "job").write_text("slurm_load_jobs: something else entirely\n")
+    for _ in range(10):
+        t.elapse(1)
+        scheduler.guarded_tick()
+    assert job(scheduler, j).state == "running" and count(scheduler, Job) == 1
+    said = logged(caplog, "could not tell its state")
+    assert len(said) == 1 and ("scontrol not found" if fault == "no-scontrol" else "printed no JobState") in said[0]
+    no_tracebacks(caplog)
+    scontrol.write_text(saved)
+    scontrol.chmod(0o755)
+    (fake / "job").unlink(missing_ok=True)
+    t.elapse(1)
+    scheduler.guarded_tick()
+    assert len(logged(caplog, "can tell its state again")) == 1
+    (fake / "job").write_text("JobId=4242 JobState=COMPLETED ExitCode=0:0\n")  # launchers wrote no exit files
+    t.elapse(1)
+    scheduler.guarded_tick()
+    assert job(scheduler, j).state == "succeeded"
+    no_tracebacks(caplog)
+
+
+def test_slurms_own_words_for_an_unreachable_controller_are_an_outage(tmp_path):
+    """The real client commands (no controller needed: a slurm.conf naming a port nothing listens on)."""
+    from luban.cluster.executors import Unavailable
+    from tests.cluster.conftest import require
+
+    require(bool(shutil.which("sbatch")) and Path("/etc/slurm/slurm.conf").exists(), "Slurm's client commands")
+    conf = tmp_path / "slurm.conf"
+    conf.write_text("".join(line if not line.startswith("SlurmctldPort=") else "SlurmctldPort=9\n"
+                            for line in Path("/etc/slurm/slurm.conf").read_text().splitlines(keepends=True)))
+    env = dict(os.environ, SLURM_CONF=str(conf))
+    launch = Launch(job_id=8, name="luban-8-cdown", nodes=["node1"], command=["true"], env=env,
+                    run_dir=str(tmp_path / "runs" / "8"), log_pattern=str(tmp_path / "rank{rank}.log"))
+    with pytest.raises(Unavailable, match="Unable to contact slurm controller"):
+        SlurmExecutor(state_dir=str(tmp_path)).start(launch)
