@@ -118,6 +118,7 @@ class Scheduler:
         self.executor_outage: ExecutorOutage | None = None  # the executor's (None: it answers)
         self.reported: dict[str, int] = {}  # executor problems logged (once each) and still seen: text -> job id
         self._answers = {"reached": False, "unavailable": False}  # this tick's: the executor answered / did not
+        self.unavailable_answers = 0  # answers that met an outage, ever (observe stops polling at one)
 
     # -- nodes -------------------------------------------------------------------------------
     def sync_nodes(self) -> None:
@@ -198,6 +199,7 @@ class Scheduler:
         met it is retried after the backoff, which doubles with each such start."""
         now = self.clock.now()
         self._answers["unavailable"] = True
+        self.unavailable_answers += 1
         if self.executor_outage is None:
             self.executor_outage = ExecutorOutage(since=now, cause=one_line(err))
             log.warning("executor unavailable: jobs keep their state, starts wait and are retried with a "
@@ -282,7 +284,11 @@ class Scheduler:
                 if job.state == states.QUEUED:
                     self._end(s, job, states.STOPPED, None, job.requested, "stopped while queued")
         seen: set[str] = set()
-        for job_id in ids:
+        before = self.unavailable_answers
+        for n, job_id in enumerate(ids):
+            if self.unavailable_answers > before:  # a hung slurmctld costs one TIMEOUT_S a tick, not one a job
+                log.debug("executor unavailable: %d job(s) not polled this tick", len(ids) - n)
+                return  # (nor is a problem of theirs taken as gone)
             try:
                 with self.sessions.begin() as s:
                     job = s.get(Job, job_id, with_for_update=True)

@@ -292,3 +292,24 @@ def test_slurms_own_words_for_an_unreachable_controller_are_an_outage(tmp_path):
                     run_dir=str(tmp_path / "runs" / "8"), log_pattern=str(tmp_path / "rank{rank}.log"))
     with pytest.raises(Unavailable, match="Unable to contact slurm controller"):
         SlurmExecutor(state_dir=str(tmp_path)).start(launch)
+
+
+def test_a_hung_controller_costs_one_poll_a_tick_not_one_per_job(slurm, caplog):
+    """Each ``scontrol`` waits ``TIMEOUT_S`` for a hung slurmctld: with N running jobs a tick took N
+    timeouts (N minutes). After the first poll that meets the outage the others wait for the next tick."""
+    scheduler, submit, fake, calls, t = slurm
+    jobs = [submit(), submit()]
+    scheduler.guarded_tick()
+    scheduler.guarded_tick()
+    assert [job(scheduler, j).state for j in jobs] == ["running", "running"]
+    (fake / "down").touch()
+    polls = calls.read_text().count("scontrol show job")
+    t.elapse(1)
+    scheduler.guarded_tick()
+    assert calls.read_text().count("scontrol show job") - polls == 1, calls.read_text()
+    assert [job(scheduler, j).state for j in jobs] == ["running", "running"]
+    (fake / "down").unlink()
+    t.elapse(1)
+    scheduler.guarded_tick()
+    assert calls.read_text().count("scontrol show job") - polls == 3  # both polled again
+    no_tracebacks(caplog)
