@@ -39,7 +39,6 @@ HEAVY_FIRST = [
     "tests/train/test_compile.py",
     "tests/train/test_layouts_e2e.py",        # 8-rank suspend/resume (~140 s)
     "tests/train/test_resume_layouts.py",
-    "tests/parallel/test_fsdp_tp_output.py",
     "tests/train/test_signals.py",
     "tests/train/test_cli.py",
     "tests/train/test_checkpoint_safety.py",

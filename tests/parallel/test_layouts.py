@@ -10,6 +10,19 @@ which is active, so the global gradient norm is checked too) and its gathered pa
 must match the single-process ``Engine`` to 1e-5. The resharding matrix saves a DCP
 checkpoint under one layout (SGD with momentum, so optimizer state matters) and resumes
 it under another; the result must equal the uninterrupted single-process run.
+
+Tensor parallel under FSDP2 (tp with dp·cp > 1 needs zero >= 1, e.g. ``cp = 2, tp = 2``): the
+model's output must not be a view. It was: the LM head returned ``DTensor.to_local()``, a view,
+and FSDP2 printed "FSDP2-wrapped module (FSDPTransformer) returned a view tensor ... will
+silently drop the pre-backward hook" on every rank. No gradient was lost (nothing wrote into the
+logits in place), so the runs matched one process then as now; the logits now leave the model as
+the DTensor that ``loss_parallel`` takes (``luban.parallel.tensor_parallel``). Checked by
+``test_tensor_parallel_output_under_fsdp_is_no_view_and_gradients_match_one_process`` (it had its
+own 4-rank spawn in ``test_fsdp_tp_output.py``; its jobs now run in this file's 4-rank spawn, whose
+whole output it searches for the warning): the parameters after 2 SGD steps (so the gradients)
+equal the single-process engine's, for ZeRO-1 and ZeRO-3 (where the root's pre-backward hook
+gathers the head and embeddings again) and for a pipeline whose last stage returns the DTensor
+logits.
 """
 
 from __future__ import annotations
@@ -57,13 +70,18 @@ MATRIX = {
         job("pp2-dp2-zero3-zb-llama-selective", "tiny-llama", pp=2, dp=2, zero=3, schedule="zero-bubble",
             virtual_stages=2, micro_batch=2, recompute="selective"),
         job("pp2-dp2-zero3-dualpipev", pp=2, dp=2, zero=3, schedule="dualpipev", virtual_stages=2),
-        job("pp2-cp2-zero3-zb", pp=2, cp=2, zero=3, schedule="zero-bubble", virtual_stages=2, micro_batch=2)],
+        job("pp2-cp2-zero3-zb", pp=2, cp=2, zero=3, schedule="zero-bubble", virtual_stages=2, micro_batch=2),
+        # tensor parallel under FSDP2 and a pipeline's DTensor logits (the FSDP_TP jobs; cp2-tp2-zero1 is above)
+        job("cp2-tp2-zero3-llama", "tiny-llama", cp=2, tp=2, zero=3), job("pp2-tp2", pp=2, tp=2, micro_batch=2)],
     8: [job("pp2-zero3-dp2-tp2", pp=2, dp=2, tp=2, zero=3),
         job("pp2-zero3-dp2-tp2-sp-llama", "tiny-llama", pp=2, dp=2, tp=2, sp=True, zero=3, schedule="interleaved-1f1b",
             virtual_stages=2),
         job("cp2-tp2-dp2-zero2-llama", "tiny-llama", cp=2, tp=2, dp=2, zero=2),
         job("hybrid-2x2-zero3-cp2-llama", "tiny-llama", dp=4, dp_replicate=2, zero=3, cp=2)],
 }
+
+# tensor parallel under FSDP2 (test_tensor_parallel_output_under_fsdp_...): jobs of MATRIX[4]
+FSDP_TP = ["cp2-tp2-zero1", "cp2-tp2-zero3-llama", "pp2-tp2"]
 
 # resharding: (name, save layout, load layout, preset); world size 1 = single-process Engine
 RESHARD = [
@@ -178,3 +196,21 @@ def test_optimizer_offload_keeps_states_off_the_device(runs):
     assert off["optimizer_bytes"] == 0 and "host_optimizer_bytes" not in on
     assert off["host_optimizer_bytes"] == on["optimizer_bytes"] + on["param_bytes"] + on["grad_bytes"]
     assert (off["param_bytes"], off["grad_bytes"]) == (on["param_bytes"], on["grad_bytes"])
+
+
+@pytest.mark.multirank
+def test_tensor_parallel_output_under_fsdp_is_no_view_and_gradients_match_one_process(runs):
+    """No "returned a view tensor" warning from any rank of the 4-rank spawn (its whole log, which
+    holds the FSDP_TP jobs), and those jobs' parameters, losses, norms and eval losses equal the
+    single-process engine's."""
+    assert runs["codes"][4] == 0, (runs["out"] / "ranks-4.log").read_text()[-5000:]
+    output = (runs["out"] / "ranks-4.log").read_text()
+    assert "returned a view tensor" not in output, output[-5000:]
+    specs = {j["name"]: j for j in MATRIX[4]}
+    for name in FSDP_TP:
+        ref = reference(specs[name]["preset"])
+        per_rank = results(name, 4, runs["out"])
+        assert max_diff(merged_params(per_rank), ref["params"]) < TOL, name
+        assert per_rank[0]["losses"] == pytest.approx(ref["losses"], abs=TOL), name
+        assert per_rank[0]["norms"] == pytest.approx(ref["norms"], abs=TOL), name
+        assert all(r["eval"] == pytest.approx(ref["eval"], abs=TOL) for r in per_rank), name

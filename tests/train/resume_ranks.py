@@ -4,7 +4,9 @@ straight through, then the same run suspended by a real SIGUSR1 on one rank and 
 
 ``python -m tests.train.resume_ranks CASES.json``: CASES is a list of ``{"name", "straight",
 "split", "stop_at"}`` (the two runs' ``--set`` overrides; the split run is signalled after step
-``stop_at``). A failing case writes ``<split run.dir>/error.rank<R>.txt`` and ends the spawn.
+``stop_at``). A case without ``split`` trains ``straight`` only (test_async_checkpoint's
+synchronous references: several runs in one spawn). A failing case writes
+``<split (or straight) run.dir>/error.rank<R>.txt`` and ends the spawn.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from luban.train.trainer import Trainer
 
 def run_case(case: dict, rank: int) -> None:
     Trainer(load_config(None, case["straight"])).train()
+    if "split" not in case:
+        return
     trainer = Trainer(load_config(None, case["split"]))
     agreed = SuspendFlag.agreed
 
@@ -54,7 +58,7 @@ def main(cases_file: str) -> int:
         try:
             run_case(case, rank)
         except Exception:  # noqa: BLE001 - reported to the test, which names the case
-            run_dir = load_config(None, case["split"]).run.dir
+            run_dir = load_config(None, case.get("split", case["straight"])).run.dir
             Path(run_dir).mkdir(parents=True, exist_ok=True)
             (Path(run_dir) / f"error.rank{rank}.txt").write_text(traceback.format_exc())
             print(f"[rank {rank}] {case['name']}: {traceback.format_exc()}", file=sys.stderr, flush=True)

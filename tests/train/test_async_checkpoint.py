@@ -21,11 +21,11 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from tests.child import Child
+from tests.child import Child, launch
 from luban.errors import EXIT_SUSPENDED
 from luban.train import checkpoint
 
-from .conftest import assert_bitwise_equal, final_weights, luban
+from .conftest import assert_bitwise_equal, final_weights, luban, tiny_overrides
 
 BASE = {"train.steps": 6, "train.checkpoint_every": 2, "train.eval_every": 0}
 DELAY = 1.0  # seconds the background copy sleeps first: the next step's forward/backward runs meanwhile
@@ -82,8 +82,36 @@ def _popen(args, hold: Path, step: int, **extra_env) -> Child:
     return Child([sys.executable, "-m", "luban", *args], log=hold / "train.log", env=env)
 
 
-def test_async_save_equals_sync_save_while_training_moves_on(tiny, tmp_path):
-    luban("train", *_args(tiny("sync", **BASE, **{"train.async_checkpoint": "false"})), check=0)
+MOE = {"model.experts": 4, "model.router": '"sigmoid"', "model.router_bias_rate": 0.05}
+LONG = {**BASE, "train.steps": 40, "train.checkpoint_every": 4}  # the SIGUSR1 test's run
+
+
+def _sync_runs(small_dataset, root: Path, nproc: int, runs: dict[str, dict]) -> dict[str, Path]:
+    """Synchronous-save runs of ``runs`` (name: ``--set`` keys on top of ``BASE``), trained one
+    after the other in one spawn of ``nproc`` gloo ranks (``tests.train.resume_ranks``: the
+    trainer ``luban train`` runs) instead of one ``luban train`` each. The runs under test (async,
+    killed, signalled) stay ``luban train``."""
+    dirs = {name: root / name for name in runs}
+    cases = [{"name": name, "straight": tiny_overrides(small_dataset, dirs[name],
+                                                       **{**BASE, **keys, "train.async_checkpoint": "false"})}
+             for name, keys in runs.items()]
+    (root / "cases.json").write_text(json.dumps(cases))
+    code, output = launch([root / "cases.json"], nproc, "tests.train.resume_ranks", timeout=600,
+                          log=root / "ranks.log")
+    assert code == 0, output[-5000:]
+    return dirs
+
+
+@pytest.fixture(scope="module")
+def sync_refs(small_dataset, tmp_path_factory) -> dict[str, Path]:
+    """The one-process references, trained once for the module: ``base`` (``BASE``: the async
+    save's reference checkpoint by checkpoint, and the killed-and-resumed run's final weights;
+    async or not, training is the same, which the first test checks), ``moe`` (the router-bias
+    test's sync run) and ``long`` (the SIGUSR1 test's straight run)."""
+    return _sync_runs(small_dataset, tmp_path_factory.mktemp("sync1"), 1, {"base": {}, "moe": MOE, "long": LONG})
+
+
+def test_async_save_equals_sync_save_while_training_moves_on(tiny, tmp_path, sync_refs):
     hold = tmp_path / "hold"
     hold.mkdir()
     proc = _popen(["train", *_args(tiny("async", **BASE))], hold, step=2, **SLOW)
@@ -92,7 +120,7 @@ def test_async_save_equals_sync_save_while_training_moves_on(tiny, tmp_path):
     with proc:
         proc.finish(300)
     for step in ("step_0000002", "step_0000004", "step_0000006"):
-        sync, asy = (tmp_path / run / "checkpoints" / step for run in ("sync", "async"))
+        sync, asy = sync_refs["base"] / "checkpoints" / step, tmp_path / "async" / "checkpoints" / step
         assert checkpoint.verify(asy) is None
         _assert_same(_contents(sync, tmp_path), _contents(asy, tmp_path))
     records = [json.loads(line) for line in (tmp_path / "async" / "metrics.jsonl").open()]
@@ -114,13 +142,15 @@ def _assert_stall_counts_the_wait(records: list[dict]) -> None:
         assert following["time_optimizer_s"] >= save["stall_s"] - 1.0, (save, following)  # the wait is there
 
 
-def _sync_vs_async(tiny, tmp_path, sets: dict, nproc: int = 1) -> None:
-    """A sync run and an async run whose copies overlap the next step: the same checkpoints."""
-    for name, on in (("sync", "false"), ("async", "true")):
+def _sync_vs_async(tiny, tmp_path, sets: dict, nproc: int = 1, sync_run: Path | None = None) -> None:
+    """A sync run and an async run whose copies overlap the next step: the same checkpoints.
+    ``sync_run``: the sync run, trained already (else trained here by ``luban train``)."""
+    runs = (("async", "true"),) if sync_run else (("sync", "false"), ("async", "true"))
+    for name, on in runs:
         luban("train", "--nproc", nproc, *_args(tiny(name, **BASE, **sets, **{"train.async_checkpoint": on})),
               check=0, timeout=600, env={**os.environ, **SLOW})
     for step in ("step_0000002", "step_0000004", "step_0000006"):
-        sync, asy = (tmp_path / run / "checkpoints" / step for run in ("sync", "async"))
+        sync, asy = (sync_run or tmp_path / "sync") / "checkpoints" / step, tmp_path / "async" / "checkpoints" / step
         assert checkpoint.verify(asy) is None and len(list(asy.glob("rng_rank*.pt"))) == nproc
         _assert_same(_contents(sync, tmp_path), _contents(asy, tmp_path))
     records = [json.loads(line) for line in (tmp_path / "async" / "metrics.jsonl").open()]
@@ -129,12 +159,12 @@ def _sync_vs_async(tiny, tmp_path, sets: dict, nproc: int = 1) -> None:
     _assert_stall_counts_the_wait(records)
 
 
-def test_moe_router_bias_async_equals_sync(tiny, tmp_path):
+def test_moe_router_bias_async_equals_sync(tiny, tmp_path, sync_refs):
     """The sigmoid router's bias (a buffer in the checkpoint) changes after the optimizer step, too."""
-    _sync_vs_async(tiny, tmp_path, {"model.experts": 4, "model.router": '"sigmoid"', "model.router_bias_rate": 0.05})
+    _sync_vs_async(tiny, tmp_path, MOE, sync_run=sync_refs["moe"])
 
 
-def test_kill_9_during_a_background_write_leaves_the_previous_checkpoint(tiny, tmp_path):
+def test_kill_9_during_a_background_write_leaves_the_previous_checkpoint(tiny, tmp_path, sync_refs):
     hold = tmp_path / "hold"
     hold.mkdir()
     proc = _popen(["train", *_args(tiny("run", **BASE))], hold, step=4)
@@ -145,14 +175,13 @@ def test_kill_9_during_a_background_write_leaves_the_previous_checkpoint(tiny, t
     assert (root / ".tmp-step_0000004").is_dir()  # DCP files written, no manifest, never renamed
     assert checkpoint.latest_valid(root) == root / "step_0000002"
     luban("train", "--resume", "auto", *_args(tiny("run", **BASE)), check=0)
-    luban("train", *_args(tiny("straight", **BASE)), check=0)
-    assert_bitwise_equal(final_weights(tmp_path / "straight"), final_weights(tmp_path / "run"))
+    assert_bitwise_equal(final_weights(sync_refs["base"]), final_weights(tmp_path / "run"))  # BASE straight through
 
 
-def test_sigusr1_during_a_background_write_waits_for_it_and_exits_75(tiny, tmp_path):
+def test_sigusr1_during_a_background_write_waits_for_it_and_exits_75(tiny, tmp_path, sync_refs):
     hold = tmp_path / "hold"
     hold.mkdir()
-    sets = tiny("run", **{**BASE, "train.steps": 40, "train.checkpoint_every": 4})
+    sets = tiny("run", **LONG)
     proc = _popen(["train", "--resume", "auto", *_args(sets)], hold, step=4)
     with proc:
         _held(hold, proc)
@@ -164,15 +193,22 @@ def test_sigusr1_during_a_background_write_waits_for_it_and_exits_75(tiny, tmp_p
     assert newest is not None and int(newest.name.split("_")[1]) > 4
     assert checkpoint.verify(root / "step_0000004") is None and not list(root.glob(".tmp-*"))
     luban("train", "--resume", "auto", *_args(sets), check=0)
-    luban("train", *_args(tiny("straight", **{**BASE, "train.steps": 40, "train.checkpoint_every": 4})), check=0)
-    assert_bitwise_equal(final_weights(tmp_path / "straight"), final_weights(tmp_path / "run"))
+    assert_bitwise_equal(final_weights(sync_refs["long"]), final_weights(tmp_path / "run"))  # LONG straight through
+
+
+TWO_RANKS = {"zero1": {"parallel.dp": 2, "parallel.zero": 1}, "zero3": {"parallel.dp": 2, "parallel.zero": 3},
+             "zero1-offload-optimizer": {"parallel.dp": 2, "parallel.zero": 1, "parallel.offload": '"optimizer"'},
+             "ep2-moe": {"parallel.dp": 2, "parallel.ep": 2, "model.experts": 4, "model.router": '"sigmoid"'},
+             "pp2": {"parallel.pp": 2, "parallel.micro_batch": 1}}
+
+
+@pytest.fixture(scope="module")
+def two_rank_sync(small_dataset, tmp_path_factory) -> dict[str, Path]:
+    """The synchronous reference run of every ``TWO_RANKS`` layout, all in one 2-rank spawn."""
+    return _sync_runs(small_dataset, tmp_path_factory.mktemp("sync2"), 2, TWO_RANKS)
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("layout", [{"parallel.dp": 2, "parallel.zero": 1}, {"parallel.dp": 2, "parallel.zero": 3},
-                                    {"parallel.dp": 2, "parallel.zero": 1, "parallel.offload": '"optimizer"'},
-                                    {"parallel.dp": 2, "parallel.ep": 2, "model.experts": 4, "model.router": '"sigmoid"'},
-                                    {"parallel.pp": 2, "parallel.micro_batch": 1}],
-                         ids=["zero1", "zero3", "zero1-offload-optimizer", "ep2-moe", "pp2"])
-def test_two_ranks_async_equals_sync(tiny, tmp_path, layout):
-    _sync_vs_async(tiny, tmp_path, layout, nproc=2)
+@pytest.mark.parametrize("layout", list(TWO_RANKS))
+def test_two_ranks_async_equals_sync(tiny, tmp_path, two_rank_sync, layout):
+    _sync_vs_async(tiny, tmp_path, TWO_RANKS[layout], nproc=2, sync_run=two_rank_sync[layout])

@@ -16,7 +16,7 @@ import pytest
 
 from tests.child import Child
 from luban.train import checkpoint
-from tests.train.conftest import luban
+from tests.train.conftest import luban, tiny_overrides
 
 
 def sets(overrides):
@@ -32,10 +32,30 @@ def test_unwritable_run_dir_is_refused_before_any_work(tiny, tmp_path):
         assert len(lines) == 1 and lines[0].startswith("luban: error: ") and words in lines[0], out.stderr
 
 
+@pytest.fixture(scope="module")
+def trained(small_dataset, tmp_path_factory):
+    """A run trained once per module for the tests that start from it: ``trained(name, sets, dest)``
+    copies the run of those ``--set`` keys (trained the first time it is asked for) to ``dest``.
+    The copy is the folder a fresh run there would leave (same files, same bytes); each test
+    changes only its own copy."""
+    runs = {}
+
+    def copy(name: str, keys: dict, dest: Path) -> Path:
+        if name not in runs:
+            runs[name] = tmp_path_factory.mktemp(name) / "run"
+            luban("train", *sets(tiny_overrides(small_dataset, runs[name], **keys)), check=0)
+        shutil.copytree(runs[name], dest, symlinks=True)
+        return dest
+
+    return copy
+
+
+FOUR_STEPS = {"train.steps": 4, "train.checkpoint_every": 2}  # checkpoints at steps 2 and 4
+
+
 @pytest.mark.parametrize("background", ["true", "false"])  # the failed write in the background thread, or inline
-def test_a_full_disk_at_save_time_exits_74_and_keeps_the_previous_checkpoint(tiny, tmp_path, background):
-    run = tmp_path / "run"
-    luban("train", *sets(tiny(**{"train.steps": 4, "train.checkpoint_every": 2})), check=0)
+def test_a_full_disk_at_save_time_exits_74_and_keeps_the_previous_checkpoint(tiny, tmp_path, trained, background):
+    run = trained("four-steps", FOUR_STEPS, tmp_path / "run")
     size = max(f.stat().st_size for f in (run / "checkpoints" / "step_0000004").iterdir())
 
     def small_files():  # writes past this size fail with EFBIG, as on a full disk (CPython ignores SIGXFSZ)
@@ -57,8 +77,8 @@ def test_a_full_disk_at_save_time_exits_74_and_keeps_the_previous_checkpoint(tin
     ({"model.hidden": 64}, "luban: error: model.hidden = 64: 32, as in the checkpoint --resume names"),
     ({"train.optimizer": '"sgd"'}, "luban: error: train.optimizer = 'sgd': 'adamw', as in the checkpoint"),
 ])
-def test_a_changed_model_or_optimizer_is_named_before_loading(tiny, tmp_path, change, words):
-    luban("train", *sets(tiny(**{"train.steps": 2, "train.checkpoint_every": 2, "model.hidden": 32})), check=0)
+def test_a_changed_model_or_optimizer_is_named_before_loading(tiny, tmp_path, trained, change, words):
+    trained("two-steps", {"train.steps": 2, "train.checkpoint_every": 2, "model.hidden": 32}, tmp_path / "run")
     out = luban("train", "--resume", "auto", *sets(tiny(**{"train.steps": 4, "model.hidden": 32, **change})))
     assert out.returncode == 2 and words in out.stderr and "Traceback" not in out.stderr, out.stderr
 
@@ -126,9 +146,8 @@ sys.exit(main(sys.argv[2:]))
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root for a private mount")
-def test_a_read_only_file_system_at_save_time_exits_74_and_keeps_the_previous_checkpoint(tiny, tmp_path):
-    run = tmp_path / "run"
-    luban("train", *sets(tiny(**{"train.steps": 4, "train.checkpoint_every": 2})), check=0)
+def test_a_read_only_file_system_at_save_time_exits_74_and_keeps_the_previous_checkpoint(tiny, tmp_path, trained):
+    run = trained("four-steps", FOUR_STEPS, tmp_path / "run")
     before = {p.name: p.read_bytes() for p in (run / "checkpoints" / "step_0000004").iterdir() if p.is_file()}
     ckpts = run / "checkpoints"  # not the whole run dir: files open for writing there (metrics) make remount busy
     script = (f'mount --bind "{ckpts}" "{ckpts}" && exec "{sys.executable}" -c \'{READ_ONLY_AFTER_CHECK}\' "{ckpts}" '

@@ -17,7 +17,7 @@ from luban.config import load_config
 from luban.errors import EXIT_SUSPENDED
 from luban.train.trainer import Trainer
 
-from .conftest import assert_bitwise_equal, final_weights, luban
+from .conftest import assert_bitwise_equal, final_weights, luban, tiny_overrides
 
 SGD = {"train.optimizer": '"sgd"', "train.lr": 0.05, "train.min_lr": 0.005, "train.momentum": 0.9,
        "model.preset": '"tiny-llama"', "model.layers": 4, "train.global_batch": 8, "train.eval_every": 0}
@@ -48,14 +48,21 @@ def test_suspend_and_resume_under_3d_layout_is_bitwise_exact(tiny, tmp_path):
     assert_bitwise_equal(final_weights(tmp_path / "straight"), final_weights(tmp_path / "suspended"))
 
 
+@pytest.fixture(scope="module")
+def straight_sgd(small_dataset, tmp_path_factory):
+    """The single-process run both resume-on-another-layout cases continue (the same config for
+    both: trained once, in this process)."""
+    run = tmp_path_factory.mktemp("e2e") / "straight"
+    Trainer(load_config(None, tiny_overrides(small_dataset, run, **SGD))).train()
+    return final_weights(run)
+
+
 @pytest.mark.multirank
 @pytest.mark.parametrize("save, load", [
     (dict(nproc=2, dp=2, zero=1), dict(nproc=4, pp=2, tp=2, micro_batch=2)),  # world size 2 -> 4, no-pp -> pp
     (dict(nproc=2, pp=2, micro_batch=2), dict(nproc=1)),                     # pp -> single process
 ], ids=["dp2-zero1-to-pp2-tp2", "pp2-to-single"])
-def test_resume_on_another_layout_continues_the_same_run(tiny, tmp_path, save, load):
-    straight = Trainer(load_config(None, tiny("straight", **SGD)))
-    straight.train()
+def test_resume_on_another_layout_continues_the_same_run(tiny, tmp_path, straight_sgd, save, load):
     nproc_save, nproc_load = save.pop("nproc"), load.pop("nproc")
     first = tiny("x", **SGD, **_layout(**save), **{"train.checkpoint_every": 4})
     luban("train", "--nproc", nproc_save, *_args(first), check=0, timeout=900)
@@ -64,7 +71,7 @@ def test_resume_on_another_layout_continues_the_same_run(tiny, tmp_path, save, l
     second = tiny("x", **SGD, **_layout(**load))
     proc = luban("train", "--nproc", nproc_load, "--resume", "auto", *_args(second), check=0, timeout=900)
     assert "resumed from" in proc.stdout and "at step 4" in proc.stdout
-    ref, got = final_weights(tmp_path / "straight"), final_weights(tmp_path / "x")
+    ref, got = straight_sgd, final_weights(tmp_path / "x")
     assert ref.keys() == got.keys()
     worst = max((ref[k] - got[k]).abs().max().item() for k in ref)
     assert worst < 1e-5, worst
