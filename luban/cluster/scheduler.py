@@ -119,6 +119,9 @@ class Scheduler:
         self.reported: dict[str, int] = {}  # executor problems logged (once each) and still seen: text -> job id
         self._answers = {"reached": False, "unavailable": False}  # this tick's: the executor answered / did not
         self.unavailable_answers = 0  # answers that met an outage, ever (observe stops polling at one)
+        # the token of an attempt whose start met an outage: its retry reuses it, so that a copy the
+        # earlier try's sbatch submitted after all, adopted by the retry, holds the attempt's token
+        self._retry_tokens: dict[int, str] = {}
 
     # -- nodes -------------------------------------------------------------------------------
     def sync_nodes(self) -> None:
@@ -278,13 +281,17 @@ class Scheduler:
             ids = s.scalars(select(Job.id).where(Job.state.in_(ACTIVE))).all()
             queued_stops = s.scalars(select(Job.id).where(Job.state == states.QUEUED, Job.requested.op("&")(
                 int(StopReason.USER_STOP | StopReason.ADMIN_STOP)) != 0)).all()
+        before = self.unavailable_answers
         for job_id in queued_stops:
+            if self.unavailable_answers > before:  # one Slurm timeout a tick, as for the polls below
+                break
             with self.sessions.begin() as s:
                 job = s.get(Job, job_id)
                 if job.state == states.QUEUED:
+                    if not self._cancel_earlier_try(s, job):
+                        continue  # the executor cannot be asked now: stopped once it can
                     self._end(s, job, states.STOPPED, None, job.requested, "stopped while queued")
         seen: set[str] = set()
-        before = self.unavailable_answers
         for n, job_id in enumerate(ids):
             if self.unavailable_answers > before:  # a hung slurmctld costs one TIMEOUT_S a tick, not one a job
                 log.debug("executor unavailable: %d job(s) not polled this tick", len(ids) - n)
@@ -305,6 +312,27 @@ class Scheduler:
         for problem in [p for p in self.reported if p not in seen]:  # a whole pass without it: gone
             log.warning("job %s: the executor can tell its state again (was: %s)", self.reported.pop(problem),
                         problem)
+
+    def _cancel_earlier_try(self, s: Session, job: Job) -> bool:
+        """A queued attempt being stopped whose start met an outage: what that try may have submitted
+        (a timed-out sbatch that nothing could cancel) is found by its tag and killed, so nothing of
+        a stopped job runs on. False while the executor cannot be asked (the stop waits)."""
+        tried = s.scalar(select(Event.id).where(Event.job_id == job.id, Event.kind == "wait",
+                                                Event.message.startswith("start postponed")).limit(1))
+        if tried is None:
+            return True
+        try:
+            handle = self.executor.find(self.launch_of(job, {}, tuple(job.nodes or ("?",) * job.nnodes)))
+            if handle is not None and not self.executor.poll(handle).done:
+                self.executor.kill(handle)
+                record(s, "kill", "stopped while queued: the copy an earlier try submitted is cancelled", job.id)
+        except Unavailable as err:
+            self._executor_unavailable(err)
+            return False
+        except (RuntimeError, LubanError) as err:
+            log.warning("job %s: stopped while queued; what an earlier try submitted could not be "
+                        "checked: %s", job.id, one_line(err))
+        return True
 
     def _observe_one(self, s: Session, job: Job, now: float, seen: set[str] | None = None) -> None:
         if job.handle is None:  # being launched, or the service died between claim and recording the launch
@@ -380,6 +408,7 @@ class Scheduler:
         if ended_at is not None and not on_service_clock:  # an exit file's mtime: the wall clock's, step and all
             ended_at = self.clock.from_wall(ended_at)
         job.ended_at, job.token_hash, job.suspend_deadline = charged_until(job, ended_at, now), None, None
+        self._retry_tokens.pop(job.id, None)
         s.execute(Allocation.__table__.delete().where(Allocation.job_id == job.id))
         record(s, state, message, job.id)
         if state == states.SUSPENDED:
@@ -434,6 +463,11 @@ class Scheduler:
         outage = self.executor_outage
         if outage is not None and outage.starts and not result.starts and now >= outage.retry_at:
             outage.starts = False  # nothing left to retry: the next answer of the executor ends the outage
+            if not self._answers["unavailable"]:  # nothing met it this tick, and no start waits: with no job
+                # to poll nothing would ever end it, and a later outage would get no line and the old backoff
+                log.warning("executor outage over for the scheduler after %.0fs: no start waits for it any more",
+                            self.clock.now() - outage.since)
+                self.executor_outage = None
         postponed = []
         for job_id, nodes, why in result.starts:
             if self.starts_wait(self.clock.now()):  # a start met the outage (this tick, or its retry is not due)
@@ -456,7 +490,7 @@ class Scheduler:
 
     def claim(self, job_id: int, nodes: tuple[str, ...], why: str, quiet: bool = False) -> tuple[Job, str] | None:
         """The start transaction: quota row locked and recounted, nodes inserted; None if refused."""
-        token = new_token()
+        token = self._retry_tokens.get(job_id) or new_token()
         try:
             with self.sessions.begin() as s:
                 job = s.get(Job, job_id)
@@ -494,6 +528,7 @@ class Scheduler:
             self._executor_unavailable(err, start=True)
             with self.sessions.begin() as s:
                 self._unclaim(s, s.get(Job, job_id, with_for_update=True), quiet=retry)
+            self._retry_tokens[job_id] = token
             return
         except Exception as err:  # noqa: BLE001 - any other launch failure fails this attempt, not the service
             with self.sessions.begin() as s:
@@ -501,6 +536,7 @@ class Scheduler:
                           f"launch failed: {one_line(err, 500)}")
             return
         self._executor_reached(start=True)
+        self._retry_tokens.pop(job_id, None)
         with self.sessions.begin() as s:
             s.get(Job, job_id).handle = handle
 

@@ -11,6 +11,7 @@ before it exits; the state is read back with ``scontrol show job``, and the laun
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import shlex
@@ -94,13 +95,16 @@ class SlurmExecutor:
                 *(["--max-log", str(launch.max_log)] if launch.max_log else []),
                 "--", *launch.command]
         script = run_dir / "job.sbatch"
+        # what a copy of this try is: its nodes and its token (a hash); a retry adopts only its own copy
+        token = hashlib.sha256(launch.env.get("LUBAN_CLUSTER_TOKEN", "").encode()).hexdigest()
+        try_line = f"# luban try: nodes={','.join(launch.nodes)} token={token}"
         if script.exists():  # an earlier try of this attempt met an outage: it may have submitted a copy
-            earlier = self._earlier_try(launch, run_dir)
+            earlier = self._earlier_try(launch, run_dir, script, try_line)
             if earlier is not None:
                 return earlier
-        script.write_text("#!/bin/bash\n# luban job %d\nexec srun --kill-on-bad-exit=0 --ntasks-per-node=1 "
-                          "--nodes=%d --ntasks=%d %s\n" % (launch.job_id, len(launch.nodes), len(launch.nodes),
-                                                          shlex.join(rank)))
+        script.write_text("#!/bin/bash\n# luban job %d\n%s\nexec srun --kill-on-bad-exit=0 --ntasks-per-node=1 "
+                          "--nodes=%d --ntasks=%d %s\n" % (launch.job_id, try_line, len(launch.nodes),
+                                                          len(launch.nodes), shlex.join(rank)))
         args = ["sbatch", "--parsable", f"--job-name={launch.name}", f"--nodelist={','.join(launch.nodes)}",
                 f"--nodes={len(launch.nodes)}", "--exclusive", "--no-requeue", "--export=ALL",
                 f"--output={run_dir}/slurm-%j.out", f"--chdir={launch.workdir or run_dir}"]
@@ -120,15 +124,22 @@ class SlurmExecutor:
         return json.dumps({"slurm_id": slurm_id, "run_dir": str(run_dir), "ranks": len(launch.nodes),
                            "tag": launch.name})
 
-    def _earlier_try(self, launch: Launch, run_dir: Path) -> str | None:
+    def _earlier_try(self, launch: Launch, run_dir: Path, script: Path, try_line: str) -> str | None:
         """Before starting an attempt again after an outage, what its earlier try left: a copy its
         timed-out sbatch submitted and nothing cancelled is this attempt — adopted (its handle), live
         or ended (all exit files); a copy still listed otherwise (cancelled, ending) is waited for
         (``Unavailable``, as while slurmctld cannot be asked); else its exit and pgid files are
-        removed and None says: submit."""
+        removed and None says: submit. A live copy made for other nodes or with another token (the
+        retry was placed elsewhere, or the service restarted and gave the attempt a new token) is
+        not this try: it is cancelled and waited for."""
         cancelled = (run_dir / CANCELLED).exists()
         listed = self._run("squeue", "-h", "-n", launch.name, "-o", "%i %T").split()
         handle = {"run_dir": str(run_dir), "ranks": len(launch.nodes), "tag": launch.name}
+        earlier = [line for line in script.read_text(errors="replace").splitlines() if line.startswith("# luban try:")]
+        if listed and not cancelled and earlier and earlier[0] != try_line:
+            if self._cancel_by_name(launch.name):
+                (run_dir / CANCELLED).touch()
+            raise Unavailable(f"an earlier try of {launch.name} (other nodes or token) is being cancelled")
         if listed:
             if not cancelled and listed[1:2] and listed[1] in RUNNING - {"COMPLETING", "SIGNALING", "STAGE_OUT"}:
                 return json.dumps({"slurm_id": listed[0], **handle})
