@@ -117,8 +117,9 @@ class Scheduler:
         self.outage_since: float | None = None  # when the database became unavailable to the ticks (None: it is not)
         self.executor_outage: ExecutorOutage | None = None  # the executor's (None: it answers)
         self.reported: dict[str, int] = {}  # executor problems logged (once each) and still seen: text -> job id
-        self._answers = {"reached": False, "unavailable": False}  # this tick's: the executor answered / did not
         self.unavailable_answers = 0  # answers that met an outage, ever (observe stops polling at one)
+        self._tick_unavailable = 0  # unavailable_answers when this tick began (more since: this tick met one)
+        self._reached = False  # this tick the executor answered a poll
         # the token of an attempt whose start met an outage: its retry reuses it, so that a copy the
         # earlier try's sbatch submitted after all, adopted by the retry, holds the attempt's token
         self._retry_tokens: dict[int, str] = {}
@@ -201,7 +202,6 @@ class Scheduler:
         """The executor could not reach what runs the jobs: the first time, one warning; a start that
         met it is retried after the backoff, which doubles with each such start."""
         now = self.clock.now()
-        self._answers["unavailable"] = True
         self.unavailable_answers += 1
         if self.executor_outage is None:
             self.executor_outage = ExecutorOutage(since=now, cause=one_line(err))
@@ -222,10 +222,17 @@ class Scheduler:
         if outage is None or (outage.starts and not start):
             return
         if not start:
-            self._answers["reached"] = True
+            self._reached = True
             return
-        log.warning("executor available again after %.0fs: starts resumed", self.clock.now() - outage.since)
+        self._outage_over()
+
+    def _outage_over(self, line: str = "executor available again after %.0fs: starts resumed") -> None:
+        """The outage ends, in one log line (``line``: its seconds as ``%.0f``)."""
+        log.warning(line, self.clock.now() - self.executor_outage.since)
         self.executor_outage = None
+
+    def _met_outage_this_tick(self) -> bool:
+        return self.unavailable_answers > self._tick_unavailable
 
     def starts_wait(self, now: float) -> bool:
         """Starts wait for the executor: an outage met a start and its retry time has not come."""
@@ -258,13 +265,12 @@ class Scheduler:
 
     def _end_outage(self) -> None:
         outage = self.executor_outage
-        if outage is not None and self._answers["reached"] and not self._answers["unavailable"] and not outage.starts:
-            log.warning("executor available again after %.0fs: starts resumed", self.clock.now() - outage.since)
-            self.executor_outage = None
+        if outage is not None and self._reached and not self._met_outage_this_tick() and not outage.starts:
+            self._outage_over()
 
     def tick(self) -> policy.Plan:
         now = self.clock.now()
-        self._answers = {"reached": False, "unavailable": False}  # what the executor did this tick
+        self._tick_unavailable, self._reached = self.unavailable_answers, False  # what the executor does this tick
         self.observe(now)
         with self.sessions() as s:
             snap = self.snapshot(s, now)
@@ -463,11 +469,9 @@ class Scheduler:
         outage = self.executor_outage
         if outage is not None and outage.starts and not result.starts and now >= outage.retry_at:
             outage.starts = False  # nothing left to retry: the next answer of the executor ends the outage
-            if not self._answers["unavailable"]:  # nothing met it this tick, and no start waits: with no job
+            if not self._met_outage_this_tick():  # nothing met it this tick, and no start waits: with no job
                 # to poll nothing would ever end it, and a later outage would get no line and the old backoff
-                log.warning("executor outage over for the scheduler after %.0fs: no start waits for it any more",
-                            self.clock.now() - outage.since)
-                self.executor_outage = None
+                self._outage_over("executor outage over for the scheduler after %.0fs: no start waits for it any more")
         postponed = []
         for job_id, nodes, why in result.starts:
             if self.starts_wait(self.clock.now()):  # a start met the outage (this tick, or its retry is not due)
