@@ -472,7 +472,9 @@ def cmd_serve(args) -> int:
                                 tick=args.tick, quantum=args.quantum, suspend_timeout=args.suspend_timeout,
                                 sample_every=args.sample_every, run_jobs_as=run_as, on_shutdown=args.on_shutdown,
                                 secret_dirs=hidden, max_log=args.max_log)
-            scheduler = Scheduler(sessions, make(args.executor, **options), settings)
+            executor = make(args.executor, **options)
+            executor.check()  # what it needs is there (a missing Slurm client: one line now, not at the first job)
+            scheduler = Scheduler(sessions, executor, settings)
             token_path = ensure_admin(sessions, state)
             app = create_app(sessions, scheduler, max_body=args.max_body, max_queued=args.max_queued,
                              body_timeout=args.body_timeout)

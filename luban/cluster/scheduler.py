@@ -34,6 +34,7 @@ from luban.errors import LubanError
 log = logging.getLogger("luban.cluster")
 LAUNCH_GRACE = 60.0  # seconds a claimed job may go without an executor handle
 RETRY_MIN_S, RETRY_MAX_S = 5.0, 300.0  # starts while the executor is unavailable: first retry, longest wait
+NODE_SYNC_S = 300.0  # seconds between readings of the executor's nodes (a node added to Slurm is seen without a restart)
 MAX_REPORTED = 1000  # distinct executor problems remembered (each logged once)
 
 
@@ -123,15 +124,35 @@ class Scheduler:
         # the token of an attempt whose start met an outage: its retry reuses it, so that a copy the
         # earlier try's sbatch submitted after all, adopted by the retry, holds the attempt's token
         self._retry_tokens: dict[int, str] = {}
+        self._next_node_sync: float | None = None  # when the ticks read the executor's nodes again (None: now)
 
     # -- nodes -------------------------------------------------------------------------------
     def sync_nodes(self) -> None:
         """Add or refresh the executor's nodes; an admin's drain stays in force."""
+        infos = self.executor.discover()  # before the transaction: a slow slurmctld holds no database lock
         with self.sessions.begin() as s:
-            for info in self.executor.discover():
+            for info in infos:
                 node = s.get(Node, info.name) or Node(name=info.name, state="up")
                 node.node_group, node.gpus, node.labels, node.addr = info.node_group, info.gpus, info.labels, info.addr
                 s.add(node)
+        self._next_node_sync = self.clock.now() + NODE_SYNC_S
+
+    def refresh_nodes(self, now: float) -> None:
+        """The ticks' reading of the nodes, every ``NODE_SYNC_S`` (or ``RETRY_MIN_S`` after one that
+        failed): a service started while slurmctld could not be reached gets its nodes once it can,
+        and a node added to Slurm is scheduled without a restart. An outage is the outage's lines."""
+        if self._next_node_sync is not None and now < self._next_node_sync:
+            return
+        try:
+            self.sync_nodes()
+        except Unavailable as err:
+            self._next_node_sync = now + RETRY_MIN_S
+            self._executor_unavailable(err)
+        except (RuntimeError, LubanError) as err:  # unreadable output: said once, as a job's problem is
+            self._next_node_sync = now + NODE_SYNC_S
+            log.warning("the executor's nodes could not be read: %s", one_line(err))
+        else:
+            self._executor_reached()
 
     # -- the loop ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -272,6 +293,8 @@ class Scheduler:
         now = self.clock.now()
         self._tick_unavailable, self._reached = self.unavailable_answers, False  # what the executor does this tick
         self.observe(now)
+        if not self._met_outage_this_tick():  # a hung slurmctld costs one timeout a tick, not two
+            self.refresh_nodes(now)
         with self.sessions() as s:
             snap = self.snapshot(s, now)
         result = policy.plan(snap)

@@ -390,7 +390,7 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
-        scheduler.sync_nodes()
+        scheduler.refresh_nodes(scheduler.clock.now())  # slurmctld down at start-up: the ticks ask again
         if run_scheduler:
             scheduler.start()
         yield

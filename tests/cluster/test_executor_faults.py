@@ -13,7 +13,7 @@ import pytest
 
 from luban import procs
 from luban.cluster import launcher
-from luban.cluster.executors import Launch
+from luban.cluster.executors import Launch, Unavailable
 from luban.cluster.executors import slurm as slurm_module
 from luban.cluster.executors.local import LocalExecutor
 from luban.cluster.executors.slurm import SlurmExecutor
@@ -79,12 +79,21 @@ def test_an_sbatch_whose_job_cannot_be_followed_fails_the_start_and_cancels_it(t
 
 
 def test_missing_slurm_commands_are_one_line(tmp_path, monkeypatch):
+    """Before a service starts (``check``): a LubanError naming every command missing. After: an
+    outage (``Unavailable``), so a job whose start meets a missing ``sbatch`` waits and is not failed,
+    and nothing is cancelled for a submission that never happened."""
     monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch, no scontrol
     executor = SlurmExecutor(state_dir=str(tmp_path))
-    with pytest.raises(LubanError, match="sbatch not found: install slurm-wlm"):
+    with pytest.raises(LubanError, match="not found: sbatch, squeue, scontrol, scancel"):
+        executor.check()
+    with pytest.raises(Unavailable, match="sbatch not found: install slurm-wlm"):
         executor.start(a_launch(tmp_path))
-    with pytest.raises(LubanError, match="scontrol not found"):
+    with pytest.raises(Unavailable, match="scontrol not found"):
         executor.discover()
+    calls = fake_slurm(tmp_path, monkeypatch, squeue=":", scancel="exit 0")  # no sbatch: nothing to cancel
+    with pytest.raises(Unavailable, match="sbatch not found"):
+        executor.start(a_launch(tmp_path))
+    assert "scancel" not in calls.read_text() and not (tmp_path / "runs" / "7" / slurm_module.CANCELLED).exists()
 
 
 def test_a_local_start_that_fails_part_way_leaves_nothing_running(tmp_path, monkeypatch):

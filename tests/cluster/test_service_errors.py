@@ -53,6 +53,17 @@ def test_an_unreachable_database_is_one_line_and_creates_no_state(tmp_path):
     assert not state.exists()
 
 
+def test_slurm_without_its_commands_is_one_line_and_creates_no_state(tmp_path):
+    """2026-11-27: a missing ``scontrol`` was uvicorn's start-up traceback, exit 3."""
+    state, bare = tmp_path / "state", tmp_path / "bin"
+    bare.mkdir()
+    proc = subprocess.run([*LUBAN, "cluster", "serve", "--executor", "slurm", "--state", str(state), "--port",
+                           str(free_port()), "--run-jobs-as", "service"], capture_output=True, text=True,
+                          timeout=60, cwd=ROOT, env=dict(os.environ, PATH=str(bare)))
+    one_line(proc, "--executor = 'slurm'", "not found: sbatch, squeue, scontrol, scancel", "slurm-wlm")
+    assert not state.exists()
+
+
 def test_a_foreign_state_folder_is_refused_untouched(tmp_path):
     """Issue 24: --state a folder of the user's files was made mode 700 and got the database and
     the admin token among those files."""

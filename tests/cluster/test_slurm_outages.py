@@ -25,7 +25,8 @@ from luban.cluster import db, launcher
 from luban.cluster.executors import Launch
 from luban.cluster.executors import slurm as slurm_module
 from luban.cluster.executors.slurm import SlurmExecutor
-from luban.cluster.models import Allocation, Event, Job
+from luban.cluster.models import Allocation, Event, Job, Node
+from luban.cluster import scheduler as scheduler_module
 from luban.cluster.scheduler import Scheduler, Settings
 from luban.cluster.service import create_app, ensure_admin
 from tests.cluster.test_clock import FakeTime
@@ -35,7 +36,8 @@ DOWN = 'echo "$0: error: Unable to contact slurm controller (connect failure)" >
 # makes it outlive TIMEOUT_S. scontrol answers from the file "job" (default: the job runs).
 FAKES = {
     "sbatch": 'echo 4242',
-    "scontrol": 'if [ "$2" = node ]; then echo "NodeName=node1 Partitions=debug AvailableFeatures=zone1"; '
+    "scontrol": 'if [ "$2" = node ] && [ -f "$D/nodes" ]; then cat "$D/nodes"; '
+                'elif [ "$2" = node ]; then echo "NodeName=node1 Partitions=debug AvailableFeatures=zone1"; '
                 'echo "NodeName=node2 Partitions=debug AvailableFeatures=zone1"; '
                 'elif [ -f "$D/job" ]; then cat "$D/job"; else echo "JobId=4242 JobState=RUNNING ExitCode=0:0"; fi',
     "squeue": ':',
@@ -245,29 +247,21 @@ def _lost(j: Job) -> bool:
     return bool(j.stop_reason & StopReason.LOST)
 
 
-@pytest.mark.parametrize("fault", ["no-scontrol", "no-jobstate"])
-def test_a_state_that_cannot_be_read_leaves_the_job_running_and_is_said_once(slurm, caplog, fault):
+def test_a_state_that_cannot_be_read_leaves_the_job_running_and_is_said_once(slurm, caplog):
     scheduler, submit, fake, calls, t = slurm
     j = submit()
     scheduler.guarded_tick()  # started
     scheduler.guarded_tick()  # seen running
     assert job(scheduler, j).state == "running"
-    scontrol = fake / "bin" / "scontrol"
-    saved = scontrol.read_text()
-    if fault == "no-scontrol":
-        scontrol.unlink()
-    else:
-        (fake / "job").write_text("slurm_load_jobs: something else entirely\n")
+    (fake / "job").write_text("slurm_load_jobs: something else entirely\n")
     for _ in range(10):
         t.elapse(1)
         scheduler.guarded_tick()
     assert job(scheduler, j).state == "running" and count(scheduler, Job) == 1
     said = logged(caplog, "could not tell its state")
-    assert len(said) == 1 and ("scontrol not found" if fault == "no-scontrol" else "printed no JobState") in said[0]
+    assert len(said) == 1 and "printed no JobState" in said[0]
     no_tracebacks(caplog)
-    scontrol.write_text(saved)
-    scontrol.chmod(0o755)
-    (fake / "job").unlink(missing_ok=True)
+    (fake / "job").unlink()
     t.elapse(1)
     scheduler.guarded_tick()
     assert len(logged(caplog, "can tell its state again")) == 1
@@ -276,6 +270,73 @@ def test_a_state_that_cannot_be_read_leaves_the_job_running_and_is_said_once(slu
     scheduler.guarded_tick()
     assert job(scheduler, j).state == "succeeded"
     no_tracebacks(caplog)
+
+
+@pytest.mark.parametrize("command", ["sbatch", "scontrol"])
+def test_a_slurm_command_that_goes_missing_is_an_outage_not_a_verdict(slurm, caplog, command):
+    """2026-11-27: a ``sbatch`` gone from PATH (slurm-wlm being upgraded, a PATH or a mount that
+    changed) failed every job whose start met it ("launch failed: sbatch not found"), a queue of
+    hundreds in one tick; a missing ``scontrol`` was a problem per job. Now both are an outage: a
+    start waits in the queue as the same attempt, a running job runs on, one line each way."""
+    scheduler, submit, fake, calls, t = slurm
+    running = submit()
+    scheduler.guarded_tick()
+    scheduler.guarded_tick()
+    assert job(scheduler, running).state == "running"
+    tool = fake / "bin" / command
+    saved = tool.read_text()
+    tool.unlink()
+    queued = submit() if command == "sbatch" else None
+    for _ in range(8):
+        t.elapse(1)
+        scheduler.guarded_tick()
+    assert job(scheduler, running).state == "running"
+    if queued is not None:
+        waiting = job(scheduler, queued)
+        assert waiting.state == "queued" and waiting.restart_count == 0, (waiting.state, waiting.reason)
+        assert "sbatch not found" in waiting.reason and "scancel" not in calls.read_text()
+    said = logged(caplog, "executor unavailable")
+    assert len(said) == 1 and f"{command} not found" in said[0], said
+    tool.write_text(saved)
+    tool.chmod(0o755)
+    t.elapse(scheduler_module.RETRY_MAX_S)
+    scheduler.guarded_tick()
+    scheduler.guarded_tick()
+    if queued is not None:
+        assert job(scheduler, queued).state == "running"
+    assert len(logged(caplog, "executor available again")) == 1
+    assert count(scheduler, Job) == (2 if queued else 1) and not logged(caplog, "launch failed")
+    no_tracebacks(caplog)
+
+
+def test_a_service_started_while_slurmctld_is_down_gets_its_nodes_when_it_answers(slurm, caplog):
+    """2026-11-27: ``cluster serve --executor slurm`` with slurmctld down (or ``scontrol`` missing)
+    died at start-up with uvicorn's traceback, and nodes were read only then: a node added to Slurm
+    later was never scheduled. Now the service starts, says so once, reads the nodes when slurmctld
+    answers, and again every ``NODE_SYNC_S``."""
+    scheduler, submit, fake, calls, t = slurm
+    engine = db.open_checked(str(fake / "other.db"))
+    fresh = Scheduler(db.sessions(engine), SlurmExecutor(state_dir=str(fake)), Settings(state_dir=str(fake)),
+                      clock=t.clock())
+    (fake / "down").touch()
+    with TestClient(create_app(fresh.sessions, fresh, run_scheduler=False)) as http:  # the lifespan runs
+        assert http.get("/api/whoami").status_code == 401  # it serves (no token given)
+    assert count(fresh, Node) == 0
+    assert len(logged(caplog, "executor unavailable")) == 1
+    (fake / "down").unlink()
+    t.elapse(scheduler_module.RETRY_MIN_S)
+    fresh.guarded_tick()
+    assert count(fresh, Node) == 2
+    assert len(logged(caplog, "executor available again")) == 1
+    (fake / "nodes").write_text("NodeName=node3 Partitions=debug AvailableFeatures=zone2\n")
+    t.elapse(scheduler_module.NODE_SYNC_S - 1)
+    fresh.guarded_tick()
+    assert count(fresh, Node) == 2  # not yet: one reading every NODE_SYNC_S
+    t.elapse(1)
+    fresh.guarded_tick()
+    assert count(fresh, Node) == 3
+    no_tracebacks(caplog)
+    engine.dispose()
 
 
 def test_slurms_own_words_for_an_unreachable_controller_are_an_outage(tmp_path):

@@ -48,6 +48,9 @@ class LocalExecutor:
         self.nodes, self.gpus, self.zones, self.node_group, self.prefix = nodes, gpus, zones, node_group, prefix
         self.children: dict[int, subprocess.Popen] = {}
 
+    def check(self) -> None:
+        """Nothing to check: its launchers are this Python's."""
+
     def discover(self) -> list[NodeInfo]:
         return [NodeInfo(f"{self.prefix}{i + 1}", self.node_group, self.gpus,
                          {"zone": f"zone{i * self.zones // self.nodes + 1}"})

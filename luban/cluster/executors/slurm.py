@@ -15,6 +15,7 @@ import hashlib
 import json
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -22,8 +23,9 @@ from pathlib import Path
 from luban import procs
 from luban.cluster import launcher
 from luban.cluster.executors import Launch, NodeInfo, Status, Unavailable, combine
-from luban.errors import LubanError
+from luban.errors import bad_value
 
+COMMANDS = ("sbatch", "squeue", "scontrol", "scancel")  # what this executor runs (slurm-wlm's client)
 TIMEOUT_S = 60  # seconds one Slurm command may take (a slow or hung slurmctld)
 FORGOTTEN = "Invalid job id"  # scontrol's answer for a job slurmctld no longer knows (MinJobAge), not an outage
 # what Slurm's commands print when they cannot reach slurmctld (down, restarting, overloaded, network):
@@ -49,18 +51,34 @@ def fields(line: str) -> dict[str, str]:
     return out
 
 
+class NotInstalled(Unavailable):
+    """A Slurm command is not on PATH. ``check`` refuses to start a service without them; one that
+    goes missing later (an upgrade of slurm-wlm, a PATH or mount that changed) is an outage like a
+    silent slurmctld: jobs keep their state, starts wait and are retried, nothing fails for it."""
+
+
 class SlurmExecutor:
     def __init__(self, partition: str | None = None, state_dir: str = ".", python: str = sys.executable):
         self.partition, self.state_dir, self.python = partition, state_dir, python
 
+    @staticmethod
+    def check() -> None:
+        """Before a service starts: every Slurm command it runs is on PATH (one line naming those that
+        are not), so a missing client is said once at start-up, not met by the first job."""
+        missing = [name for name in COMMANDS if shutil.which(name) is None]
+        if missing:
+            raise bad_value("--executor", "slurm", f"needs {', '.join(COMMANDS)} on PATH; not found: "
+                                                   f"{', '.join(missing)} (install slurm-wlm's client, or use "
+                                                   "--executor local)")
+
     def _run(self, *args: str, env: dict[str, str] | None = None) -> str:
         """A Slurm command's output; a failure is one line: ``Unavailable`` when the command timed
-        out or could not reach slurmctld, LubanError when it is not installed, RuntimeError else."""
+        out, could not reach slurmctld or is not installed (``NotInstalled``), RuntimeError else."""
         try:
             result = subprocess.run(args, capture_output=True, text=True, timeout=TIMEOUT_S, env=env,
                                     errors="replace")
         except FileNotFoundError:
-            raise LubanError(f"{args[0]} not found: install slurm-wlm (client) or use --executor local") from None
+            raise NotInstalled(f"{args[0]} not found: install slurm-wlm (client) or use --executor local") from None
         except subprocess.TimeoutExpired:
             raise Unavailable(f"{args[0]} did not answer within {TIMEOUT_S}s (slurmctld slow or down?)") from None
         if result.returncode != 0:
@@ -113,6 +131,8 @@ class SlurmExecutor:
         env = dict(launch.env)  # complete: the scheduler built it (job_env)
         try:
             out = self._run(*args, str(script), env=env)
+        except NotInstalled:
+            raise  # nothing was submitted: the start waits for sbatch (an outage), nothing to cancel
         except RuntimeError:  # a timeout may still have submitted it: whether the attempt fails (an error)
             if self._cancel_by_name(launch.name):  # or waits (Unavailable), nothing of this try may run
                 (run_dir / CANCELLED).touch()  # its retry waits for what it may have started to end
@@ -158,14 +178,14 @@ class SlurmExecutor:
         try:
             self._run("scancel", f"--name={name}")
             return True
-        except (RuntimeError, LubanError):
+        except RuntimeError:
             return False  # slurmctld unreachable: the retry (_earlier_try) or find() after a restart decides
 
     def poll(self, handle: str) -> Status:
         """The attempt's state: ``scontrol show job``, and the launchers' exit files once Slurm has
         ended it (or forgotten it). What cannot be asked or read leaves the job as it was
-        (``done=False``) and says why in one line: ``unavailable`` while slurmctld cannot be reached,
-        ``problem`` for a missing ``scontrol`` or output without a known ``JobState``. An ended job
+        (``done=False``) and says why in one line: ``unavailable`` while slurmctld cannot be reached
+        or ``scontrol`` is missing, ``problem`` for output without a known ``JobState``. An ended job
         whose launchers wrote no exit files and whose ``ExitCode`` cannot be read ends as lost, the
         ``problem`` saying what was printed."""
         info = json.loads(handle)
@@ -177,10 +197,10 @@ class SlurmExecutor:
             f = fields(out) if out else {}
             if info["slurm_id"] and not f.get("JobState"):
                 problem = f"scontrol show job {info['slurm_id']} printed no JobState ({' '.join(out.split())[:100]!r})"
-        except Unavailable as err:  # slurmctld down, slow or unreachable: the job is as it was, not lost
-            unavailable, f = str(err), {}  # (declaring it lost ended the attempt while Slurm ran it on)
-        except (RuntimeError, LubanError) as err:
-            if FORGOTTEN not in str(err):  # scontrol missing or failing otherwise: cannot tell
+        except Unavailable as err:  # slurmctld down, slow or unreachable, scontrol missing: the job is as
+            unavailable, f = str(err), {}  # it was, not lost (declaring it lost ended it while Slurm ran it on)
+        except RuntimeError as err:
+            if FORGOTTEN not in str(err):  # scontrol failing otherwise: cannot tell
                 problem = str(err)
             f = {}  # forgotten by slurmctld (MinJobAge): fall back to the launchers' exit files
         state = f.get("JobState", "")
