@@ -75,10 +75,13 @@ class Snapshot:
 @dataclasses.dataclass(slots=True)
 class Plan:
     """``starts``: (job id, nodes, reason); ``suspends``: (job id, reason, time_share);
-    ``waits``: job id -> why it is still queued; ``admitted``: every job that may hold nodes."""
+    ``off_down_nodes``: the suspended jobs whose node an admin took down (rule 6; every other
+    suspend makes room for a queued job's start); ``waits``: job id -> why it is still queued;
+    ``admitted``: every job that may hold nodes."""
 
     starts: list[tuple[int, tuple[str, ...], str]] = dataclasses.field(default_factory=list)
     suspends: list[tuple[int, str, bool]] = dataclasses.field(default_factory=list)
+    off_down_nodes: set[int] = dataclasses.field(default_factory=set)
     waits: dict[int, str] = dataclasses.field(default_factory=dict)
     admitted: set[int] = dataclasses.field(default_factory=set)
 
@@ -201,6 +204,7 @@ def plan(snap: Snapshot) -> Plan:
         lost = sorted(set(job.nodes) & down) if not queued else []
         if lost:  # rule 6: a job on a node taken down checkpoints and is requeued elsewhere
             result.suspends.append((job.id, f"node {', '.join(lost)} taken down by an admin", False))
+            result.off_down_nodes.add(job.id)
             continue
         key = (job.owner, group, job.priority)
         held_quota = used_quota.get(key, 0)

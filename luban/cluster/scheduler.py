@@ -476,7 +476,12 @@ class Scheduler:
 
     # -- (3) apply ---------------------------------------------------------------------------
     def apply(self, result: policy.Plan, now: float) -> None:
+        outage = self.executor_outage
+        held = 0
         for job_id, why, time_share in result.suspends:
+            if outage is not None and outage.starts and job_id not in result.off_down_nodes:
+                held += 1  # it makes room for a start, and starts meet an outage: it runs on meanwhile
+                continue  # (else, one quantum or preemption at a time, the outage drained the cluster)
             try:
                 with self.sessions.begin() as s:
                     job = s.get(Job, job_id, with_for_update=True)
@@ -489,6 +494,8 @@ class Scheduler:
                 self._executor_unavailable(err)
             except Exception:  # rolled back: the policy asks again next tick
                 log.exception("suspending job %s failed", job_id)
+        if held:
+            log.debug("executor unavailable: %d suspend(s) for starts held until a start succeeds", held)
         outage = self.executor_outage
         if outage is not None and outage.starts and not result.starts and now >= outage.retry_at:
             outage.starts = False  # nothing left to retry: the next answer of the executor ends the outage
@@ -509,11 +516,15 @@ class Scheduler:
                         job.reason = reason
                         record(s, "wait", reason, job.id, quiet=True)
         if result.waits:
+            waits = result.waits
+            if held and self.executor_outage is not None:  # not "waiting for nodes being released": none is
+                reason = self._waiting_reason()
+                waits = {i: reason if i in result.admitted else why for i, why in waits.items()}
             with self.sessions.begin() as s:
-                for job in s.scalars(select(Job).where(Job.id.in_(list(result.waits)))):
-                    if job.reason != result.waits[job.id]:
-                        job.reason = result.waits[job.id]
-                        record(s, "wait", job.reason, job.id)
+                for job in s.scalars(select(Job).where(Job.id.in_(list(waits)))):
+                    if job.reason != waits[job.id]:
+                        job.reason = waits[job.id]
+                        record(s, "wait", job.reason, job.id, quiet=bool(held))
 
     def claim(self, job_id: int, nodes: tuple[str, ...], why: str, quiet: bool = False) -> tuple[Job, str] | None:
         """The start transaction: quota row locked and recounted, nodes inserted; None if refused."""

@@ -213,3 +213,4 @@ def test_jobs_on_a_node_taken_down_are_suspended_and_requeued_elsewhere():
                                                                                           held=["n02"])],
                         quota(a={10: 2}, b={10: 1})))
     assert out.suspends == [(1, "node n00 taken down by an admin", False)] and out.starts == []
+    assert out.off_down_nodes == {1}  # not for a start: done even while starts meet an outage

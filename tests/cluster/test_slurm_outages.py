@@ -21,7 +21,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
 from luban.cluster import clock as clocks
-from luban.cluster import db, launcher
+from luban.cluster import db, launcher, policy
 from luban.cluster.executors import Launch
 from luban.cluster.executors import slurm as slurm_module
 from luban.cluster.executors.slurm import SlurmExecutor
@@ -35,7 +35,7 @@ DOWN = 'echo "$0: error: Unable to contact slurm controller (connect failure)" >
 # Each fake command: "down" (a file) makes it fail as Slurm's commands do without slurmctld; "hang"
 # makes it outlive TIMEOUT_S. scontrol answers from the file "job" (default: the job runs).
 FAKES = {
-    "sbatch": 'echo 4242',
+    "sbatch": 'if [ -f "$D/sbatch-down" ]; then ' + DOWN + '; fi; echo 4242',  # sbatch alone down: a partial outage
     "scontrol": 'if [ "$2" = node ] && [ -f "$D/nodes" ]; then cat "$D/nodes"; '
                 'elif [ "$2" = node ]; then echo "NodeName=node1 Partitions=debug AvailableFeatures=zone1"; '
                 'echo "NodeName=node2 Partitions=debug AvailableFeatures=zone1"; '
@@ -306,6 +306,33 @@ def test_a_slurm_command_that_goes_missing_is_an_outage_not_a_verdict(slurm, cap
         assert job(scheduler, queued).state == "running"
     assert len(logged(caplog, "executor available again")) == 1
     assert count(scheduler, Job) == (2 if queued else 1) and not logged(caplog, "launch failed")
+    no_tracebacks(caplog)
+
+
+def test_suspends_that_make_room_for_starts_wait_while_starts_meet_an_outage(slurm, caplog):
+    """2026-11-27: with ``sbatch`` failing but ``scancel`` answering (a partial outage), the policy
+    went on suspending running jobs — preemption, each time-share quantum — for starts that were then
+    postponed: one job at a time the cluster drained to idle nodes. Now a suspend that makes room
+    for a start is held while starts meet the outage (the job runs on); one off a node an admin took
+    down is not; the jobs that wait say what they wait for."""
+    scheduler, submit, fake, calls, t = slurm
+    running = submit()
+    scheduler.guarded_tick()
+    scheduler.guarded_tick()
+    assert job(scheduler, running).state == "running"
+    (fake / "sbatch-down").touch()
+    queued = submit()
+    scheduler.guarded_tick()  # its start meets the outage
+    assert job(scheduler, queued).state == "queued" and scheduler.executor_outage.starts
+    now = scheduler.clock.now()
+    scheduler.apply(policy.Plan(suspends=[(running, "preempted: for a start", False)],
+                                waits={queued: "admitted; waiting for 1 node(s) being released"},
+                                admitted={running, queued}), now)
+    assert job(scheduler, running).state == "running" and "--signal=USR1" not in calls.read_text()
+    assert "waiting for the executor to answer" in job(scheduler, queued).reason
+    scheduler.apply(policy.Plan(suspends=[(running, "node node1 taken down by an admin", False)],
+                                off_down_nodes={running}), now)
+    assert job(scheduler, running).state == "suspending" and "--signal=USR1" in calls.read_text()
     no_tracebacks(caplog)
 
 
