@@ -15,6 +15,7 @@ touch (see ``luban.data.shards``).
 from __future__ import annotations
 
 import queue
+import resource
 import threading
 import weakref
 from collections import OrderedDict
@@ -29,20 +30,32 @@ from luban.data.shards import ShardReader
 from luban.errors import bad_value
 
 
-# Shards one stream keeps memory-mapped, the least recently read given back first. Linux allows a
-# process vm.max_map_count maps, 65,530 by default (Documentation/admin-guide/sysctl/vm.rst), shared
-# with the libraries torch and CUDA map; a 15T-token corpus in 256 MiB shards has 120,000 shards.
-MAX_MAPPED_SHARDS = 1024
+# Shards one stream keeps open (each holds a file descriptor), the least recently read given back
+# first. A 15T-token corpus in 256 MiB shards has 120,000 shards, and the soft RLIMIT_NOFILE is often
+# 1,024 (systemd's and many distributions' default): a stream keeps at most this many open, and at
+# most 1/FD_SHARE_PER_STREAM of the soft limit, leaving the rest to the other stream, sockets, NCCL
+# and checkpoints.
+MAX_OPEN_SHARDS = 1024
+FD_SHARE_PER_STREAM = 8
+
+
+def max_open_shards() -> int:
+    """A stream's bound on open shards: ``MAX_OPEN_SHARDS``, or 1/``FD_SHARE_PER_STREAM`` of the
+    process's soft open-file limit where that is smaller (at least 1)."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return MAX_OPEN_SHARDS
+    return max(1, min(MAX_OPEN_SHARDS, soft // FD_SHARE_PER_STREAM))
 
 
 class TokenStream:
     """The tokens of several shards read as one contiguous array."""
 
-    def __init__(self, readers: list[ShardReader], max_mapped: int = MAX_MAPPED_SHARDS):
-        self.readers, self.max_mapped = readers, max_mapped
+    def __init__(self, readers: list[ShardReader], max_open: int | None = None):
+        self.readers, self.max_open = readers, max_open or max_open_shards()
         self.starts = np.cumsum([0] + [r.tokens for r in readers])
         self.tokens = int(self.starts[-1])
-        self._mapped: OrderedDict[int, None] = OrderedDict()  # shard indices, least recently read first
+        self._open: OrderedDict[int, None] = OrderedDict()  # shard indices, least recently read first
         self._lock = threading.Lock()
 
     def read(self, start: int, stop: int) -> np.ndarray:
@@ -57,10 +70,10 @@ class TokenStream:
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     def _reader(self, shard: int) -> ShardReader:
-        self._mapped[shard] = None
-        self._mapped.move_to_end(shard)
-        while len(self._mapped) > self.max_mapped:
-            self.readers[self._mapped.popitem(last=False)[0]].unmap()
+        self._open[shard] = None
+        self._open.move_to_end(shard)
+        while len(self._open) > self.max_open:
+            self.readers[self._open.popitem(last=False)[0]].close()
         return self.readers[shard]
 
 

@@ -1,8 +1,9 @@
-"""The packed shard file: many documents' tokens in one large, checksummed, mmap-able file.
+"""The packed shard file: many documents' tokens in one large, checksummed file.
 
 Packing many small documents into a few large files follows the HAI platform's data layer
 (3FS / ffrecord: few big files, an offset index, per-block checksums) so that storage sees
-large sequential files and readers get O(1) random access through a memory map.
+large sequential files and readers get O(1) random access: one ``pread`` a read (a memory map
+would do it too, but a file cut short under a map kills the reader with SIGBUS).
 
 Layout (little-endian; docs/data.md has the table)::
 
@@ -15,7 +16,8 @@ Layout (little-endian; docs/data.md has the table)::
 CRC policy: opening a shard checks the size, the header CRC and the index CRC (which covers
 the document index and the chunk-CRC table); a token chunk is verified the first time any of
 its tokens is read; ``verify()`` checks every chunk. Any failure raises ``LubanError`` naming
-the file and the byte offset.
+the file and the byte offset; so does a shard cut short or replaced since it was opened
+(``ShardReader._pread``, ``ShardReader._file``).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ HEADER_CRC_OFFSET = HEADER_SIZE - 4
 DTYPES = {1: np.dtype("<u2"), 2: np.dtype("<u4")}
 DEFAULT_CHUNK_TOKENS = 1 << 16
 MAX_CHUNK_TOKENS = (1 << 32) - 1  # the header stores chunk_tokens as a uint32
+VERIFY_CHUNKS = 64  # chunks ``verify`` reads at a time (8 MiB of uint16 tokens at the default chunk)
 
 _INDEX_DTYPE = np.dtype("<u8")
 _CRC_DTYPE = np.dtype("<u4")
@@ -148,7 +151,7 @@ class ShardWriter:
 
 
 class ShardReader:
-    """Memory-mapped, checksummed random access to one shard (see the module's CRC policy)."""
+    """Checksummed random access to one shard by ``pread`` (see the module's CRC policy)."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
@@ -172,20 +175,64 @@ class ShardReader:
         # ``document``, which the loader never calls.
         self._chunk_crcs = np.frombuffer(tail, _CRC_DTYPE, offset=n_index).copy()
         self._verified = np.zeros(len(self._chunk_crcs), dtype=bool)
-        self._map: np.ndarray | None = None
+        self._fd: int | None = None  # open while a stream reads it (``_file``)
 
-    @property
-    def _tokens(self) -> np.ndarray:
-        """The tokens, mapped on first use (``unmap`` gives the mapping back)."""
-        if self._map is None:
-            self._map = (np.memmap(self.path, self.dtype, "r", offset=HEADER_SIZE, shape=(self.tokens,))
-                         if self.tokens else np.zeros(0, self.dtype))
-        return self._map
+    def _file(self) -> int:
+        """The shard's descriptor, opened on first read (``close`` gives it back), once the file at the
+        path is seen to be the shard opened: its size and header CRC. A shard *replaced* by a rename (a
+        rebuild of the dataset) while open is read on from the old file, which the descriptor keeps whole;
+        once given back, the path is opened again and what is there now is refused if it is not the shard."""
+        if self._fd is not None:
+            return self._fd
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise LubanError(f"{self.path}: shard file is missing") from None
+        except OSError as err:  # EMFILE at the open-file limit, EACCES: one line, not a traceback
+            raise LubanError(f"{self.path}: cannot open the shard: {err.strerror}") from None
+        try:
+            size = os.fstat(fd).st_size
+            if size < self.size:
+                raise self._truncated(size)
+            head = os.pread(fd, HEADER_SIZE, 0)
+            if head[HEADER_CRC_OFFSET:] != struct.pack("<I", self.header_crc) or size != self.size:
+                raise self._error(f"replaced or changed since this process opened it ({size} bytes, header CRC "
+                                  f"{head[HEADER_CRC_OFFSET:].hex()}; the shard opened had {self.size}, "
+                                  f"{struct.pack('<I', self.header_crc).hex()}); shard files must not change "
+                                  "during a run", 0)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+        return fd
 
-    def unmap(self) -> None:
-        """Give the memory map back (the next read maps the file again; verified chunks stay verified).
-        A process has at most ``vm.max_map_count`` maps, so a stream of many shards keeps few."""
-        self._map = None
+    def _pread(self, start: int, stop: int) -> np.ndarray:
+        """Tokens ``[start, stop)`` read into a fresh array. Read with ``pread``, not a memory map: a
+        page of a map past the end of a file cut short while mapped raises SIGBUS, which kills the
+        process with no message ("Bus error"; Python cannot turn it into an exception), and no check
+        before the copy closes the window. A short ``pread`` is the truncation, said in one line. One
+        system call a read costs about what a map's copy does (docs/data.md)."""
+        out = np.empty(stop - start, self.dtype)
+        want = out.nbytes
+        got = os.preadv(self._file(), [memoryview(out).cast("B")], HEADER_SIZE + start * self.dtype.itemsize)
+        if got != want:
+            raise self._truncated(os.fstat(self._fd).st_size)
+        return out
+
+    def _truncated(self, size: int) -> LubanError:
+        return self._error(f"truncated: {size} bytes, the header says {self.size} (cut short since this "
+                           "process opened it: shard files must not change during a run)", size)
+
+    def close(self) -> None:
+        """Give the descriptor back (the next read opens the file again; verified chunks stay verified).
+        A process has a limit on open files, so a stream of many shards keeps few open."""
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)
+
+    def __del__(self) -> None:
+        if getattr(self, "_fd", None) is not None:  # (an __init__ that raised set none)
+            self.close()
 
     def _parse_header(self, head: bytes, size: int) -> None:
         if len(head) < HEADER_SIZE:
@@ -224,25 +271,33 @@ class ShardReader:
     def _error(self, what: str, offset: int) -> LubanError:
         return LubanError(f"{self.path}: {what} at byte offset {offset}")
 
-    def _check_chunks(self, first: int, last: int) -> None:
-        """Verify chunks ``first..last`` (inclusive) that have not been verified yet."""
-        if self._verified[first : last + 1].all():
-            return
+    def _verify(self, first: int, last: int, tokens: np.ndarray | None = None) -> None:
+        """Check the CRCs of chunks ``first..last`` (inclusive) not verified yet; ``tokens``: those
+        chunks' tokens, already read (else each is read)."""
         step = self.chunk_tokens
         for i in range(first, last + 1):
             if not self._verified[i]:
-                if zlib.crc32(self._tokens[i * step : (i + 1) * step]) != self._chunk_crcs[i]:
+                chunk = (tokens[(i - first) * step : (i - first + 1) * step] if tokens is not None
+                         else self._pread(i * step, min((i + 1) * step, self.tokens)))
+                if zlib.crc32(chunk) != self._chunk_crcs[i]:
                     offset = HEADER_SIZE + i * step * self.dtype.itemsize
                     raise self._error(f"CRC mismatch in chunk {i}", offset)
                 self._verified[i] = True
 
     def read(self, start: int, stop: int) -> np.ndarray:
-        """Tokens ``[start, stop)`` as a fresh array, verifying the chunks they lie in."""
+        """Tokens ``[start, stop)`` as a fresh array, verifying the chunks they lie in: a chunk not yet
+        verified is read whole with them, once."""
         if not 0 <= start <= stop <= self.tokens:
             raise IndexError(f"{self.path}: tokens [{start}, {stop}) outside [0, {self.tokens})")
-        if stop > start:
-            self._check_chunks(start // self.chunk_tokens, (stop - 1) // self.chunk_tokens)
-        return np.array(self._tokens[start:stop])
+        if stop == start:
+            return np.zeros(0, self.dtype)
+        first, last = start // self.chunk_tokens, (stop - 1) // self.chunk_tokens
+        if self._verified[first : last + 1].all():
+            return self._pread(start, stop)
+        begin = first * self.chunk_tokens
+        span = self._pread(begin, min((last + 1) * self.chunk_tokens, self.tokens))
+        self._verify(first, last, span)
+        return span[start - begin : stop - begin].copy() if (start, stop) != (begin, begin + len(span)) else span
 
     def document(self, i: int) -> np.ndarray:
         """The tokens of document ``i`` (ending with its end-of-document id); its two index entries
@@ -260,5 +315,7 @@ class ShardReader:
 
     def verify(self) -> None:
         """Check every chunk's CRC (``luban data verify``)."""
-        if len(self._verified):
-            self._check_chunks(0, len(self._verified) - 1)
+        for first in range(0, len(self._verified), VERIFY_CHUNKS):  # a bounded buffer at a time
+            last = min(first + VERIFY_CHUNKS, len(self._verified)) - 1
+            span = self._pread(first * self.chunk_tokens, min((last + 1) * self.chunk_tokens, self.tokens))
+            self._verify(first, last, span)

@@ -299,3 +299,76 @@ def test_a_rebuild_into_the_input_folder_does_not_read_itself(tmp_path, write_do
     again = build_dataset([text], text / "ds", val_fraction=0)
     assert again["source"]["files"] == first["source"]["files"] == 3
     assert again["splits"] == first["splits"]
+
+
+TRUNCATED_WHILE_READ = """
+import os, sys
+from pathlib import Path
+from luban.cli import error_line
+from luban.errors import LubanError
+
+case, ds = sys.argv[1], Path(sys.argv[2])
+shard = ds / "train-00000.bin"
+try:
+    if case == "loader":  # what training runs: windows anywhere, read in the prefetch thread
+        from luban.data.loader import TokenLoader
+        from luban.data.manifest import load_manifest
+        with TokenLoader(ds, seq_len=64, global_batch=32, prefetch=2) as loader:
+            next(loader)  # every train shard is open now (and the thread is reading ahead)
+            for entry in load_manifest(ds)["splits"]["train"]["shards"]:
+                os.truncate(ds / entry["file"], 4096)  # the pages past the first are gone
+            for _ in range(2 * loader.samples_per_epoch):
+                next(loader)
+    else:
+        from luban.data.loader import TokenStream
+        from luban.data.shards import ShardReader
+        other = ShardReader(ds / "train-00001.bin")
+        stream = TokenStream([ShardReader(shard), other], max_open=1)
+        reader = stream.readers[0]
+        end = reader.tokens
+        stream.read(0, end if case == "read" else 10)  # open; every chunk verified ("read") or one
+        if case == "remap":
+            stream.read(end, end + 10)  # opens the other shard and closes this one
+        os.truncate(shard, 4096)
+        if case == "verify":
+            reader.verify()  # the unverified chunks' CRCs
+        else:
+            stream.read(end - 10, end)  # verified chunks: no CRC is computed, the file is read as is
+    print("read a truncated shard without an error")
+except LubanError as err:
+    print(error_line(err), file=sys.stderr)
+    sys.exit(err.exit_code)
+"""
+
+
+@pytest.mark.parametrize("case", ["read", "verify", "remap", "loader"])
+def test_a_shard_truncated_while_read_is_named_not_a_bus_error(dataset_copy, case):
+    """A shard cut short (or rewritten shorter) while a reader had it memory-mapped: reading the pages that
+    had gone killed the whole training process with SIGBUS ("Bus error", core dumped, no message, in the
+    middle of whatever it was doing), or a remap of it was a ValueError traceback. Reads are now
+    ``pread``s: a short one names the shard in one line, with no window for a SIGBUS."""
+    proc = subprocess.run([sys.executable, "-c", TRUNCATED_WHILE_READ, case, str(dataset_copy)], capture_output=True,
+                          text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode != -7, "killed by SIGBUS"
+    assert_one_line(proc, 2, f"{dataset_copy / 'train-0000'}", ".bin: truncated: 4096 bytes, the header says ",
+                    "at byte offset 4096")
+
+
+@pytest.mark.parametrize("by", ["shorter", "longer"])
+def test_a_shard_replaced_by_rename_while_open(dataset_copy, by):
+    """A shard renamed over (a rebuild of the dataset) while a run has it open: the descriptor keeps the old
+    file, whole, so reading on is safe; but once it was given back, opening the path again read the other
+    shard there now (trained on it with the CRCs of the first: a shorter one was a ValueError traceback, a
+    longer one read silently where the chunks were already verified). Now the other file is refused."""
+    path = dataset_copy / "train-00000.bin"
+    reader = ShardReader(path)
+    before = reader.read(0, reader.tokens)
+    sizes = {p: p.stat().st_size for p in dataset_copy.glob("train-*.bin") if p != path}
+    other = (min if by == "shorter" else max)(sizes, key=sizes.get)
+    assert (sizes[other] < reader.size) == (by == "shorter")
+    os.replace(other, path)
+    np.testing.assert_array_equal(reader.read(0, reader.tokens), before)  # the old file, still open
+    reader.close()  # (a stream of many shards gives the least recently read back)
+    message = "truncated: " if by == "shorter" else "replaced or changed since this process opened it"
+    with pytest.raises(LubanError, match=f"{path}: {message}"):
+        reader.read(0, 10)
