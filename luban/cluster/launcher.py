@@ -57,6 +57,18 @@ def pgid_file(run_dir: Path, rank: int) -> Path:
     return run_dir / f"rank{rank}.pgid"
 
 
+def started_at(run_dir: Path, ranks: int) -> float | None:
+    """When the attempt's job began on its nodes: the oldest of its ranks' pgid files' modification
+    times (each written once, when its rank started the job), or None while none is there."""
+    times = []
+    for rank in range(ranks):
+        try:
+            times.append(pgid_file(run_dir, rank).stat().st_mtime)
+        except OSError:
+            pass
+    return min(times, default=None)
+
+
 def write_atomic(path: Path, text: str) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(text)

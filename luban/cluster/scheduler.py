@@ -121,9 +121,11 @@ class Scheduler:
         self.unavailable_answers = 0  # answers that met an outage, ever (observe stops polling at one)
         self._tick_unavailable = 0  # unavailable_answers when this tick began (more since: this tick met one)
         self._reached = False  # this tick the executor answered a poll
-        # the token of an attempt whose start met an outage: its retry reuses it, so that a copy the
-        # earlier try's sbatch submitted after all, adopted by the retry, holds the attempt's token
-        self._retry_tokens: dict[int, str] = {}
+        # the token of an attempt whose start met an outage, and when it was first claimed: its retry
+        # reuses the token, so that a copy the earlier try's sbatch submitted after all, adopted by the
+        # retry, holds the attempt's token (and is timed from when it began, no earlier than that claim)
+        self._retry_tokens: dict[int, tuple[str, float]] = {}
+        self._retried: dict[int, float] = {}  # attempts a retry started: job id -> the first claim's time
         self._next_node_sync: float | None = None  # when the ticks read the executor's nodes again (None: now)
 
     # -- nodes -------------------------------------------------------------------------------
@@ -377,6 +379,9 @@ class Scheduler:
             return
         status = self.executor.poll(job.handle)
         self._report(status, job.id, seen if seen is not None else set())
+        if job.id in self._retried and status.started_at is not None:  # a copy adopted by a retry:
+            first = self._retried.pop(job.id)  # timed from when it began (within the attempt's claims)
+            job.started_at = max(first, min(job.started_at, self.clock.from_wall(status.started_at)))
         if status.done:
             self._finish(s, job, status.exit_code, status.lost, status.ended_at, status.problem)
             return
@@ -438,6 +443,7 @@ class Scheduler:
             ended_at = self.clock.from_wall(ended_at)
         job.ended_at, job.token_hash, job.suspend_deadline = charged_until(job, ended_at, now), None, None
         self._retry_tokens.pop(job.id, None)
+        self._retried.pop(job.id, None)
         s.execute(Allocation.__table__.delete().where(Allocation.job_id == job.id))
         record(s, state, message, job.id)
         if state == states.SUSPENDED:
@@ -528,7 +534,7 @@ class Scheduler:
 
     def claim(self, job_id: int, nodes: tuple[str, ...], why: str, quiet: bool = False) -> tuple[Job, str] | None:
         """The start transaction: quota row locked and recounted, nodes inserted; None if refused."""
-        token = self._retry_tokens.get(job_id) or new_token()
+        token = self._retry_tokens[job_id][0] if job_id in self._retry_tokens else new_token()
         try:
             with self.sessions.begin() as s:
                 job = s.get(Job, job_id)
@@ -565,8 +571,9 @@ class Scheduler:
         except Unavailable as err:  # an outage, not the job: back to the queue, the same attempt, retried later
             self._executor_unavailable(err, start=True)
             with self.sessions.begin() as s:
-                self._unclaim(s, s.get(Job, job_id, with_for_update=True), quiet=retry)
-            self._retry_tokens[job_id] = token
+                claimed_job = s.get(Job, job_id, with_for_update=True)
+                self._retry_tokens.setdefault(job_id, (token, claimed_job.started_at))
+                self._unclaim(s, claimed_job, quiet=retry)
             return
         except Exception as err:  # noqa: BLE001 - any other launch failure fails this attempt, not the service
             with self.sessions.begin() as s:
@@ -574,7 +581,8 @@ class Scheduler:
                           f"launch failed: {one_line(err, 500)}")
             return
         self._executor_reached(start=True)
-        self._retry_tokens.pop(job_id, None)
+        if job_id in self._retry_tokens:
+            self._retried[job_id] = self._retry_tokens.pop(job_id)[1]
         with self.sessions.begin() as s:
             s.get(Job, job_id).handle = handle
 

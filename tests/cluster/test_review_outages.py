@@ -109,3 +109,33 @@ def test_an_outage_no_start_waits_for_any_more_does_not_linger_into_the_next_one
     assert len(logged(caplog, "executor unavailable")) == 2
     assert scheduler.executor_outage.retry_at - scheduler.clock.now() <= 5.0  # the first backoff, not the old one's
     no_tracebacks(caplog)
+
+
+def test_an_adopted_copy_is_timed_and_charged_from_when_it_began_not_from_the_retry(slurm):
+    """2026-11-27: the copy a timed-out ``sbatch`` submitted ran through the outage, but the retry that
+    adopted it started the attempt's clock anew: its time limit and its charge counted from the retry
+    (a 5-minute limit let it run 15). Now from when its ranks began (their pgid files), no earlier
+    than the attempt's first claim."""
+    import os
+
+    from luban.cluster import launcher
+
+    scheduler, submit, fake, calls, t = slurm
+    _submitted_then_hung(fake, calls)
+    j = submit()
+    with scheduler.sessions.begin() as s:
+        s.get(Job, j).spec = {**s.get(Job, j).spec, "time_limit": 300}
+    claimed_at = scheduler.clock.now()
+    scheduler.guarded_tick()
+    assert job(scheduler, j).state == "queued"
+    run_dir = next(p.parent for p in (fake.parent / "state").rglob("job.sbatch"))
+    began = claimed_at + 2
+    launcher.write_atomic(launcher.pgid_file(run_dir, 0), "12345")  # the copy's rank began, 2 s after the claim
+    os.utime(launcher.pgid_file(run_dir, 0), (began, began))
+    _copy_listed(fake)
+    t.elapse(600)
+    scheduler.guarded_tick()  # the retry adopts the copy
+    scheduler.guarded_tick()  # its first poll
+    adopted = job(scheduler, j)
+    assert adopted.started_at == began, (adopted.started_at - began)
+    assert "scancel 4242" in calls.read_text()  # 600 s since it began: past its 300 s limit, killed

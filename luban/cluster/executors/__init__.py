@@ -44,6 +44,9 @@ class Status:
     while the executor has not started it yet); ``lost`` when the executor cannot find it.
     ``ended_at``: when it ended, where the executor knows (its exit files' time), so an attempt that
     ended while the service was down is charged until its end, not until the service saw it.
+    ``started_at``: when its job began on the nodes, where the executor knows (wall clock): a copy
+    of the attempt that a start which met an outage submitted after all, adopted by the retry, is
+    timed and charged from when it began, not from the retry.
     ``unavailable`` / ``problem``: why the executor could not tell (an outage / anything else, one
     line each); with ``done`` false the job is as it was, with ``done`` the attempt ended as said
     and ``problem`` tells what could not be read (the scheduler puts it in the reason)."""
@@ -53,6 +56,7 @@ class Status:
     lost: bool = False
     started: bool = True
     ended_at: float | None = None
+    started_at: float | None = None
     unavailable: str | None = None  # the executor could not ask (Slurm's controller unreachable): why, in one line
     problem: str | None = None  # what it could not read (a missing command, output it cannot parse), in one line
 

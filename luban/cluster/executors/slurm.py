@@ -204,11 +204,12 @@ class SlurmExecutor:
                 problem = str(err)
             f = {}  # forgotten by slurmctld (MinJobAge): fall back to the launchers' exit files
         state = f.get("JobState", "")
+        began = launcher.started_at(run_dir, info["ranks"])
         if state in RUNNING:
-            return Status(done=False, started=state not in ("PENDING", "CONFIGURING"))
+            return Status(done=False, started=state not in ("PENDING", "CONFIGURING"), started_at=began)
         if all(p.exists() for p in files):
             return Status(done=True, exit_code=combine([int(p.read_text()) for p in files]),
-                          ended_at=launcher.ended_at(run_dir, len(files)), unavailable=unavailable)
+                          ended_at=launcher.ended_at(run_dir, len(files)), started_at=began, unavailable=unavailable)
         if unavailable or problem:
             return Status(done=False, unavailable=unavailable, problem=problem)
         if state and state not in ENDED:  # a state this code does not know: it may still run
