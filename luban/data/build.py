@@ -349,7 +349,8 @@ def ensure_default_dataset(out_dir, tokenizer: str = "byte",
     """Build the default corpus into ``out_dir`` unless a valid build of it is already there.
 
     "Valid" means the manifest loads, names the same tokenizer kind and corpus cap, and every
-    shard passes the open-time checks (size, header and index CRCs). Concurrent callers (for
+    shard passes the open-time checks (size, header CRC, chunk-CRC table CRC; format version 1: the
+    index CRC). Concurrent callers (for
     example several ranks) serialise on a lock file, so only one of them builds.
     """
     out_dir = Path(out_dir)

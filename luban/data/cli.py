@@ -44,8 +44,8 @@ def register(subparsers) -> None:
     build.set_defaults(func=_build)
 
     verify = sub.add_parser("verify", help="check everything training reads from a dataset",
-                            description="Check the manifest; every shard's sizes, header, index, token-chunk "
-                            "CRCs and token ids; the tokenizer file, its SHA-256 and vocabulary; exit 2 "
+                            description="Check the manifest; every shard's sizes, header, chunk-CRC table, document "
+                            "index, token-chunk CRCs and token ids; the tokenizer file, its SHA-256 and vocabulary; exit 2 "
                             "naming the file on error.")
     verify.add_argument("dir", metavar="DIR", type=DATASET_DIR)
     verify.set_defaults(func=_verify)
@@ -83,7 +83,8 @@ def _print_splits(manifest: dict) -> None:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    """Everything training reads: the manifest, every shard (sizes, header, index, chunk CRCs, and
+    """Everything training reads: the manifest, every shard (sizes, header, chunk-CRC table, document index
+    (``ShardReader.verify``: training reads none of it), chunk CRCs, and
     token ids below the tokenizer's vocabulary) and the tokenizer (its file, SHA-256, vocabulary)."""
     from luban.data.manifest import open_dataset
     from luban.data.tokenizer import load_tokenizer

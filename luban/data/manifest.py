@@ -4,7 +4,7 @@ The manifest is written last (atomically), so it is the commit point of ``luban 
 a directory without one is not a dataset, and a crashed rebuild (which deletes the old
 manifest first) never looks valid. Schema (docs/data.md)::
 
-    {"format": "luban-tokens", "format_version": 1, "dtype": "uint16", "chunk_tokens": N,
+    {"format": "luban-tokens", "format_version": 2, "dtype": "uint16", "chunk_tokens": N,
      "tokenizer": {"kind", "vocab_size", "eos_id", "file"},
      "source": {"kind": "default-corpus" | "files", "files", "bytes", "max_bytes"},
      "val_fraction": F, "seed": S,
@@ -15,6 +15,8 @@ manifest first) never looks valid. Schema (docs/data.md)::
 ``load_manifest`` checks the checksum, then the structure: split names, shard names exactly
 ``SPLIT-00000.bin``, ``SPLIT-00001.bin``... in order (so no path can leave the folder and no
 shard can be dropped or reordered unnoticed), integer counts, and totals equal to the sums.
+``format_version`` is the shards' format version: 2 is written, 1 and 2 are read (``open_split``
+checks every shard is of that version).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import re
 from pathlib import Path
 
 from luban.data.atomic import write_bytes
-from luban.data.shards import DTYPES, FORMAT_VERSION, MAX_CHUNK_TOKENS, ShardReader, dtype_for_vocab
+from luban.data.shards import DTYPES, MAX_CHUNK_TOKENS, READ_VERSIONS, ShardReader, dtype_for_vocab
 from luban.errors import LubanError, bad_value
 
 MANIFEST = "manifest.json"
@@ -155,9 +157,9 @@ def load_manifest(dataset_dir: str | Path) -> dict:
     if manifest.get("checksum") != content_checksum(manifest):
         raise LubanError(f"{path}: content checksum {'missing' if 'checksum' not in manifest else 'mismatch'} "
                          "(edited or damaged); rebuild the dataset with `luban data build`")
-    if manifest["format_version"] != FORMAT_VERSION:
+    if not _whole(manifest["format_version"]) or manifest["format_version"] not in READ_VERSIONS:
         raise bad_value(f"{path}: format_version", manifest["format_version"],
-                        f"this luban reads version {FORMAT_VERSION}; rebuild the dataset")
+                        f"this luban reads versions {' and '.join(map(str, READ_VERSIONS))}; rebuild the dataset")
     _check_header(path, manifest)
     _check_description(path, manifest)
     _check_splits(path, manifest["splits"])
@@ -165,7 +167,8 @@ def load_manifest(dataset_dir: str | Path) -> dict:
 
 
 def open_split(dataset_dir: str | Path, manifest: dict, split: str) -> list[ShardReader]:
-    """Open a split's shards in order, checking each against the sizes the manifest records."""
+    """Open a split's shards in order, checking each against the format version and the sizes the manifest
+    records."""
     if not isinstance(split, str) or split not in manifest["splits"]:
         raise bad_value("split", split, f"one of {sorted(manifest['splits'])}")
     readers = []
@@ -175,6 +178,9 @@ def open_split(dataset_dir: str | Path, manifest: dict, split: str) -> list[Shar
             raise LubanError(f"{path}: {'missing' if not path.exists() else 'not a regular file'}, but "
                              f"{MANIFEST} names it; rebuild the dataset")
         reader = ShardReader(path)
+        if reader.version != manifest["format_version"]:
+            raise LubanError(f"{reader.path}: format version {reader.version}, but {MANIFEST} says "
+                             f"{manifest['format_version']}; rebuild the dataset")
         found = {"tokens": reader.tokens, "documents": reader.documents, "bytes": reader.size,
                  SHARD_CRC: reader.header_crc}
         wrong = {k: v for k, v in found.items() if k in entry and v != entry[k]}
@@ -186,6 +192,7 @@ def open_split(dataset_dir: str | Path, manifest: dict, split: str) -> list[Shar
 
 
 def open_dataset(dataset_dir: str | Path) -> tuple[dict, dict[str, list[ShardReader]]]:
-    """The manifest and every split's opened (header- and index-checked) shards."""
+    """The manifest and every split's opened shards (checked at open: header, chunk-CRC table; version 1:
+    document index)."""
     manifest = load_manifest(dataset_dir)
     return manifest, {s: open_split(dataset_dir, manifest, s) for s in manifest["splits"]}

@@ -5,19 +5,30 @@ Packing many small documents into a few large files follows the HAI platform's d
 large sequential files and readers get O(1) random access: one ``pread`` a read (a memory map
 would do it too, but a file cut short under a map kills the reader with SIGBUS).
 
-Layout (little-endian; docs/data.md has the table)::
+Layout, format version 2 (little-endian; docs/data.md has the table)::
 
     [0, 64)                 header: magic, version, dtype code, chunk size, token count,
-                            document count, section offsets, index CRC32, header CRC32
+                            document count, section offsets, tail CRC32, header CRC32
     [64, 64 + n*itemsize)   tokens (uint16 if the vocabulary fits, else uint32)
     [index_offset, ...)     document start offsets, uint64, one per document (8-aligned)
-    [crc_offset, end)       CRC32 of every chunk of ``chunk_tokens`` tokens, uint32
+    [crc_offset, ...)       CRC32 of every chunk of ``chunk_tokens`` tokens, uint32
+    [end - 4, end)          index CRC32: of the document index [index_offset, crc_offset)
 
-CRC policy: opening a shard checks the size, the header CRC and the index CRC (which covers
-the document index and the chunk-CRC table); a token chunk is verified the first time any of
-its tokens is read; ``verify()`` checks every chunk. Any failure raises ``LubanError`` naming
-the file and the byte offset; so does a shard cut short or replaced since it was opened
-(``ShardReader._pread``, ``ShardReader._file``).
+The header's *tail CRC* (bytes 56-60) covers the tail [crc_offset, end): the chunk-CRC table and
+the index CRC. So the header CRC still covers every byte of the file (header -> chunk CRCs ->
+tokens, and header -> index CRC -> document index), while opening reads only the header and the
+tail: 64 + 4*chunks + 4 bytes, whatever the document count.
+
+Format version 1 (still read) has no index CRC: its tail is [index_offset, end), the document
+index and the chunk-CRC table, so opening it reads (and checks) all of its document index: 8 bytes
+a document, ~120 GB for a 15-billion-document corpus, in every rank at start-up.
+
+CRC policy: opening a shard checks the size, the header CRC and the tail CRC (version 1: also that
+the document starts are in order within the tokens); a token chunk is verified the first time any
+of its tokens is read; ``document(i)`` checks its two index entries are in order within the tokens;
+``verify()`` checks every chunk and (version 2) the whole document index: its CRC, then its order.
+Any failure raises ``LubanError`` naming the file and the byte offset; so does a shard cut short
+or replaced since it was opened (``ShardReader._pread``, ``ShardReader._file``).
 """
 
 from __future__ import annotations
@@ -34,7 +45,8 @@ from luban.data.atomic import AtomicFile
 from luban.errors import LubanError
 
 MAGIC = b"LUBANTOK"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # what ShardWriter writes
+READ_VERSIONS = (1, 2)  # what ShardReader reads (version 1: docs/data.md)
 HEADER = struct.Struct("<8sHHIQQQQQII")
 HEADER_SIZE = HEADER.size  # 64
 HEADER_CRC_OFFSET = HEADER_SIZE - 4
@@ -42,6 +54,7 @@ DTYPES = {1: np.dtype("<u2"), 2: np.dtype("<u4")}
 DEFAULT_CHUNK_TOKENS = 1 << 16
 MAX_CHUNK_TOKENS = (1 << 32) - 1  # the header stores chunk_tokens as a uint32
 VERIFY_CHUNKS = 64  # chunks ``verify`` reads at a time (8 MiB of uint16 tokens at the default chunk)
+VERIFY_INDEX_ENTRIES = 1 << 20  # document index entries ``verify`` reads at a time (8 MiB)
 
 _INDEX_DTYPE = np.dtype("<u8")
 _CRC_DTYPE = np.dtype("<u4")
@@ -60,11 +73,25 @@ def _align8(offset: int) -> int:
     return (offset + 7) // 8 * 8
 
 
+def _pread_exact(fd: int, size: int, offset: int) -> bytes:
+    """``size`` bytes from ``offset``, fewer only at the end of the file (one ``pread`` of a regular
+    file returns at most ~2 GiB)."""
+    parts = []
+    while size > 0:
+        part = os.pread(fd, min(size, 1 << 30), offset)
+        if not part:
+            break
+        parts.append(part)
+        size -= len(part)
+        offset += len(part)
+    return b"".join(parts)
+
+
 @dataclass(frozen=True)
 class ShardInfo:
     """What the manifest records about one committed shard. ``header_crc32`` covers the whole file (the
-    header holds the index CRC, which covers the chunk CRCs, which cover the tokens): a shard swapped for
-    another of the same size is told apart by it."""
+    header holds the tail CRC, which covers the chunk CRCs, which cover the tokens, and the index CRC, which
+    covers the document index): a shard swapped for another of the same size is told apart by it."""
 
     file: str
     tokens: int
@@ -116,19 +143,19 @@ class ShardWriter:
         self._in_chunk = 0
 
     def close(self) -> ShardInfo:
-        """Write the index, CRC table and header, then rename the file into place."""
+        """Write the index, the chunk-CRC table, the index CRC and the header (format version 2), then
+        rename the file into place."""
         if self._in_chunk:
             self._end_chunk()
         f = self._out.file
         tokens_end = HEADER_SIZE + self.tokens * self.dtype.itemsize
         index_offset = _align8(tokens_end)
         f.write(bytes(index_offset - tokens_end))
-        tail = (
-            np.asarray(self._doc_starts, dtype=_INDEX_DTYPE).tobytes()
-            + np.asarray(self._chunk_crcs, dtype=_CRC_DTYPE).tobytes()
-        )
+        index = np.asarray(self._doc_starts, dtype=_INDEX_DTYPE).tobytes()
+        f.write(index)
+        crc_offset = index_offset + len(index)
+        tail = np.asarray(self._chunk_crcs, dtype=_CRC_DTYPE).tobytes() + struct.pack("<I", zlib.crc32(index))
         f.write(tail)
-        crc_offset = index_offset + len(self._doc_starts) * _INDEX_DTYPE.itemsize
         head = HEADER.pack(
             MAGIC, FORMAT_VERSION, _dtype_code(self.dtype), self.chunk_tokens, self.tokens,
             len(self._doc_starts), HEADER_SIZE, index_offset, crc_offset, zlib.crc32(tail), 0,
@@ -136,7 +163,7 @@ class ShardWriter:
         f.seek(0)
         f.write(head + struct.pack("<I", zlib.crc32(head)))
         self._out.commit()
-        size = index_offset + len(tail)
+        size = crc_offset + len(tail)
         return ShardInfo(self._out.path.name, self.tokens, len(self._doc_starts), size, zlib.crc32(head))
 
     def abort(self) -> None:
@@ -155,27 +182,46 @@ class ShardReader:
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
+        self._fd: int | None = None  # open while a stream reads it (``_file``)
         try:
-            size = self.path.stat().st_size
-            with open(self.path, "rb") as f:
-                head = f.read(HEADER_SIZE)
-                self._parse_header(head, size)
-                f.seek(self.index_offset)
-                tail = f.read(self.size - self.index_offset)
+            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
             raise LubanError(f"{self.path}: shard file is missing") from None
-        if zlib.crc32(tail) != self._index_crc:
-            raise self._error(
-                f"index CRC mismatch (document index and chunk CRCs, bytes "
-                f"{self.index_offset}-{self.size - 1})", self.index_offset)
-        n_index = self.documents * _INDEX_DTYPE.itemsize
-        self._check_index(np.frombuffer(tail, _INDEX_DTYPE, self.documents).astype(np.int64))  # a temporary
+        except OSError as err:
+            raise LubanError(f"{self.path}: cannot open the shard: {err.strerror}") from None
+        try:  # the header, then the tail (version 2: the chunk CRCs and the index CRC; 1: the index too)
+            size = os.fstat(fd).st_size
+            self._parse_header(os.pread(fd, HEADER_SIZE, 0), size)
+            tail = _pread_exact(fd, self.size - self._tail_offset, self._tail_offset)
+        except OSError as err:  # EISDIR (a folder), EIO: one line, not a traceback
+            raise LubanError(f"{self.path}: cannot read the shard: {err.strerror}") from None
+        finally:
+            os.close(fd)
+        if len(tail) != self.size - self._tail_offset:  # cut short between the size check and the read
+            end = self._tail_offset + len(tail)
+            raise self._error(f"truncated: {end} bytes, the header says {self.size} (cut short while opened)", end)
+        n_chunks = -(-self.tokens // self.chunk_tokens)
+        if self.version == 1:
+            if zlib.crc32(tail) != self._tail_crc:
+                raise self._error(
+                    f"index CRC mismatch (document index and chunk CRCs, bytes "
+                    f"{self.index_offset}-{self.size - 1})", self.index_offset)
+            n_index = self.documents * _INDEX_DTYPE.itemsize
+            self._check_index(np.frombuffer(tail, _INDEX_DTYPE, self.documents).astype(np.int64))  # a temporary
+            self._index_crc = None  # (version 1 has none: its index was checked here)
+            crcs = np.frombuffer(tail, _CRC_DTYPE, n_chunks, offset=n_index)
+        else:
+            if zlib.crc32(tail) != self._tail_crc:
+                raise self._error(
+                    f"chunk-CRC table CRC mismatch (chunk CRCs and the document index's CRC, bytes "
+                    f"{self.crc_offset}-{self.size - 1})", self.crc_offset)
+            self._index_crc = struct.unpack("<I", tail[-4:])[0]  # checked by ``verify``
+            crcs = np.frombuffer(tail, _CRC_DTYPE, n_chunks)
         # Only the chunk CRCs stay in memory (4 bytes per chunk); the document index (8 bytes per
-        # document: 120 GB for a 15-billion-document corpus, in every rank) is read again by
-        # ``document``, which the loader never calls.
-        self._chunk_crcs = np.frombuffer(tail, _CRC_DTYPE, offset=n_index).copy()
+        # document: 120 GB for a 15-billion-document corpus, in every rank) is read by ``document``
+        # (two entries), which the loader never calls, and by ``verify`` (all of it).
+        self._chunk_crcs = crcs.copy()
         self._verified = np.zeros(len(self._chunk_crcs), dtype=bool)
-        self._fd: int | None = None  # open while a stream reads it (``_file``)
 
     def _file(self) -> int:
         """The shard's descriptor, opened on first read (``close`` gives it back), once the file at the
@@ -238,23 +284,29 @@ class ShardReader:
         if len(head) < HEADER_SIZE:
             raise self._error(f"truncated: {size} bytes, the header alone needs {HEADER_SIZE}",
                               size)
-        (magic, version, code, self.chunk_tokens, self.tokens, self.documents, tokens_offset,
-         self.index_offset, crc_offset, self._index_crc, self.header_crc) = HEADER.unpack(head)
+        (magic, self.version, code, self.chunk_tokens, self.tokens, self.documents, tokens_offset,
+         self.index_offset, self.crc_offset, self._tail_crc, self.header_crc) = HEADER.unpack(head)
         if magic != MAGIC:
             raise self._error(f"not a luban shard (magic {magic!r}, expected {MAGIC!r})", 0)
-        if version != FORMAT_VERSION:
-            raise self._error(f"format version {version}, this luban reads {FORMAT_VERSION}", 8)
+        if self.version not in READ_VERSIONS:
+            raise self._error(f"format version {self.version}, this luban reads versions "
+                              f"{' and '.join(map(str, READ_VERSIONS))}", 8)
         if zlib.crc32(head[:HEADER_CRC_OFFSET]) != self.header_crc:
             raise self._error(f"header CRC mismatch (header bytes 0-{HEADER_SIZE - 1})", 0)
         if code not in DTYPES or tokens_offset != HEADER_SIZE or self.chunk_tokens < 1:
             raise self._error(f"unsupported dtype code {code} or layout", 10)
         self.dtype = DTYPES[code]
         if (self.index_offset != _align8(HEADER_SIZE + self.tokens * self.dtype.itemsize)
-                or crc_offset != self.index_offset + self.documents * _INDEX_DTYPE.itemsize):
-            raise self._error(f"section offsets (index {self.index_offset}, CRC table {crc_offset}) disagree "
-                              f"with {self.tokens} tokens and {self.documents} documents", 40)
+                or self.crc_offset != self.index_offset + self.documents * _INDEX_DTYPE.itemsize):
+            raise self._error(f"section offsets (index {self.index_offset}, CRC table {self.crc_offset}) "
+                              f"disagree with {self.tokens} tokens and {self.documents} documents", 40)
+        if self.version >= 2 and self.tokens and not self.documents:  # (version 1: ``_check_index``)
+            raise self._error(f"{self.tokens} tokens but no documents", 24)
         n_chunks = -(-self.tokens // self.chunk_tokens)
-        self.size = crc_offset + n_chunks * _CRC_DTYPE.itemsize
+        # The tail, read and checked at open: version 2, the chunk CRCs and the index CRC after them;
+        # version 1, the document index and the chunk CRCs.
+        self._tail_offset = self.crc_offset if self.version >= 2 else self.index_offset
+        self.size = self.crc_offset + n_chunks * _CRC_DTYPE.itemsize + (4 if self.version >= 2 else 0)
         if size < self.size:
             raise self._error(f"truncated: {size} bytes, the header says {self.size}", size)
         if size > self.size:
@@ -265,6 +317,29 @@ class ShardReader:
         ok = (starts[0] == 0 and bool((np.diff(starts) >= 0).all()) and starts[-1] <= self.tokens
               if self.documents else self.tokens == 0)
         if not ok:
+            raise self._error(f"document index out of order or outside the {self.tokens} tokens",
+                              self.index_offset)
+
+    def _verify_index(self) -> None:
+        """The whole document index against its CRC, then in order (``_check_index``), read a bounded
+        block at a time (a shard of 2**27 one-token documents has a 1 GiB index)."""
+        crc, in_order, last = 0, True, 0
+        step = VERIFY_INDEX_ENTRIES
+        for first in range(0, self.documents, step):
+            count = min(step, self.documents - first)
+            raw = os.pread(self._file(), count * _INDEX_DTYPE.itemsize,
+                           self.index_offset + first * _INDEX_DTYPE.itemsize)
+            if len(raw) != count * _INDEX_DTYPE.itemsize:
+                raise self._truncated(os.fstat(self._fd).st_size)
+            crc = zlib.crc32(raw, crc)
+            starts = np.frombuffer(raw, _INDEX_DTYPE)
+            in_order = in_order and (bool(starts[0] == 0) if first == 0 else int(starts[0]) >= last)
+            in_order = in_order and bool((starts[1:] >= starts[:-1]).all())
+            last = int(starts[-1])
+        if crc != self._index_crc:
+            raise self._error(f"document index CRC mismatch (bytes {self.index_offset}-{self.crc_offset - 1})",
+                              self.index_offset)
+        if not (in_order and last <= self.tokens):  # (no documents, no tokens: checked at open)
             raise self._error(f"document index out of order or outside the {self.tokens} tokens",
                               self.index_offset)
 
@@ -300,21 +375,30 @@ class ShardReader:
         return span[start - begin : stop - begin].copy() if (start, stop) != (begin, begin + len(span)) else span
 
     def document(self, i: int) -> np.ndarray:
-        """The tokens of document ``i`` (ending with its end-of-document id); its two index entries
-        are read from the file (checked at open; ``read`` bounds them and checks the tokens' CRCs)."""
+        """The tokens of document ``i`` (ending with its end-of-document id). Its two index entries are
+        read from the file and checked to be in order within the tokens (document 0 from token 0);
+        ``read`` checks the tokens' CRCs. Version 2 checks the index's CRC only in ``verify``: a damaged
+        entry that stays in order gives another span of (CRC-checked) tokens; the loader never calls this."""
         if not 0 <= i < self.documents:
             raise IndexError(f"{self.path}: document {i} outside [0, {self.documents})")
-        with open(self.path, "rb") as f:
-            f.seek(self.index_offset + i * _INDEX_DTYPE.itemsize)
-            raw = f.read(_INDEX_DTYPE.itemsize * (2 if i + 1 < self.documents else 1))
+        offset = self.index_offset + i * _INDEX_DTYPE.itemsize
+        want = _INDEX_DTYPE.itemsize * (2 if i + 1 < self.documents else 1)
+        raw = os.pread(self._file(), want, offset)  # (``_file``: the file is still the shard opened)
+        if len(raw) != want:
+            raise self._truncated(os.fstat(self._fd).st_size)
         starts = [int(v) for v in np.frombuffer(raw, _INDEX_DTYPE)] + [self.tokens]
-        if len(starts) < (3 if i + 1 < self.documents else 2) or not 0 <= starts[0] <= starts[1] <= self.tokens:
-            raise self._error(f"document index changed since the shard was opened (document {i})",
-                              self.index_offset + i * _INDEX_DTYPE.itemsize)
+        if not (0 <= starts[0] <= starts[1] <= self.tokens and (i or starts[0] == 0)):
+            raise self._error(f"document index changed since the shard was opened (document {i})"
+                              if self.version == 1 else
+                              f"document index out of order or outside the {self.tokens} tokens (document {i}; "
+                              "`luban data verify` checks the whole index)", offset)
         return self.read(starts[0], starts[1])
 
     def verify(self) -> None:
-        """Check every chunk's CRC (``luban data verify``)."""
+        """Check the document index (version 2: its CRC, then its order; version 1 checked both at
+        open) and every chunk's CRC (``luban data verify``)."""
+        if self.version >= 2:
+            self._verify_index()
         for first in range(0, len(self._verified), VERIFY_CHUNKS):  # a bounded buffer at a time
             last = min(first + VERIFY_CHUNKS, len(self._verified)) - 1
             span = self._pread(first * self.chunk_tokens, min((last + 1) * self.chunk_tokens, self.tokens))

@@ -19,7 +19,7 @@ from luban.errors import LubanError
 
 def test_manifest_matches_the_shards(small_dataset):
     manifest = json.loads((small_dataset / "manifest.json").read_text())
-    assert manifest["format"] == "luban-tokens" and manifest["format_version"] == 1
+    assert manifest["format"] == "luban-tokens" and manifest["format_version"] == 2  # the shards' format version
     assert manifest["dtype"] == "uint16" and manifest["chunk_tokens"] == 128
     assert manifest["tokenizer"] == {"kind": "byte", "vocab_size": 257, "eos_id": 256,
                                      "file": None}

@@ -119,12 +119,17 @@ def _shard(path: Path) -> bytes:
 
 
 def _resigned(data: bytes, index_crc: bool = False, **fields) -> bytes:
-    """``data`` with header fields replaced and its CRCs made to match (a hostile, not a random, edit)."""
+    """``data`` with header fields replaced and its CRCs made to match (a hostile, not a random, edit); with
+    ``index_crc``, the document index's CRCs too (format version 2: the index CRC after the chunk-CRC table,
+    and the header's CRC of that table and index CRC; version 1: the header's CRC of index and table)."""
     names = ("magic", "version", "code", "chunk", "tokens", "documents", "tokens_offset", "index_offset",
              "crc_offset", "index_crc", "header_crc")
     values = dict(zip(names, HEADER.unpack(data[:64])), **fields)
-    if index_crc:
+    if index_crc and values["version"] == 1:
         values["index_crc"] = zlib.crc32(data[values["index_offset"]:])
+    elif index_crc:
+        data = data[:-4] + struct.pack("<I", zlib.crc32(data[values["index_offset"]:values["crc_offset"]]))
+        values["index_crc"] = zlib.crc32(data[values["crc_offset"]:])
     head = HEADER.pack(*values.values())[:HEADER_CRC_OFFSET]
     return head + struct.pack("<I", zlib.crc32(head)) + data[64:]
 

@@ -62,7 +62,7 @@ def test_flipped_token_byte_fails_on_first_read_of_its_chunk(tmp_path):
     path = tmp_path / "s.bin"
     make_shard(path)
     flip(path, HEADER_SIZE + 3 * CHUNK * 2 + 5)  # inside chunk 3
-    reader = ShardReader(path)  # open checks header and index only
+    reader = ShardReader(path)  # open checks the header and the chunk-CRC table only
     reader.read(0, 3 * CHUNK)  # chunks 0-2 are fine
     message = f"{path}: CRC mismatch in chunk 3 at byte offset {HEADER_SIZE + 3 * CHUNK * 2}"
     with pytest.raises(LubanError) as err:
@@ -84,14 +84,23 @@ def test_flipped_header_byte(tmp_path, offset, what, reported):
         ShardReader(path)
 
 
-@pytest.mark.parametrize("where", ["index", "crc table"])
+@pytest.mark.parametrize("where", ["index", "crc table", "index crc"])
 def test_flipped_index_or_crc_table_byte(tmp_path, where):
+    """The chunk-CRC table (and the index CRC after it) is checked at open; the document index, which open does
+    not read (format version 2), by ``verify()`` (tests/data/test_format_v2.py has version 1's checks)."""
     path = tmp_path / "s.bin"
     make_shard(path)
-    index_offset = ShardReader(path).index_offset
-    flip(path, index_offset + (3 if where == "index" else 5 * 8 + 2))
-    with pytest.raises(LubanError, match=f"^{path}: index CRC mismatch .* at byte offset "
-                       f"{index_offset}$"):
+    reader = ShardReader(path)
+    index_offset, crc_offset, size = reader.index_offset, reader.crc_offset, reader.size
+    flip(path, {"index": index_offset + 3, "crc table": crc_offset + 2, "index crc": size - 1}[where])
+    if where == "index":
+        reader = ShardReader(path)
+        with pytest.raises(LubanError, match=f"^{path}: document index CRC mismatch \\(bytes {index_offset}-"
+                           f"{crc_offset - 1}\\) at byte offset {index_offset}$"):
+            reader.verify()
+        return
+    with pytest.raises(LubanError, match=f"^{path}: chunk-CRC table CRC mismatch .* at byte offset "
+                       f"{crc_offset}$"):
         ShardReader(path)
 
 
