@@ -27,13 +27,14 @@ from sqlalchemy.orm import Session, sessionmaker
 from luban import jobenv
 from luban.cluster import clock as clocks
 from luban.cluster import policy, states
-from luban.cluster.executors import Executor, Launch, Status, Unavailable
+from luban.cluster.executors import Executor, Launch, StartDeferred, Status, Unavailable
 from luban.cluster.models import ACTIVE, LIVE, Allocation, Event, Job, Node, Quota, Sample, StopReason, User, UserGroup
 from luban.errors import LubanError
 
 log = logging.getLogger("luban.cluster")
 LAUNCH_GRACE = 60.0  # seconds a claimed job may go without an executor handle
 RETRY_MIN_S, RETRY_MAX_S = 5.0, 300.0  # starts while the executor is unavailable: first retry, longest wait
+GONE = "gone"  # a node's state once the executor no longer reports it (sync_nodes): kept, not scheduled
 NODE_SYNC_S = 300.0  # seconds between readings of the executor's nodes (a node added to Slurm is seen without a restart)
 MAX_REPORTED = 1000  # distinct executor problems remembered (each logged once)
 
@@ -126,35 +127,59 @@ class Scheduler:
         # retry, holds the attempt's token (and is timed from when it began, no earlier than that claim)
         self._retry_tokens: dict[int, tuple[str, float]] = {}
         self._retried: dict[int, float] = {}  # attempts a retry started: job id -> the first claim's time
+        # attempts whose start waits for what an earlier try of theirs left (StartDeferred): job id ->
+        # (when to ask again, the backoff, why); out of the policy's view meanwhile, other starts go on
+        self._deferred: dict[int, tuple[float, float, str]] = {}
         self._next_node_sync: float | None = None  # when the ticks read the executor's nodes again (None: now)
+        self._node_sync_delay = RETRY_MIN_S  # after a reading that failed: doubles up to NODE_SYNC_S
+        self._node_problem: str | None = None  # the last reading's failure, said once
 
     # -- nodes -------------------------------------------------------------------------------
     def sync_nodes(self) -> None:
-        """Add or refresh the executor's nodes; an admin's drain stays in force."""
+        """Add or refresh the executor's nodes; an admin's drain stays in force. A node the executor no
+        longer reports (removed from Slurm) is ``gone``: kept, not scheduled, ``up`` again if it comes
+        back (an empty answer marks nothing gone: it is more likely a glitch than a cluster removed)."""
         infos = self.executor.discover()  # before the transaction: a slow slurmctld holds no database lock
         with self.sessions.begin() as s:
             for info in infos:
                 node = s.get(Node, info.name) or Node(name=info.name, state="up")
                 node.node_group, node.gpus, node.labels, node.addr = info.node_group, info.gpus, info.labels, info.addr
+                if node.state == GONE:
+                    node.state = "up"
+                    log.warning("node %s is reported by the executor again: scheduled again", node.name)
                 s.add(node)
+            reported = {info.name for info in infos}
+            for node in s.scalars(select(Node).where(Node.state == "up")) if reported else ():
+                if node.name not in reported:
+                    node.state = GONE
+                    log.warning("node %s is no longer reported by the executor: not scheduled (kept as %s)",
+                                node.name, GONE)
         self._next_node_sync = self.clock.now() + NODE_SYNC_S
 
     def refresh_nodes(self, now: float) -> None:
-        """The ticks' reading of the nodes, every ``NODE_SYNC_S`` (or ``RETRY_MIN_S`` after one that
-        failed): a service started while slurmctld could not be reached gets its nodes once it can,
-        and a node added to Slurm is scheduled without a restart. An outage is the outage's lines."""
+        """The ticks' reading of the nodes, every ``NODE_SYNC_S``; after one that failed, again after a
+        backoff (``RETRY_MIN_S`` doubling to ``NODE_SYNC_S``, counted from when the failure was known:
+        a hung slurmctld's timeout is not spent every tick). A service started while slurmctld could
+        not be reached gets its nodes once it can, and a node added to Slurm is scheduled without a
+        restart. An outage is the outage's lines; unreadable output is one line until read again."""
         if self._next_node_sync is not None and now < self._next_node_sync:
             return
         try:
             self.sync_nodes()
-        except Unavailable as err:
-            self._next_node_sync = now + RETRY_MIN_S
-            self._executor_unavailable(err)
-        except (RuntimeError, LubanError) as err:  # unreadable output: said once, as a job's problem is
-            self._next_node_sync = now + NODE_SYNC_S
-            log.warning("the executor's nodes could not be read: %s", one_line(err))
-        else:
-            self._executor_reached()
+        except (RuntimeError, LubanError) as err:  # Unavailable included
+            self._next_node_sync = self.clock.now() + self._node_sync_delay
+            self._node_sync_delay = min(self._node_sync_delay * 2, NODE_SYNC_S)
+            if isinstance(err, Unavailable):
+                self._executor_unavailable(err)
+            elif self._node_problem != one_line(err):
+                self._node_problem = one_line(err)
+                log.warning("the executor's nodes could not be read: %s (asked again later)", self._node_problem)
+            return
+        self._node_sync_delay = RETRY_MIN_S
+        if self._node_problem is not None:
+            log.warning("the executor's nodes can be read again (was: %s)", self._node_problem)
+            self._node_problem = None
+        self._executor_reached()
 
     # -- the loop ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -328,6 +353,8 @@ class Scheduler:
                 log.debug("executor unavailable: %d job(s) not polled this tick", len(ids) - n)
                 return  # (nor is a problem of theirs taken as gone)
             try:
+                if job_id in self._retried:
+                    self._time_adopted(job_id)
                 with self.sessions.begin() as s:
                     job = s.get(Job, job_id, with_for_update=True)
                     if job.state in ACTIVE:
@@ -343,6 +370,21 @@ class Scheduler:
         for problem in [p for p in self.reported if p not in seen]:  # a whole pass without it: gone
             log.warning("job %s: the executor can tell its state again (was: %s)", self.reported.pop(problem),
                         problem)
+
+    def _time_adopted(self, job_id: int) -> None:
+        """An attempt a retry started may be a copy an earlier try submitted after all (adopted): it is
+        timed and charged from when its ranks began (``Executor.began``), kept between the attempt's
+        first claim and the retry's claim. Its own transaction, forgotten once committed: a kill that
+        later meets an outage does not roll it back."""
+        with self.sessions.begin() as s:
+            job = s.get(Job, job_id, with_for_update=True)
+            if job.state not in ACTIVE or job.handle is None:
+                return
+            began = self.executor.began(job.handle)
+            if began is None:  # not begun yet (or not a copy): asked again next tick
+                return
+            job.started_at = max(self._retried[job_id], min(job.started_at, self.clock.from_wall(began)))
+        del self._retried[job_id]
 
     def _cancel_earlier_try(self, s: Session, job: Job) -> bool:
         """A queued attempt being stopped whose start met an outage: what that try may have submitted
@@ -379,9 +421,6 @@ class Scheduler:
             return
         status = self.executor.poll(job.handle)
         self._report(status, job.id, seen if seen is not None else set())
-        if job.id in self._retried and status.started_at is not None:  # a copy adopted by a retry:
-            first = self._retried.pop(job.id)  # timed from when it began (within the attempt's claims)
-            job.started_at = max(first, min(job.started_at, self.clock.from_wall(status.started_at)))
         if status.done:
             self._finish(s, job, status.exit_code, status.lost, status.ended_at, status.problem)
             return
@@ -444,6 +483,7 @@ class Scheduler:
         job.ended_at, job.token_hash, job.suspend_deadline = charged_until(job, ended_at, now), None, None
         self._retry_tokens.pop(job.id, None)
         self._retried.pop(job.id, None)
+        self._deferred.pop(job.id, None)
         s.execute(Allocation.__table__.delete().where(Allocation.job_id == job.id))
         record(s, state, message, job.id)
         if state == states.SUSPENDED:
@@ -475,8 +515,9 @@ class Scheduler:
                                j.place, j.started_at if j.state != states.QUEUED else j.queued_at,
                                tuple(j.nodes or ()))
                 for j in s.scalars(select(Job).where(Job.state.in_(LIVE)))
-                if not (j.state == states.QUEUED and j.requested & (StopReason.USER_STOP | StopReason.ADMIN_STOP
-                                                                    | StopReason.HOLD))]
+                if not (j.state == states.QUEUED and (j.requested & (StopReason.USER_STOP | StopReason.ADMIN_STOP
+                                                                     | StopReason.HOLD)
+                                                      or self._deferred.get(j.id, (0.0,))[0] > now))]
         quota = {(q.owner, q.node_group, q.priority): q.nodes for q in s.scalars(select(Quota))}
         return policy.Snapshot(now, nodes, jobs, quota, self.settings.quantum)
 
@@ -568,12 +609,18 @@ class Scheduler:
         launch = self.launch_of(job, env, nodes)
         try:
             handle = self.executor.start(launch)
-        except Unavailable as err:  # an outage, not the job: back to the queue, the same attempt, retried later
-            self._executor_unavailable(err, start=True)
+        except (Unavailable, StartDeferred) as err:  # not the job: back to the queue, the same attempt, retried
+            if isinstance(err, Unavailable):  # an outage: every start waits for it
+                self._executor_unavailable(err, start=True)
+            else:  # this attempt alone waits for what an earlier try of it left: its own backoff
+                delay = min(self._deferred[job_id][1] * 2, RETRY_MAX_S) if job_id in self._deferred else RETRY_MIN_S
+                self._deferred[job_id] = (self.clock.now() + delay, delay, f"waiting: {one_line(err)} (the start "
+                                                                           "is retried)")
             with self.sessions.begin() as s:
                 claimed_job = s.get(Job, job_id, with_for_update=True)
                 self._retry_tokens.setdefault(job_id, (token, claimed_job.started_at))
-                self._unclaim(s, claimed_job, quiet=retry)
+                self._unclaim(s, claimed_job, quiet=retry,
+                              reason=self._deferred[job_id][2] if isinstance(err, StartDeferred) else None)
             return
         except Exception as err:  # noqa: BLE001 - any other launch failure fails this attempt, not the service
             with self.sessions.begin() as s:
@@ -581,19 +628,20 @@ class Scheduler:
                           f"launch failed: {one_line(err, 500)}")
             return
         self._executor_reached(start=True)
+        self._deferred.pop(job_id, None)
         if job_id in self._retry_tokens:
             self._retried[job_id] = self._retry_tokens.pop(job_id)[1]
         with self.sessions.begin() as s:
             s.get(Job, job_id).handle = handle
 
-    def _unclaim(self, s: Session, job: Job, quiet: bool = False) -> None:
+    def _unclaim(self, s: Session, job: Job, quiet: bool = False, reason: str | None = None) -> None:
         """Undo a claim whose start met an executor outage: the attempt is queued again as it was
         (same id, same place), its nodes are freed and it is charged nothing; its reason says why
         it waits."""
         states.move(job, states.QUEUED)
         s.execute(Allocation.__table__.delete().where(Allocation.job_id == job.id))
         job.nodes, job.started_at, job.token_hash, job.handle = [], None, None, None
-        job.reason = self._waiting_reason()
+        job.reason = reason or self._waiting_reason()
         record(s, "wait", f"start postponed: {job.reason}", job.id, quiet=quiet)
 
     def launch_of(self, job: Job, env: dict[str, str], nodes: tuple[str, ...] | None = None) -> Launch:

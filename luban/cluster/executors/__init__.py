@@ -44,9 +44,6 @@ class Status:
     while the executor has not started it yet); ``lost`` when the executor cannot find it.
     ``ended_at``: when it ended, where the executor knows (its exit files' time), so an attempt that
     ended while the service was down is charged until its end, not until the service saw it.
-    ``started_at``: when its job began on the nodes, where the executor knows (wall clock): a copy
-    of the attempt that a start which met an outage submitted after all, adopted by the retry, is
-    timed and charged from when it began, not from the retry.
     ``unavailable`` / ``problem``: why the executor could not tell (an outage / anything else, one
     line each); with ``done`` false the job is as it was, with ``done`` the attempt ended as said
     and ``problem`` tells what could not be read (the scheduler puts it in the reason)."""
@@ -56,7 +53,6 @@ class Status:
     lost: bool = False
     started: bool = True
     ended_at: float | None = None
-    started_at: float | None = None
     unavailable: str | None = None  # the executor could not ask (Slurm's controller unreachable): why, in one line
     problem: str | None = None  # what it could not read (a missing command, output it cannot parse), in one line
 
@@ -68,6 +64,13 @@ class Unavailable(RuntimeError):
     keeps the job as it was — a start goes back to the queue, the same attempt, and is retried
     with a backoff. Any other exception from ``start`` is the executor refusing the job: the
     attempt fails."""
+
+
+class StartDeferred(RuntimeError):
+    """This attempt's start must wait for what an earlier try of it left (a copy Slurm still lists
+    as ending, or one being cancelled): not an outage, and nothing of it was submitted. The scheduler
+    puts the attempt back in the queue as it was and asks again after its own backoff; other starts
+    go on."""
 
 
 def combine(codes: list[int]) -> int:
@@ -85,6 +88,9 @@ class Executor(Protocol):
     def check(self) -> None: ...
     """Before a service starts: what the executor runs is there (a LubanError names what is not)."""
     def discover(self) -> list[NodeInfo]: ...
+    def began(self, handle: str) -> float | None: ...
+    """When the attempt's job began on its nodes (wall clock), where the executor knows; asked only
+    of a copy a retry adopted, which is timed and charged from then, not from the retry."""
     def start(self, launch: Launch) -> str: ...
     def poll(self, handle: str) -> Status: ...
     def suspend(self, handle: str) -> None: ...

@@ -51,6 +51,10 @@ class LocalExecutor:
     def check(self) -> None:
         """Nothing to check: its launchers are this Python's."""
 
+    def began(self, handle: str) -> float | None:
+        """A local start never adopts an earlier try's copy (nothing asks)."""
+        return None
+
     def discover(self) -> list[NodeInfo]:
         return [NodeInfo(f"{self.prefix}{i + 1}", self.node_group, self.gpus,
                          {"zone": f"zone{i * self.zones // self.nodes + 1}"})

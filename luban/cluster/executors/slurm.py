@@ -22,7 +22,7 @@ from pathlib import Path
 
 from luban import procs
 from luban.cluster import launcher
-from luban.cluster.executors import Launch, NodeInfo, Status, Unavailable, combine
+from luban.cluster.executors import Launch, NodeInfo, StartDeferred, Status, Unavailable, combine
 from luban.errors import bad_value
 
 COMMANDS = ("sbatch", "squeue", "scontrol", "scancel")  # what this executor runs (slurm-wlm's client)
@@ -74,9 +74,14 @@ class SlurmExecutor:
     def _run(self, *args: str, env: dict[str, str] | None = None) -> str:
         """A Slurm command's output; a failure is one line: ``Unavailable`` when the command timed
         out, could not reach slurmctld or is not installed (``NotInstalled``), RuntimeError else."""
+        # the service's PATH finds the command, never the job's: ``env`` (sbatch's) is the job's, and a
+        # job's own PATH (a conda env, env_only) must not decide where sbatch is, nor make it missing
+        command = shutil.which(args[0])
         try:
-            result = subprocess.run(args, capture_output=True, text=True, timeout=TIMEOUT_S, env=env,
-                                    errors="replace")
+            if command is None:
+                raise FileNotFoundError(args[0])
+            result = subprocess.run([command, *args[1:]], capture_output=True, text=True, timeout=TIMEOUT_S,
+                                    env=env, errors="replace")
         except FileNotFoundError:
             raise NotInstalled(f"{args[0]} not found: install slurm-wlm (client) or use --executor local") from None
         except subprocess.TimeoutExpired:
@@ -120,8 +125,9 @@ class SlurmExecutor:
             earlier = self._earlier_try(launch, run_dir, script, try_line)
             if earlier is not None:
                 return earlier
-        script.write_text("#!/bin/bash\n# luban job %d\n%s\nexec srun --kill-on-bad-exit=0 --ntasks-per-node=1 "
-                          "--nodes=%d --ntasks=%d %s\n" % (launch.job_id, try_line, len(launch.nodes),
+        srun = shutil.which("srun") or "srun"  # where the service finds it (nodes install Slurm alike), not the job's PATH
+        script.write_text("#!/bin/bash\n# luban job %d\n%s\nexec %s --kill-on-bad-exit=0 --ntasks-per-node=1 "
+                          "--nodes=%d --ntasks=%d %s\n" % (launch.job_id, try_line, shlex.quote(srun), len(launch.nodes),
                                                           len(launch.nodes), shlex.join(rank)))
         args = ["sbatch", "--parsable", f"--job-name={launch.name}", f"--nodelist={','.join(launch.nodes)}",
                 f"--nodes={len(launch.nodes)}", "--exclusive", "--no-requeue", "--export=ALL",
@@ -148,10 +154,10 @@ class SlurmExecutor:
         """Before starting an attempt again after an outage, what its earlier try left: a copy its
         timed-out sbatch submitted and nothing cancelled is this attempt — adopted (its handle), live
         or ended (all exit files); a copy still listed otherwise (cancelled, ending) is waited for
-        (``Unavailable``, as while slurmctld cannot be asked); else its exit and pgid files are
+        (``StartDeferred``: this attempt alone waits); else its exit and pgid files are
         removed and None says: submit. A live copy made for other nodes or with another token (the
         retry was placed elsewhere, or the service restarted and gave the attempt a new token) is
-        not this try: it is cancelled and waited for."""
+        not this try: it is cancelled and waited for (``StartDeferred``)."""
         cancelled = (run_dir / CANCELLED).exists()
         listed = self._run("squeue", "-h", "-n", launch.name, "-o", "%i %T").split()
         handle = {"run_dir": str(run_dir), "ranks": len(launch.nodes), "tag": launch.name}
@@ -159,11 +165,11 @@ class SlurmExecutor:
         if listed and not cancelled and earlier and earlier[0] != try_line:
             if self._cancel_by_name(launch.name):
                 (run_dir / CANCELLED).touch()
-            raise Unavailable(f"an earlier try of {launch.name} (other nodes or token) is being cancelled")
+            raise StartDeferred(f"an earlier try of {launch.name} (other nodes or token) is being cancelled")
         if listed:
             if not cancelled and listed[1:2] and listed[1] in RUNNING - {"COMPLETING", "SIGNALING", "STAGE_OUT"}:
                 return json.dumps({"slurm_id": listed[0], **handle})
-            raise Unavailable(f"an earlier try of {launch.name} is still ending in Slurm")
+            raise StartDeferred(f"an earlier try of {launch.name} is still ending in Slurm")
         exits = [launcher.exit_file(run_dir, rank) for rank in range(len(launch.nodes))]
         if not cancelled and all(path.exists() for path in exits):
             return json.dumps({"slurm_id": "", **handle})  # it ran to its end meanwhile
@@ -204,12 +210,11 @@ class SlurmExecutor:
                 problem = str(err)
             f = {}  # forgotten by slurmctld (MinJobAge): fall back to the launchers' exit files
         state = f.get("JobState", "")
-        began = launcher.started_at(run_dir, info["ranks"])
         if state in RUNNING:
-            return Status(done=False, started=state not in ("PENDING", "CONFIGURING"), started_at=began)
+            return Status(done=False, started=state not in ("PENDING", "CONFIGURING"))
         if all(p.exists() for p in files):
             return Status(done=True, exit_code=combine([int(p.read_text()) for p in files]),
-                          ended_at=launcher.ended_at(run_dir, len(files)), started_at=began, unavailable=unavailable)
+                          ended_at=launcher.ended_at(run_dir, len(files)), unavailable=unavailable)
         if unavailable or problem:
             return Status(done=False, unavailable=unavailable, problem=problem)
         if state and state not in ENDED:  # a state this code does not know: it may still run
@@ -227,6 +232,11 @@ class SlurmExecutor:
         code, sig = int(parsed.group(1)), int(parsed.group(2))
         code = code or (128 + sig if sig else (0 if state == "COMPLETED" else 1))
         return Status(done=True, exit_code=code)
+
+    def began(self, handle: str) -> float | None:
+        """The oldest of the launchers' pgid files' times (each written when its rank started the job)."""
+        info = json.loads(handle)
+        return launcher.started_at(Path(info["run_dir"]), info["ranks"])
 
     def find(self, launch: Launch) -> str | None:
         """squeue is the truth: a Slurm job named after the launch (its tag) is adopted; one that
