@@ -33,7 +33,7 @@ from luban.data.atomic import TEMP_GLOB, _fsync_dir
 from luban.data.corpus import (DEFAULT_MAX_BYTES, cap_files, collect_files,
                                default_corpus_files, file_size, read_text, stdlib_dir)
 from luban.data.manifest import FORMAT, MANIFEST, SHARD_NAME, open_dataset, write_manifest
-from luban.data.shards import (DEFAULT_CHUNK_TOKENS, FORMAT_VERSION, MAX_CHUNK_TOKENS, ShardWriter,
+from luban.data.shards import (DEFAULT_CHUNK_TOKENS, FORMAT_VERSION, MAX_BUILD_CHUNK_TOKENS, ShardWriter,
                                dtype_for_vocab)
 from luban.data.tokenizer import BPE_FILE, MAX_BPE_VOCAB, MIN_BPE_VOCAB, BpeTokenizer, ByteTokenizer
 from luban import owned, schema
@@ -102,7 +102,9 @@ OPTIONS = {  # build_dataset's options, declared once: `luban data build` takes 
     "val_fraction": schema.number(0, 1, open_hi=True),
     "seed": schema.integer(*schema.SEED),
     "max_bytes": schema.integer(1, MAX_INPUT_BYTES),
-    "chunk_tokens": schema.integer(1, MAX_CHUNK_TOKENS),
+    # not the 2**32 - 1 a shard's header can store (and a reader accepts): a chunk is read whole on its first
+    # read, so a build makes none larger than MAX_BUILD_CHUNK_TOKENS (2**24 tokens, 32-64 MiB; shards.py says why)
+    "chunk_tokens": schema.integer(1, MAX_BUILD_CHUNK_TOKENS),
 }
 
 

@@ -14,7 +14,7 @@ DATASET_DIR = schema.text(allowed="a dataset folder")  # not '' (which would be 
 def register(subparsers) -> None:
     from luban.data.build import DEFAULT_BPE_VOCAB, DEFAULT_SHARD_MB, DEFAULT_VAL_FRACTION, OPTIONS
     from luban.data.corpus import DEFAULT_MAX_BYTES
-    from luban.data.shards import DEFAULT_CHUNK_TOKENS
+    from luban.data.shards import DEFAULT_CHUNK_TOKENS, MAX_BUILD_CHUNK_TOKENS
 
     data = subparsers.add_parser("data", help="build, verify and inspect token datasets",
                                  description=__doc__)
@@ -40,7 +40,7 @@ def register(subparsers) -> None:
                        help=f"cap on input bytes (default {DEFAULT_MAX_BYTES} for the default "
                        "corpus, none for INPUTS)")
     build.add_argument("--chunk-tokens", default=DEFAULT_CHUNK_TOKENS, metavar="N", type=OPTIONS["chunk_tokens"],
-                       help=f"tokens per CRC chunk (default {DEFAULT_CHUNK_TOKENS})")
+                       help=f"tokens per CRC chunk (default {DEFAULT_CHUNK_TOKENS}, at most {MAX_BUILD_CHUNK_TOKENS})")
     build.set_defaults(func=_build)
 
     verify = sub.add_parser("verify", help="check everything training reads from a dataset",
@@ -99,9 +99,12 @@ def _verify(args: argparse.Namespace) -> int:
     total = 0
     for readers in splits.values():
         for reader in readers:
-            reader.verify()
-            top = max((int(reader.read(i, min(i + (1 << 24), reader.tokens)).max())
-                       for i in range(0, reader.tokens, 1 << 24)), default=-1)
+            try:  # one shard open at a time: a dataset has more shards than a process may open files
+                reader.verify()
+                top = max((int(reader.read(i, min(i + (1 << 24), reader.tokens)).max())
+                           for i in range(0, reader.tokens, 1 << 24)), default=-1)
+            finally:
+                reader.close()
             if top >= tok.vocab_size:
                 raise LubanError(f"{reader.path}: token id {top} is outside the tokenizer's vocabulary "
                                  f"({tok.vocab_size} ids); rebuild the dataset with `luban data build`")

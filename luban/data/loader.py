@@ -69,6 +69,13 @@ class TokenStream:
                 start, shard = end, shard + 1
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
+    def close(self) -> None:
+        """Give back every shard's descriptor (a read after this opens the shard again)."""
+        with self._lock:
+            for shard in self._open:
+                self.readers[shard].close()
+            self._open.clear()
+
     def _reader(self, shard: int) -> ShardReader:
         self._open[shard] = None
         self._open.move_to_end(shard)
@@ -245,8 +252,9 @@ class TokenLoader:
         self.consumed_samples = consumed
 
     def close(self) -> None:
-        """Stop and join the prefetch thread; idempotent."""
+        """Stop and join the prefetch thread and give back the shards' descriptors; idempotent."""
         self._stop_thread()
+        self._make.stream.close()
         self._closed = True
 
     def __enter__(self) -> TokenLoader:

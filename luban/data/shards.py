@@ -15,9 +15,10 @@ Layout, format version 2 (little-endian; docs/data.md has the table)::
     [end - 4, end)          index CRC32: of the document index [index_offset, crc_offset)
 
 The header's *tail CRC* (bytes 56-60) covers the tail [crc_offset, end): the chunk-CRC table and
-the index CRC. So the header CRC still covers every byte of the file (header -> chunk CRCs ->
-tokens, and header -> index CRC -> document index), while opening reads only the header and the
-tail: 64 + 4*chunks + 4 bytes, whatever the document count.
+the index CRC. So the header CRC still covers every byte of the file but the 0-7 zero padding
+bytes between the tokens and the index (header -> chunk CRCs -> tokens, and header -> index CRC ->
+document index; the padding is in no CRC: ``verify()`` checks it is zero), while opening reads only
+the header and the tail: 64 + 4*chunks + 4 bytes, whatever the document count.
 
 Format version 1 (still read) has no index CRC: its tail is [index_offset, end), the document
 index and the chunk-CRC table, so opening it reads (and checks) all of its document index: 8 bytes
@@ -26,9 +27,10 @@ a document, ~120 GB for a 15-billion-document corpus, in every rank at start-up.
 CRC policy: opening a shard checks the size, the header CRC and the tail CRC (version 1: also that
 the document starts are in order within the tokens); a token chunk is verified the first time any
 of its tokens is read; ``document(i)`` checks its two index entries are in order within the tokens;
-``verify()`` checks every chunk and (version 2) the whole document index: its CRC, then its order.
-Any failure raises ``LubanError`` naming the file and the byte offset; so does a shard cut short
-or replaced since it was opened (``ShardReader._pread``, ``ShardReader._file``).
+``verify()`` checks every chunk, that the padding is zero, and (version 2) the whole document index:
+its CRC, then its order. Any failure raises ``LubanError`` naming the file and the byte offset; so
+does a shard cut short or replaced since it was opened (``ShardReader._pread``, ``ShardReader._file``)
+and an ``OSError`` reading it (EIO from a failing disk, ESTALE on NFS): "cannot read the shard".
 """
 
 from __future__ import annotations
@@ -52,8 +54,14 @@ HEADER_SIZE = HEADER.size  # 64
 HEADER_CRC_OFFSET = HEADER_SIZE - 4
 DTYPES = {1: np.dtype("<u2"), 2: np.dtype("<u4")}
 DEFAULT_CHUNK_TOKENS = 1 << 16
-MAX_CHUNK_TOKENS = (1 << 32) - 1  # the header stores chunk_tokens as a uint32
-VERIFY_CHUNKS = 64  # chunks ``verify`` reads at a time (8 MiB of uint16 tokens at the default chunk)
+MAX_CHUNK_TOKENS = (1 << 32) - 1  # the header stores chunk_tokens as a uint32: what a reader accepts
+# What ``luban data build`` accepts (build.OPTIONS): the first read of a chunk reads it whole to check its
+# CRC, so a 2**30-token chunk is a 2-4 GiB read and buffer for one sample's tokens; 2**24 tokens (32-64 MiB)
+# is far above any useful chunk (the default is 2**16) and keeps that first read bounded.
+MAX_BUILD_CHUNK_TOKENS = 1 << 24
+# Bytes ``verify`` reads at a time, whatever the chunk size (a chunk larger than this is CRC'd in pieces):
+# a fixed count of chunks would be 64 * (2**32 - 1) tokens at the largest chunk a header can store.
+VERIFY_BYTES = 8 << 20
 VERIFY_INDEX_ENTRIES = 1 << 20  # document index entries ``verify`` reads at a time (8 MiB)
 
 _INDEX_DTYPE = np.dtype("<u8")
@@ -73,6 +81,8 @@ def _align8(offset: int) -> int:
     return (offset + 7) // 8 * 8
 
 
+# Linux transfers at most 0x7ffff000 bytes per read/pread/preadv (read(2)), whatever is asked: a longer read
+# of a regular file returns short, so every read here loops until it has all it asked for or gets 0 bytes.
 def _pread_exact(fd: int, size: int, offset: int) -> bytes:
     """``size`` bytes from ``offset``, fewer only at the end of the file (one ``pread`` of a regular
     file returns at most ~2 GiB)."""
@@ -89,9 +99,10 @@ def _pread_exact(fd: int, size: int, offset: int) -> bytes:
 
 @dataclass(frozen=True)
 class ShardInfo:
-    """What the manifest records about one committed shard. ``header_crc32`` covers the whole file (the
-    header holds the tail CRC, which covers the chunk CRCs, which cover the tokens, and the index CRC, which
-    covers the document index): a shard swapped for another of the same size is told apart by it."""
+    """What the manifest records about one committed shard. ``header_crc32`` covers the whole file but the
+    0-7 zero padding bytes after the tokens (the header holds the tail CRC, which covers the chunk CRCs, which
+    cover the tokens, and the index CRC, which covers the document index; ``verify`` checks the padding is
+    zero): a shard swapped for another of the same size is told apart by it."""
 
     file: str
     tokens: int
@@ -227,7 +238,9 @@ class ShardReader:
         """The shard's descriptor, opened on first read (``close`` gives it back), once the file at the
         path is seen to be the shard opened: its size and header CRC. A shard *replaced* by a rename (a
         rebuild of the dataset) while open is read on from the old file, which the descriptor keeps whole;
-        once given back, the path is opened again and what is there now is refused if it is not the shard."""
+        once given back, the path is opened again and what is there now is refused if it is not the shard.
+        (That is a local file system's guarantee: on NFS, a rename over the shard by another client can make
+        the open descriptor's reads fail with ESTALE, "cannot read the shard: Stale file handle".)"""
         if self._fd is not None:
             return self._fd
         try:
@@ -237,10 +250,13 @@ class ShardReader:
         except OSError as err:  # EMFILE at the open-file limit, EACCES: one line, not a traceback
             raise LubanError(f"{self.path}: cannot open the shard: {err.strerror}") from None
         try:
-            size = os.fstat(fd).st_size
+            try:
+                size = os.fstat(fd).st_size
+                head = os.pread(fd, HEADER_SIZE, 0) if size >= self.size else b""
+            except OSError as err:  # EIO, ESTALE (NFS): one line naming the shard, not a traceback
+                raise self._unreadable(err, 0) from None
             if size < self.size:
                 raise self._truncated(size)
-            head = os.pread(fd, HEADER_SIZE, 0)
             if head[HEADER_CRC_OFFSET:] != struct.pack("<I", self.header_crc) or size != self.size:
                 raise self._error(f"replaced or changed since this process opened it ({size} bytes, header CRC "
                                   f"{head[HEADER_CRC_OFFSET:].hex()}; the shard opened had {self.size}, "
@@ -256,14 +272,42 @@ class ShardReader:
         """Tokens ``[start, stop)`` read into a fresh array. Read with ``pread``, not a memory map: a
         page of a map past the end of a file cut short while mapped raises SIGBUS, which kills the
         process with no message ("Bus error"; Python cannot turn it into an exception), and no check
-        before the copy closes the window. A short ``pread`` is the truncation, said in one line. One
-        system call a read costs about what a map's copy does (docs/data.md)."""
+        before the copy closes the window. One ``preadv`` transfers at most 0x7ffff000 bytes (Linux), so
+        a longer read loops into the rest of the buffer; a 0-byte return before the end is the truncation,
+        said in one line. One system call a read costs about what a map's copy does (docs/data.md)."""
         out = np.empty(stop - start, self.dtype)
-        want = out.nbytes
-        got = os.preadv(self._file(), [memoryview(out).cast("B")], HEADER_SIZE + start * self.dtype.itemsize)
-        if got != want:
-            raise self._truncated(os.fstat(self._fd).st_size)
+        view = memoryview(out).cast("B")
+        fd, offset, done = self._file(), HEADER_SIZE + start * self.dtype.itemsize, 0
+        while done < len(view):
+            try:
+                got = os.preadv(fd, [view[done:]], offset + done)
+            except OSError as err:  # EIO (a failing disk), ESTALE (NFS): one line naming the shard
+                raise self._unreadable(err, offset + done) from None
+            if not got:
+                raise self._truncated(self._current_size())
+            done += got
         return out
+
+    def _read_bytes(self, size: int, offset: int) -> bytes:
+        """``size`` bytes of the shard from byte ``offset`` (the index, the padding), all of them or a
+        ``LubanError``: a read cut short is the truncation, an ``OSError`` the one line "cannot read"."""
+        try:
+            raw = _pread_exact(self._file(), size, offset)
+        except OSError as err:
+            raise self._unreadable(err, offset) from None
+        if len(raw) != size:
+            raise self._truncated(self._current_size())
+        return raw
+
+    def _current_size(self) -> int:
+        """The size of the open file now (for the truncation message)."""
+        try:
+            return os.fstat(self._fd).st_size
+        except OSError as err:
+            raise self._unreadable(err, 0) from None
+
+    def _unreadable(self, err: OSError, offset: int) -> LubanError:
+        return self._error(f"cannot read the shard: {err.strerror or err}", offset)
 
     def _truncated(self, size: int) -> LubanError:
         return self._error(f"truncated: {size} bytes, the header says {self.size} (cut short since this "
@@ -274,7 +318,19 @@ class ShardReader:
         A process has a limit on open files, so a stream of many shards keeps few open."""
         if self._fd is not None:
             fd, self._fd = self._fd, None
-            os.close(fd)
+            try:
+                os.close(fd)
+            except OSError:  # (EIO, NFS: the descriptor is gone all the same, and a read-only one lost nothing)
+                pass
+
+    def __getstate__(self) -> dict:
+        """A copy (``copy.copy``, ``copy.deepcopy``, ``pickle``: all three come here) has no descriptor: it
+        opens the path itself on its first read, through ``_file``'s checks. The raw descriptor number is
+        this process's and this reader's: once the reader gives it back, the next ``open`` reuses the
+        number, and a copy holding it would read that other file at the shard's offsets and close it."""
+        state = dict(self.__dict__)
+        state["_fd"] = None
+        return state
 
     def __del__(self) -> None:
         if getattr(self, "_fd", None) is not None:  # (an __init__ that raised set none)
@@ -327,10 +383,7 @@ class ShardReader:
         step = VERIFY_INDEX_ENTRIES
         for first in range(0, self.documents, step):
             count = min(step, self.documents - first)
-            raw = os.pread(self._file(), count * _INDEX_DTYPE.itemsize,
-                           self.index_offset + first * _INDEX_DTYPE.itemsize)
-            if len(raw) != count * _INDEX_DTYPE.itemsize:
-                raise self._truncated(os.fstat(self._fd).st_size)
+            raw = self._read_bytes(count * _INDEX_DTYPE.itemsize, self.index_offset + first * _INDEX_DTYPE.itemsize)
             crc = zlib.crc32(raw, crc)
             starts = np.frombuffer(raw, _INDEX_DTYPE)
             in_order = in_order and (bool(starts[0] == 0) if first == 0 else int(starts[0]) >= last)
@@ -383,9 +436,7 @@ class ShardReader:
             raise IndexError(f"{self.path}: document {i} outside [0, {self.documents})")
         offset = self.index_offset + i * _INDEX_DTYPE.itemsize
         want = _INDEX_DTYPE.itemsize * (2 if i + 1 < self.documents else 1)
-        raw = os.pread(self._file(), want, offset)  # (``_file``: the file is still the shard opened)
-        if len(raw) != want:
-            raise self._truncated(os.fstat(self._fd).st_size)
+        raw = self._read_bytes(want, offset)  # (``_file``: the file is still the shard opened)
         starts = [int(v) for v in np.frombuffer(raw, _INDEX_DTYPE)] + [self.tokens]
         if not (0 <= starts[0] <= starts[1] <= self.tokens and (i or starts[0] == 0)):
             raise self._error(f"document index changed since the shard was opened (document {i})"
@@ -396,10 +447,44 @@ class ShardReader:
 
     def verify(self) -> None:
         """Check the document index (version 2: its CRC, then its order; version 1 checked both at
-        open) and every chunk's CRC (``luban data verify``)."""
-        if self.version >= 2:
-            self._verify_index()
-        for first in range(0, len(self._verified), VERIFY_CHUNKS):  # a bounded buffer at a time
-            last = min(first + VERIFY_CHUNKS, len(self._verified)) - 1
-            span = self._pread(first * self.chunk_tokens, min((last + 1) * self.chunk_tokens, self.tokens))
-            self._verify(first, last, span)
+        open), that the padding after the tokens is zero, and every chunk's CRC (``luban data verify``),
+        reading ``VERIFY_BYTES`` at a time. A descriptor this opened is given back at the end (a caller
+        verifying every shard of a dataset holds none open)."""
+        opened = self._fd is None
+        try:
+            if self.version >= 2:
+                self._verify_index()
+            self._verify_padding()
+            per_span = VERIFY_BYTES // (self.chunk_tokens * self.dtype.itemsize)
+            if per_span >= 1:  # whole chunks, as many as fit in VERIFY_BYTES
+                for first in range(0, len(self._verified), per_span):
+                    last = min(first + per_span, len(self._verified)) - 1
+                    span = self._pread(first * self.chunk_tokens, min((last + 1) * self.chunk_tokens, self.tokens))
+                    self._verify(first, last, span)
+            else:  # a chunk larger than VERIFY_BYTES: its CRC computed over pieces of it
+                for i in range(len(self._verified)):
+                    self._verify_in_pieces(i, VERIFY_BYTES // self.dtype.itemsize)
+        finally:
+            if opened:
+                self.close()
+
+    def _verify_in_pieces(self, i: int, piece: int) -> None:
+        """Chunk ``i``'s CRC, reading ``piece`` tokens at a time."""
+        if self._verified[i]:
+            return
+        begin, end = i * self.chunk_tokens, min((i + 1) * self.chunk_tokens, self.tokens)
+        crc = 0
+        for start in range(begin, end, piece):
+            crc = zlib.crc32(self._pread(start, min(start + piece, end)), crc)
+        if crc != self._chunk_crcs[i]:
+            raise self._error(f"CRC mismatch in chunk {i}", HEADER_SIZE + begin * self.dtype.itemsize)
+        self._verified[i] = True
+
+    def _verify_padding(self) -> None:
+        """The 0-7 bytes between the tokens and the document index are zero: no CRC covers them (the
+        chunk CRCs end with the tokens, the index CRC starts at the index), so this is their check."""
+        tokens_end = HEADER_SIZE + self.tokens * self.dtype.itemsize
+        padding = self._read_bytes(self.index_offset - tokens_end, tokens_end) if self.index_offset > tokens_end else b""
+        if any(padding):
+            raise self._error(f"padding bytes {tokens_end}-{self.index_offset - 1} (between the tokens and the "
+                              "document index) are not zero", tokens_end + len(padding) - len(padding.lstrip(b"\0")))

@@ -144,7 +144,8 @@ def test_a_build_removes_only_its_own_dead_staging(tmp_path, write_docs):
     ({"val_fraction": 1.0}, r"--val-fraction = 1.0: a finite number in \[0, 1\)"),
     ({"shard_size_mb": 0}, r"--shard-size-mb = 0: a finite number in \(0, 16384\]"),
     ({"seed": -1}, "--seed = -1: an integer from 0 to "),
-    ({"chunk_tokens": 0}, "--chunk-tokens = 0: an integer from 1 to 4294967295"),
+    ({"chunk_tokens": 0}, "--chunk-tokens = 0: an integer from 1 to 16777216"),
+    ({"chunk_tokens": 1 << 30}, "--chunk-tokens = 1073741824: an integer from 1 to 16777216"),
 ])
 def test_bad_build_options(tmp_path, write_docs, kwargs, message):
     with pytest.raises(LubanError, match=message):

@@ -64,7 +64,8 @@ def test_default_corpus_with_bpe(tmp_path):
     (["--val-fraction", "1.5"], ["--val-fraction = 1.5", "[0, 1)"]),
     (["--shard-size-mb", "-1"], ["--shard-size-mb = -1.0"]),
     (["--chunk-tokens", "0"], ["--chunk-tokens = 0: an integer from 1"]),
-    (["--chunk-tokens", "1e3"], ["--chunk-tokens = '1e3': an integer from 1 to 4294967295"]),
+    (["--chunk-tokens", "1e3"], ["--chunk-tokens = '1e3': an integer from 1 to 16777216"]),
+    (["--chunk-tokens", "1073741824"], ["--chunk-tokens = 1073741824: an integer from 1 to 16777216"]),
     (["no/such/file.txt"], ["INPUTS = 'no/such/file.txt'"]),
 ])
 def test_bad_build_input_is_one_line_exit_2(tmp_path, args, fragments):

@@ -103,8 +103,9 @@ def test_the_writer_writes_version_2_with_the_table_crc_and_index_crc_after_the_
 
 def test_the_header_crc_still_covers_the_whole_file(tmp_path):
     """The manifest records each shard's header CRC to tell a shard swapped for another of the same size: in
-    version 2 it still covers every byte, tokens (through the chunk CRCs) and document index (through the
-    index CRC) alike."""
+    version 2 it still covers every byte but the 0-7 padding bytes after the tokens (which ``verify`` checks
+    are zero: test_review_1127), tokens (through the chunk CRCs) and document index (through the index CRC)
+    alike."""
     def head_crc(docs) -> int:
         path = tmp_path / "s.bin"
         with ShardWriter(path, np.uint16, chunk_tokens=16) as writer:
