@@ -193,3 +193,12 @@ def _launchers(state: Path) -> list[int]:
         if b"luban.cluster.launcher" in argv and any(arg.startswith(runs) for arg in argv):
             found.append(int(entry.name))
     return found
+
+
+@pytest.fixture
+def slurm(tmp_path, monkeypatch, caplog):
+    """The scheduler over a fake Slurm (tests/cluster/fake_slurm.py): (scheduler, submit(), fake-Slurm
+    folder, its calls.log, FakeTime)."""
+    from tests.cluster import fake_slurm
+
+    yield from fake_slurm.setup(tmp_path, monkeypatch, caplog)

@@ -10,7 +10,7 @@ from luban.cluster import launcher
 from luban.cluster import scheduler as scheduler_module
 from luban.cluster.models import Job, Node
 from tests.cluster.test_review_outages import _copy_listed, _submitted_then_hung
-from tests.cluster.test_slurm_outages import DOWN, job, slurm  # noqa: F401 - the fixture
+from tests.cluster.fake_slurm import DOWN, job, logged, running_job, ticks
 
 
 def _set_spec(scheduler, job_id: int, **changes) -> None:
@@ -74,16 +74,11 @@ def test_polling_a_running_job_does_not_stat_every_ranks_pgid_file(slurm, monkey
     shared state directory, each tick) for a start time only an adopted copy uses. Now
     ``Executor.began`` is asked only for attempts a retry started."""
     scheduler, submit, fake, calls, t = slurm
-    j = submit()
-    scheduler.guarded_tick()
-    scheduler.guarded_tick()
-    assert job(scheduler, j).state == "running"
+    running_job(scheduler, submit)
     asked = []
     real = launcher.started_at
     monkeypatch.setattr(launcher, "started_at", lambda *a: asked.append(a) or real(*a))
-    for _ in range(5):
-        t.elapse(1)
-        scheduler.guarded_tick()
+    ticks(scheduler, t, 5)
     assert asked == [], f"{len(asked)} reads of pgid files for a job no retry adopted"
 
 
@@ -116,9 +111,7 @@ def test_a_start_waiting_for_its_own_earlier_copy_to_end_does_not_hold_every_oth
     (fake / "sbatch-hang").unlink()
     (fake / "bin" / "squeue").write_text('#!/bin/sh\necho "4242 COMPLETING"\n')  # stuck in CG
     other = submit()
-    for _ in range(10):
-        t.elapse(scheduler_module.RETRY_MAX_S)
-        scheduler.guarded_tick()
+    ticks(scheduler, t, 10, scheduler_module.RETRY_MAX_S)
     assert job(scheduler, stuck).state == "queued"  # rightly: its copy has not ended
     assert job(scheduler, other).state in ("starting", "running"), job(scheduler, other).reason
 
@@ -145,16 +138,12 @@ def test_node_readings_that_fail_back_off_and_are_said_once(slurm, caplog):
     again (the retry was counted from the start of the tick), and unreadable output was a warning
     every NODE_SYNC_S. Now the readings back off from when the failure was known, and a problem is
     one line until the nodes can be read again."""
-    from tests.cluster.test_slurm_outages import logged
-
     scheduler, submit, fake, calls, t = slurm
     (fake / "nodes").write_text("garbage\n")
     scontrol = fake / "bin" / "scontrol"
     body = scontrol.read_text()
     scontrol.write_text(body.replace('cat "$D/nodes"', 'cat "$D/nodes"; exit 1'))
-    for _ in range(30):
-        t.elapse(scheduler_module.NODE_SYNC_S)
-        scheduler.guarded_tick()
+    ticks(scheduler, t, 30, scheduler_module.NODE_SYNC_S)
     assert len(logged(caplog, "nodes could not be read")) == 1
     scontrol.write_text(body)
     (fake / "nodes").unlink()
@@ -163,7 +152,5 @@ def test_node_readings_that_fail_back_off_and_are_said_once(slurm, caplog):
     assert len(logged(caplog, "nodes can be read again")) == 1
     asked = calls.read_text().count("scontrol show node")
     (fake / "hang").touch()  # slurmctld hangs: each reading takes TIMEOUT_S (1 s here, a real second)
-    for _ in range(6):
-        t.elapse(1)
-        scheduler.guarded_tick()
+    ticks(scheduler, t, 6)
     assert calls.read_text().count("scontrol show node") - asked <= 3, "a reading every tick"

@@ -9,7 +9,7 @@ import hashlib
 from luban.cluster.executors.slurm import SlurmExecutor
 from luban.cluster.models import Job
 from luban.cluster.scheduler import Scheduler, Settings
-from tests.cluster.test_slurm_outages import job, no_tracebacks, slurm  # noqa: F401 - the fixture
+from tests.cluster.fake_slurm import job, logged, no_tracebacks, ticks
 
 
 def _submitted_then_hung(fake, calls) -> None:
@@ -86,8 +86,6 @@ def test_an_outage_no_start_waits_for_any_more_does_not_linger_into_the_next_one
     """A start met an outage and its job was stopped: with no job running, no Slurm command is ever
     asked again to end the outage. It lingered: a later outage got no ``executor unavailable`` line
     and its first retry waited the doubled backoff of the old one."""
-    from tests.cluster.test_slurm_outages import logged
-
     scheduler, submit, fake, calls, t = slurm
     (fake / "down").touch()
     j = submit()
@@ -97,9 +95,7 @@ def test_an_outage_no_start_waits_for_any_more_does_not_linger_into_the_next_one
     with scheduler.sessions.begin() as s:
         s.get(Job, j).requested = 1
     (fake / "down").unlink()
-    for _ in range(5):
-        t.elapse(400)
-        scheduler.guarded_tick()
+    ticks(scheduler, t, 5, 400)
     assert job(scheduler, j).state == "stopped"
     assert scheduler.executor_outage is None
     (fake / "down").touch()  # a new outage, hours later

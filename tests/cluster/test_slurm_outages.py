@@ -20,7 +20,6 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
-from luban.cluster import clock as clocks
 from luban.cluster import db, launcher, policy
 from luban.cluster.executors import Launch
 from luban.cluster.executors import slurm as slurm_module
@@ -28,85 +27,8 @@ from luban.cluster.executors.slurm import SlurmExecutor
 from luban.cluster.models import Allocation, Event, Job, Node
 from luban.cluster import scheduler as scheduler_module
 from luban.cluster.scheduler import Scheduler, Settings
-from luban.cluster.service import create_app, ensure_admin
-from tests.cluster.test_clock import FakeTime
-
-DOWN = 'echo "$0: error: Unable to contact slurm controller (connect failure)" >&2; exit 1'
-# Each fake command: "down" (a file) makes it fail as Slurm's commands do without slurmctld; "hang"
-# makes it outlive TIMEOUT_S. scontrol answers from the file "job" (default: the job runs).
-FAKES = {
-    "sbatch": 'if [ -f "$D/sbatch-down" ]; then ' + DOWN + '; fi; echo 4242',  # sbatch alone down: a partial outage
-    "scontrol": 'if [ "$2" = node ] && [ -f "$D/nodes" ]; then cat "$D/nodes"; '
-                'elif [ "$2" = node ]; then echo "NodeName=node1 Partitions=debug AvailableFeatures=zone1"; '
-                'echo "NodeName=node2 Partitions=debug AvailableFeatures=zone1"; '
-                'elif [ -f "$D/job" ]; then cat "$D/job"; else echo "JobId=4242 JobState=RUNNING ExitCode=0:0"; fi',
-    "squeue": ':',
-    "scancel": ':',
-}
-
-
-@pytest.fixture
-def slurm(tmp_path, monkeypatch, caplog):
-    """(scheduler, submit(), fake-Slurm folder, its calls.log, FakeTime) over SQLite."""
-    fake = tmp_path / "fake"
-    bin_dir = fake / "bin"
-    bin_dir.mkdir(parents=True)
-    calls = fake / "calls.log"
-    tools = fake / "tools"  # what the fakes use, and no real Slurm command: PATH holds only these two
-    tools.mkdir()
-    for tool in ("cat", "sleep"):
-        (tools / tool).symlink_to(shutil.which(tool))
-    for name, body in FAKES.items():
-        path = bin_dir / name
-        path.write_text(f'#!/bin/sh\nD={fake}\necho "{name} $*" >> {calls}\n'
-                        f'if [ -f "$D/hang" ]; then sleep 30; fi\nif [ -f "$D/down" ]; then {DOWN}; fi\n{body}\n')
-        path.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{bin_dir}:{tools}")
-    monkeypatch.setattr(slurm_module, "TIMEOUT_S", 1)
-    t = FakeTime()
-    monkeypatch.setattr(clocks, "CLOCK", t.clock())
-    state = tmp_path / "state"
-    state.mkdir()
-    engine = db.open_checked(str(state / "luban.db"))
-    sessions = db.sessions(engine)
-    scheduler = Scheduler(sessions, SlurmExecutor(state_dir=str(state)), Settings(state_dir=str(state)),
-                          clock=t.clock())
-    scheduler.sync_nodes()
-    ensure_admin(sessions, state)
-    http = TestClient(create_app(sessions, scheduler, run_scheduler=False))
-    admin = {"Authorization": "Bearer " + (state / "admin.token").read_text().strip()}
-    token = http.post("/api/users", json={"name": "alice"}, headers=admin).json()["token"]
-    assert http.put("/api/quota", json={"owner": "user:alice", "priority": "NORMAL", "nodes": 2,
-                                        "node_group": "debug"}, headers=admin).status_code == 200
-
-    def submit() -> int:
-        r = http.post("/api/jobs", json={"spec": {"name": "j", "command": "true"}},
-                      headers={"Authorization": f"Bearer {token}"})
-        assert r.status_code == 201, r.text
-        return r.json()["id"]
-
-    caplog.set_level(logging.DEBUG, logger="luban.cluster")
-    yield scheduler, submit, fake, calls, t
-    engine.dispose()
-
-
-def job(scheduler, job_id: int) -> Job:
-    with scheduler.sessions() as s:
-        return s.get(Job, job_id)
-
-
-def count(scheduler, what) -> int:
-    with scheduler.sessions() as s:
-        return s.scalar(select(func.count()).select_from(what))
-
-
-def logged(caplog, text: str) -> list[str]:
-    return [r.getMessage() for r in caplog.records if text in r.getMessage()]
-
-
-def no_tracebacks(caplog) -> None:
-    assert not [r for r in caplog.records if r.exc_info], \
-        [r.getMessage() for r in caplog.records if r.exc_info][:3]
+from luban.cluster.service import create_app
+from tests.cluster.fake_slurm import count, job, logged, no_tracebacks, running_job, ticks
 
 
 @pytest.mark.parametrize("outage", ["down", "hang"])
@@ -147,16 +69,11 @@ def test_a_start_during_a_slurmctld_outage_waits_in_the_queue_and_is_retried_wit
 
 def test_a_running_job_rides_out_an_outage_and_a_stop_during_it_is_done_after(slurm, caplog):
     scheduler, submit, fake, calls, t = slurm
-    j = submit()
-    scheduler.guarded_tick()  # started
-    scheduler.guarded_tick()  # seen running
-    assert job(scheduler, j).state == "running"
+    j = running_job(scheduler, submit)
     (fake / "down").touch()
     with scheduler.sessions.begin() as s:  # `luban stop` while slurmctld is down: scancel fails too
         s.get(Job, j).requested = 1
-    for _ in range(10):
-        t.elapse(1)
-        scheduler.guarded_tick()
+    ticks(scheduler, t, 10)
     assert job(scheduler, j).state == "running" and job(scheduler, j).stop_reason == 0  # asked again later
     assert len(logged(caplog, "executor unavailable")) == 1 and not logged(caplog, "available again")
     (fake / "down").unlink()
@@ -225,14 +142,9 @@ def test_the_retry_of_a_start_adopts_or_waits_for_what_an_earlier_try_left(tmp_p
 
 def test_an_unreadable_exit_code_ends_the_attempt_once_in_one_line(slurm, caplog):
     scheduler, submit, fake, calls, t = slurm
-    j = submit()
-    scheduler.guarded_tick()  # started
-    scheduler.guarded_tick()  # seen running
-    assert job(scheduler, j).state == "running"
+    j = running_job(scheduler, submit)
     (fake / "job").write_text("JobId=4242 JobName=x JobState=FAILED ExitCode=garbage\n")
-    for _ in range(5):
-        t.elapse(1)
-        scheduler.guarded_tick()
+    ticks(scheduler, t, 5)
     ended = job(scheduler, j)
     assert ended.state == "failed" and ended.exit_code is None and _lost(ended)
     assert "unreadable ExitCode='garbage'" in ended.reason, ended.reason
@@ -249,14 +161,9 @@ def _lost(j: Job) -> bool:
 
 def test_a_state_that_cannot_be_read_leaves_the_job_running_and_is_said_once(slurm, caplog):
     scheduler, submit, fake, calls, t = slurm
-    j = submit()
-    scheduler.guarded_tick()  # started
-    scheduler.guarded_tick()  # seen running
-    assert job(scheduler, j).state == "running"
+    j = running_job(scheduler, submit)
     (fake / "job").write_text("slurm_load_jobs: something else entirely\n")
-    for _ in range(10):
-        t.elapse(1)
-        scheduler.guarded_tick()
+    ticks(scheduler, t, 10)
     assert job(scheduler, j).state == "running" and count(scheduler, Job) == 1
     said = logged(caplog, "could not tell its state")
     assert len(said) == 1 and "printed no JobState" in said[0]
@@ -279,17 +186,12 @@ def test_a_slurm_command_that_goes_missing_is_an_outage_not_a_verdict(slurm, cap
     hundreds in one tick; a missing ``scontrol`` was a problem per job. Now both are an outage: a
     start waits in the queue as the same attempt, a running job runs on, one line each way."""
     scheduler, submit, fake, calls, t = slurm
-    running = submit()
-    scheduler.guarded_tick()
-    scheduler.guarded_tick()
-    assert job(scheduler, running).state == "running"
+    running = running_job(scheduler, submit)
     tool = fake / "bin" / command
     saved = tool.read_text()
     tool.unlink()
     queued = submit() if command == "sbatch" else None
-    for _ in range(8):
-        t.elapse(1)
-        scheduler.guarded_tick()
+    ticks(scheduler, t, 8)
     assert job(scheduler, running).state == "running"
     if queued is not None:
         waiting = job(scheduler, queued)
@@ -316,10 +218,7 @@ def test_suspends_that_make_room_for_starts_wait_while_starts_meet_an_outage(slu
     for a start is held while starts meet the outage (the job runs on); one off a node an admin took
     down is not; the jobs that wait say what they wait for."""
     scheduler, submit, fake, calls, t = slurm
-    running = submit()
-    scheduler.guarded_tick()
-    scheduler.guarded_tick()
-    assert job(scheduler, running).state == "running"
+    running = running_job(scheduler, submit)
     (fake / "sbatch-down").touch()
     queued = submit()
     scheduler.guarded_tick()  # its start meets the outage
