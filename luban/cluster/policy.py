@@ -43,6 +43,7 @@ class NodeView:
     zone: str
     schedulable: bool = True
     down: bool = False  # taken down by an admin: its jobs are suspended now (rule 6)
+    gone: bool = False  # no longer reported by the executor (removed from Slurm): not schedulable
 
 
 @dataclasses.dataclass(slots=True)
@@ -144,16 +145,19 @@ def _place(free: dict[str, list[str]], nnodes: int) -> tuple[tuple[str, ...], st
     return tuple(taken), "spans zones (no single zone had enough free nodes)"
 
 
-def _capacity_reason(group: str, used: int, capacity: int, n: int, drained: int, ahead: list[int]) -> str:
+def _capacity_reason(group: str, used: int, capacity: int, n: int, drained: int, gone: int,
+                     ahead: list[int]) -> str:
     """Why a job does not fit: the jobs ahead that take the nodes (naming the newly admitted ones,
-    so a preempted job's reason says which job it yields to) and drained nodes it may wait for."""
+    so a preempted job's reason says which job it yields to) and the drained nodes (or nodes the
+    executor no longer reports) it may wait for."""
     why = f"capacity: {used} of {capacity} nodes in node group {group} go to jobs ahead in order, needs {n}"
     if ahead:
         shown = ", ".join(str(i) for i in ahead[-3:]) + (f" and {len(ahead) - 3} more" if len(ahead) > 3 else "")
         why += f" (for job{'s' if len(ahead) > 1 else ''} {shown})"
-    if drained and n > capacity - used:
-        why += (f"; {drained} node(s) of {group} are drained" +
-                (": it cannot run until they return" if n > capacity else ""))
+    if (drained or gone) and n > capacity - used:
+        out = [f"{drained} node(s) of {group} are drained"] if drained else []
+        out += [f"{gone} node(s) of {group} are gone (the executor no longer reports them)"] if gone else []
+        why += "; " + " and ".join(out) + (": it cannot run until they return" if n > capacity else "")
     return why
 
 
@@ -165,9 +169,10 @@ def plan(snap: Snapshot) -> Plan:
     free: dict[str, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
     free_count: dict[str, int] = defaultdict(int)
     drained: dict[str, int] = defaultdict(int)
+    gone: dict[str, int] = defaultdict(int)
     for node in sorted(snap.nodes, key=lambda n: n.name):
         if not node.schedulable and node.name not in held:
-            drained[node.node_group] += 1
+            (gone if node.gone else drained)[node.node_group] += 1
         if node.schedulable or node.name in held:
             capacity[node.node_group] += 1
         if node.schedulable and node.name not in held:
@@ -218,7 +223,7 @@ def plan(snap: Snapshot) -> Plan:
         elif used_capacity[group] + n > capacity[group]:
             rkey = (group, used_capacity[group], n, tuple(ahead[group][-3:]))
             why = reasons.get(rkey) or reasons.setdefault(rkey, _capacity_reason(
-                group, used_capacity[group], capacity[group], n, drained[group], ahead[group]))
+                group, used_capacity[group], capacity[group], n, drained[group], gone[group], ahead[group]))
         else:
             used_quota[key] = held_quota + n
             used_capacity[group] += n

@@ -322,6 +322,7 @@ class Scheduler:
         self.observe(now)
         if not self._met_outage_this_tick():  # a hung slurmctld costs one timeout a tick, not two
             self.refresh_nodes(now)
+        self._recheck_deferred(now)
         with self.sessions() as s:
             snap = self.snapshot(s, now)
         result = policy.plan(snap)
@@ -370,6 +371,32 @@ class Scheduler:
         for problem in [p for p in self.reported if p not in seen]:  # a whole pass without it: gone
             log.warning("job %s: the executor can tell its state again (was: %s)", self.reported.pop(problem),
                         problem)
+
+    def _recheck_deferred(self, now: float) -> None:
+        """A deferred attempt stays out of the policy's view until its retry is due *and* the copy it
+        waits for is no longer listed (``Executor.lingering``): back in view while it still was, it was
+        admitted again and the policy preempted running jobs for a start that was deferred again, every
+        backoff, for as long as the copy stayed stuck. One ``squeue`` per due attempt; an outage stops
+        the round (asked again next tick)."""
+        for job_id in [i for i, (retry_at, _, _) in self._deferred.items() if retry_at <= now]:
+            if self._met_outage_this_tick():
+                return
+            with self.sessions() as s:
+                job = s.get(Job, job_id)
+                launch = self.launch_of(job, {}, tuple(job.nodes or ("?",) * job.nnodes))
+            try:
+                lingering = self.executor.lingering(launch)
+            except Unavailable as err:
+                self._executor_unavailable(err)
+                return
+            except (RuntimeError, LubanError):  # cannot tell: asked again after the backoff
+                lingering = True
+            if lingering:
+                _, delay, why = self._deferred[job_id]
+                delay = min(delay * 2, RETRY_MAX_S)
+                self._deferred[job_id] = (self.clock.now() + delay, delay, why)
+            else:
+                del self._deferred[job_id]  # in view again: the policy starts it when its turn comes
 
     def _time_adopted(self, job_id: int) -> None:
         """An attempt a retry started may be a copy an earlier try submitted after all (adopted): it is
@@ -509,7 +536,7 @@ class Scheduler:
     # -- (2) snapshot ------------------------------------------------------------------------
     def snapshot(self, s: Session, now: float) -> policy.Snapshot:
         nodes = [policy.NodeView(n.name, n.node_group, (n.labels or {}).get("zone", "default"), n.state == "up",
-                                 n.state == "down")
+                                 n.state == "down", n.state == GONE)
                  for n in s.scalars(select(Node))]
         jobs = [policy.JobView(j.id, j.user, j.owner, j.priority, j.node_group, j.nnodes, j.state,
                                j.place, j.started_at if j.state != states.QUEUED else j.queued_at,
@@ -517,7 +544,7 @@ class Scheduler:
                 for j in s.scalars(select(Job).where(Job.state.in_(LIVE)))
                 if not (j.state == states.QUEUED and (j.requested & (StopReason.USER_STOP | StopReason.ADMIN_STOP
                                                                      | StopReason.HOLD)
-                                                      or self._deferred.get(j.id, (0.0,))[0] > now))]
+                                                      or j.id in self._deferred))]
         quota = {(q.owner, q.node_group, q.priority): q.nodes for q in s.scalars(select(Quota))}
         return policy.Snapshot(now, nodes, jobs, quota, self.settings.quantum)
 

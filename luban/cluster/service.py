@@ -38,7 +38,7 @@ from luban.cluster import states
 from luban.cluster.client import SERVICE_HEADER  # on every answer: clients know they reach luban
 from luban.cluster.client import JOBS_LIMIT, JOBS_LIMIT_MAX, TOTAL_HEADER  # GET /api/jobs: rows, total
 from luban.cluster.models import ACTIVE, LIVE, Event, Job, Node, Quota, Sample, StopReason, User, UserGroup
-from luban.cluster.scheduler import Scheduler, new_token, record, token_hash
+from luban.cluster.scheduler import GONE, Scheduler, new_token, record, token_hash
 from luban.errors import LubanError, bad_value
 from luban.schema import INT32  # the SQL Integer columns; the CLI checks ids against it too
 
@@ -762,6 +762,9 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
             node = s.get(Node, name)
             if node is None:
                 raise HTTPException(404, f"node {name} not found")
+            if node.state == GONE and state == "up":  # sbatch --nodelist would name a node Slurm does not know
+                raise HTTPException(409, f"node {name} is gone: the executor no longer reports it; it is up again "
+                                         "by itself once it does")
             node.state = state
             record(s, "node", f"{name} set to {state} by {p.user.name}")
         return {"name": name, "state": state}

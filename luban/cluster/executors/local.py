@@ -51,6 +51,10 @@ class LocalExecutor:
     def check(self) -> None:
         """Nothing to check: its launchers are this Python's."""
 
+    def lingering(self, launch: Launch) -> bool:
+        """A local start is never deferred."""
+        return False
+
     def began(self, handle: str) -> float | None:
         """A local start never adopts an earlier try's copy (nothing asks)."""
         return None

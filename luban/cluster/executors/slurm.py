@@ -233,6 +233,10 @@ class SlurmExecutor:
         code = code or (128 + sig if sig else (0 if state == "COMPLETED" else 1))
         return Status(done=True, exit_code=code)
 
+    def lingering(self, launch: Launch) -> bool:
+        """``squeue -n``: a copy of the attempt (its tag) is still listed."""
+        return bool(self._run("squeue", "-h", "-n", launch.name, "-o", "%i").split())
+
     def began(self, handle: str) -> float | None:
         """The oldest of the launchers' pgid files' times (each written when its rank started the job)."""
         info = json.loads(handle)
