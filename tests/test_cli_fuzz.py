@@ -310,3 +310,16 @@ def test_an_error_line_shows_control_codes_escaped_on_a_terminal(tmp_path):
             assert "\x1b" not in line and "run\\x1b]0;pwned\\x07" in line, repr(line)
         else:
             assert "run\x1b]0;pwned\x07" in line, repr(line)
+
+
+def test_the_command_line_is_built_without_the_cluster_client():
+    """2026-11-27: every `luban` process (training ranks included) imported luban.cluster.client, and
+    with it httpx (~0.1 s of CPU), to build its command line; only the cluster commands and the SDK use
+    it. `luban.cluster`'s names are imported when first used."""
+    code = ("import sys; from luban.cli import build_parser; build_parser()\n"
+            "print('httpx' in sys.modules)\n"
+            "from luban.cluster import Client; print('httpx' in sys.modules, Client.__name__)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["False", "True", "Client"], proc.stdout

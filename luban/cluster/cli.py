@@ -19,8 +19,7 @@ from luban import schema
 from luban.cluster import joblog
 from luban.cluster import priority as prio
 from luban.cluster import trace as traces
-from luban.cluster.client import JOBS_LIMIT, JOBS_LIMIT_MAX
-from luban.cluster.spec import MAX_TIME_LIMIT, NAME_RE
+from luban.cluster.spec import JOBS_LIMIT, JOBS_LIMIT_MAX, MAX_TIME_LIMIT, NAME_RE  # (not client: httpx)
 from luban.errors import LubanError, bad_value, for_terminal_chunks
 
 # the flags' declarations (luban.schema); what the service checks again, the client checks first

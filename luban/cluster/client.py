@@ -13,12 +13,11 @@ from urllib.parse import quote
 
 import httpx
 
+from luban.cluster.spec import JOBS_LIMIT_MAX  # rows one GET /api/jobs answers at most
 from luban.errors import LubanError, bad_value, escaped
 
 SERVICE_HEADER = "x-luban-cluster"  # luban.cluster.service marks every answer with it
 TOTAL_HEADER = "X-Total-Count"      # GET /api/jobs: how many rows match in all (the answer has at most limit)
-JOBS_LIMIT = 100                    # rows GET /api/jobs answers by default: the newest (luban jobs --limit)
-JOBS_LIMIT_MAX = 10_000             # rows one GET /api/jobs answers at most; more: pages (before=ID)
 
 DEFAULT_URL = "http://127.0.0.1:8765"
 RETRY_STATUS = 503  # the service is up but its database is not (restarting): retried like an unreachable

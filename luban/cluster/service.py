@@ -36,7 +36,8 @@ from luban.cluster import priority as prio
 from luban.cluster import spec as specs
 from luban.cluster import states
 from luban.cluster.client import SERVICE_HEADER  # on every answer: clients know they reach luban
-from luban.cluster.client import JOBS_LIMIT, JOBS_LIMIT_MAX, TOTAL_HEADER  # GET /api/jobs: rows, total
+from luban.cluster.client import TOTAL_HEADER  # GET /api/jobs: how many rows in all
+from luban.cluster.spec import JOBS_LIMIT, JOBS_LIMIT_MAX  # GET /api/jobs: rows
 from luban.cluster.models import ACTIVE, LIVE, Event, Job, Node, Quota, Sample, StopReason, User, UserGroup
 from luban.cluster.scheduler import GONE, Scheduler, new_token, record, token_hash
 from luban.errors import LubanError, bad_value

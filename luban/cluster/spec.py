@@ -12,6 +12,8 @@ from luban import jobenv
 from luban.cluster import priority as prio
 from luban.errors import LubanError, bad_value, plain_name
 
+JOBS_LIMIT = 100           # rows GET /api/jobs answers by default: the newest (luban jobs --limit)
+JOBS_LIMIT_MAX = 10_000    # rows one GET /api/jobs answers at most; more: pages (before=ID)
 MAX_YAML = 64 << 10        # bytes of a YAML job spec
 MAX_TIME_LIMIT = 365 * 24 * 3600
 MAX_SPEC = 256 << 10       # bytes of a job spec as JSON (args + env + the rest)

@@ -14,7 +14,8 @@ from sqlalchemy import event, select
 
 from luban.cluster import client as client_module
 from luban.cluster import db
-from luban.cluster.client import JOBS_LIMIT, JOBS_LIMIT_MAX, TOTAL_HEADER, Client
+from luban.cluster.client import TOTAL_HEADER, Client
+from luban.cluster.spec import JOBS_LIMIT, JOBS_LIMIT_MAX
 from luban.cluster.executors.local import LocalExecutor
 from luban.cluster.models import Job, User
 from luban.cluster.scheduler import Scheduler, Settings
