@@ -168,7 +168,8 @@ def _run_training(args) -> int:
     from luban.train.trainer import Trainer
 
     try:
-        result = Trainer(cfg).train(args.resume)
+        # the launching process checked the memory above (one process: this one)
+        result = Trainer(cfg, memory_checked="WORLD_SIZE" not in os.environ).train(args.resume)
     finally:
         shutdown_distributed()
     return EXIT_SUSPENDED if result.suspended else 0

@@ -83,14 +83,14 @@ class TrainResult:
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig):
+    def __init__(self, cfg: RunConfig, memory_checked: bool = False):
         self.cfg = cfg
         self.run_dir = Path(cfg.run.dir)
         self.ckpt_root = self.run_dir / "checkpoints"
         self.device = pick_device(cfg.run.device)
         world = check_rank_env()  # a stale WORLD_SIZE without the rest: one line, not torch's traceback
         check_layout(cfg.parallel, cfg.model, cfg.train.global_batch, world, cfg.seq_len)
-        if "WORLD_SIZE" not in os.environ:  # one process, not launched: no launcher checked the memory
+        if "WORLD_SIZE" not in os.environ and not memory_checked:  # one process no launcher checked
             from luban.train.memcheck import check_fits
 
             check_fits(cfg, world, 1, self.device.type)  # before anything is allocated
