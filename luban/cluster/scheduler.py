@@ -382,8 +382,7 @@ class Scheduler:
             if self._met_outage_this_tick():
                 return
             with self.sessions() as s:
-                job = s.get(Job, job_id)
-                launch = self.launch_of(job, {}, tuple(job.nodes or ("?",) * job.nnodes))
+                launch = self._tagged(s.get(Job, job_id))
             try:
                 lingering = self.executor.lingering(launch)
             except Unavailable as err:
@@ -392,11 +391,16 @@ class Scheduler:
             except (RuntimeError, LubanError):  # cannot tell: asked again after the backoff
                 lingering = True
             if lingering:
-                _, delay, why = self._deferred[job_id]
-                delay = min(delay * 2, RETRY_MAX_S)
-                self._deferred[job_id] = (self.clock.now() + delay, delay, why)
+                self._defer(job_id)
             else:
                 del self._deferred[job_id]  # in view again: the policy starts it when its turn comes
+
+    def _defer(self, job_id: int, why: str | None = None) -> None:
+        """Keep a deferred attempt out of the policy's view for its backoff (``RETRY_MIN_S`` at first,
+        doubling to ``RETRY_MAX_S``); ``why``: its reason (kept when None)."""
+        _, delay, before = self._deferred.get(job_id, (0.0, RETRY_MIN_S / 2, ""))
+        delay = min(delay * 2, RETRY_MAX_S)
+        self._deferred[job_id] = (self.clock.now() + delay, delay, why or before)
 
     def _time_adopted(self, job_id: int) -> None:
         """An attempt a retry started may be a copy an earlier try submitted after all (adopted): it is
@@ -422,7 +426,7 @@ class Scheduler:
         if tried is None:
             return True
         try:
-            handle = self.executor.find(self.launch_of(job, {}, tuple(job.nodes or ("?",) * job.nnodes)))
+            handle = self.executor.find(self._tagged(job))
             if handle is not None and not self.executor.poll(handle).done:
                 self.executor.kill(handle)
                 record(s, "kill", "stopped while queued: the copy an earlier try submitted is cancelled", job.id)
@@ -640,9 +644,7 @@ class Scheduler:
             if isinstance(err, Unavailable):  # an outage: every start waits for it
                 self._executor_unavailable(err, start=True)
             else:  # this attempt alone waits for what an earlier try of it left: its own backoff
-                delay = min(self._deferred[job_id][1] * 2, RETRY_MAX_S) if job_id in self._deferred else RETRY_MIN_S
-                self._deferred[job_id] = (self.clock.now() + delay, delay, f"waiting: {one_line(err)} (the start "
-                                                                           "is retried)")
+                self._defer(job_id, f"waiting: {one_line(err)} (the start is retried)")
             with self.sessions.begin() as s:
                 claimed_job = s.get(Job, job_id, with_for_update=True)
                 self._retry_tokens.setdefault(job_id, (token, claimed_job.started_at))
@@ -655,7 +657,6 @@ class Scheduler:
                           f"launch failed: {one_line(err, 500)}")
             return
         self._executor_reached(start=True)
-        self._deferred.pop(job_id, None)
         if job_id in self._retry_tokens:
             self._retried[job_id] = self._retry_tokens.pop(job_id)[1]
         with self.sessions.begin() as s:
@@ -670,6 +671,10 @@ class Scheduler:
         job.nodes, job.started_at, job.token_hash, job.handle = [], None, None, None
         job.reason = reason or self._waiting_reason()
         record(s, "wait", f"start postponed: {job.reason}", job.id, quiet=quiet)
+
+    def _tagged(self, job: Job) -> Launch:
+        """The launch of a queued attempt, to find what an earlier try of it left by its tag."""
+        return self.launch_of(job, {}, tuple(job.nodes or ("?",) * job.nnodes))
 
     def launch_of(self, job: Job, env: dict[str, str], nodes: tuple[str, ...] | None = None) -> Launch:
         """The attempt's launch; its name (the tag) and run dir are fixed by the job alone, so a

@@ -159,7 +159,7 @@ class SlurmExecutor:
         retry was placed elsewhere, or the service restarted and gave the attempt a new token) is
         not this try: it is cancelled and waited for (``StartDeferred``)."""
         cancelled = (run_dir / CANCELLED).exists()
-        listed = self._run("squeue", "-h", "-n", launch.name, "-o", "%i %T").split()
+        listed = self._listed(launch.name, "%i %T")
         handle = {"run_dir": str(run_dir), "ranks": len(launch.nodes), "tag": launch.name}
         earlier = [line for line in script.read_text(errors="replace").splitlines() if line.startswith("# luban try:")]
         if listed and not cancelled and earlier and earlier[0] != try_line:
@@ -178,6 +178,10 @@ class SlurmExecutor:
             launcher.pgid_file(run_dir, rank).unlink(missing_ok=True)
         (run_dir / CANCELLED).unlink(missing_ok=True)
         return None
+
+    def _listed(self, name: str, fields: str = "%i") -> list[str]:
+        """``squeue -n NAME``: the fields of the Slurm jobs of that name (an attempt's tag), in order."""
+        return self._run("squeue", "-h", "-n", name, "-o", fields).split()
 
     def _cancel_by_name(self, name: str) -> bool:
         """``scancel --name``: True when Slurm took it (nothing of the name will run)."""
@@ -235,7 +239,7 @@ class SlurmExecutor:
 
     def lingering(self, launch: Launch) -> bool:
         """``squeue -n``: a copy of the attempt (its tag) is still listed."""
-        return bool(self._run("squeue", "-h", "-n", launch.name, "-o", "%i").split())
+        return bool(self._listed(launch.name))
 
     def began(self, handle: str) -> float | None:
         """The oldest of the launchers' pgid files' times (each written when its rank started the job)."""
@@ -245,7 +249,7 @@ class SlurmExecutor:
     def find(self, launch: Launch) -> str | None:
         """squeue is the truth: a Slurm job named after the launch (its tag) is adopted; one that
         already ended is read back from its launchers' exit files."""
-        ids = self._run("squeue", "-h", "-n", launch.name, "-o", "%i").split()
+        ids = self._listed(launch.name)
         run_dir = Path(launch.run_dir)
         done = all(launcher.exit_file(run_dir, r).exists() for r in range(len(launch.nodes)))
         if not ids and not done:
