@@ -63,6 +63,17 @@ def make_norm(cfg: ModelConfig) -> nn.Module:
     return nn.LayerNorm(cfg.hidden, eps=cfg.norm_eps)
 
 
+def head_norm(norm: nn.RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    """qk-norm of one head's query or key. Under autocast the heads come out of their projection
+    in bf16/fp16 while the norm's weight stays fp32; ``rms_norm`` with mixed dtypes cannot use the
+    fused kernel (torch warns and decomposes it into ~8 element-wise kernels that save ~6x the
+    input's bytes for backward), so the head goes in as fp32 and comes back in its dtype: the
+    same arithmetic (the decomposition computes in fp32 and rounds once), one fused kernel."""
+    if x.dtype == norm.weight.dtype:
+        return norm(x)
+    return norm(x.float()).to(x.dtype)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -86,7 +97,7 @@ class Attention(nn.Module):
         k = self.wk(x).view(b, s, -1, self.head_dim)
         v = self.wv(x).view(b, s, -1, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = head_norm(self.q_norm, q), head_norm(self.k_norm, k)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))

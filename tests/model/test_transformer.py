@@ -56,3 +56,38 @@ def test_gqa_matches_explicitly_repeated_heads():
     ref = torch.nn.functional.scaled_dot_product_attention(
         q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True)
     assert torch.allclose(causal_attention(q, k, v), ref)
+
+
+@pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")  # the reference path
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_qk_norm_under_autocast_uses_the_fused_kernel_with_the_same_arithmetic(dtype):
+    """The heads come out of their projection in the autocast dtype, the norm's weight is fp32:
+    mixed dtypes made ``rms_norm`` warn and decompose (no fused kernel on a GPU). ``head_norm``
+    passes fp32 in and rounds once, which is what the decomposition computed."""
+    from torch.overrides import TorchFunctionMode
+
+    from luban.model.transformer import head_norm
+
+    class Dtypes(TorchFunctionMode):  # (input, weight) dtypes of every rms_norm call
+        calls = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func in (torch.rms_norm, torch.nn.functional.rms_norm):
+                self.calls.append((args[0].dtype, (args[2] if len(args) > 2 else kwargs["weight"]).dtype))
+            return func(*args, **(kwargs or {}))
+
+    norm = torch.nn.RMSNorm(16, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(2, 8, 4, 16, generator=torch.Generator().manual_seed(1)).to(dtype).requires_grad_()
+    mixed = norm(x)  # the decomposed path, as before
+    mixed_grads = torch.autograd.grad(mixed.float().square().sum(), (x, norm.weight))
+    with Dtypes() as seen:
+        fused = head_norm(norm, x)
+    assert seen.calls and all(a == b for a, b in seen.calls), seen.calls
+    fused_grads = torch.autograd.grad(fused.float().square().sum(), (x, norm.weight))
+    assert fused.dtype == dtype and torch.equal(fused, mixed)
+    for a, b in zip(fused_grads, mixed_grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-2 if a.dtype == dtype else 1e-5)
+    same = head_norm(norm, x.detach().float())  # matching dtypes: the norm itself
+    assert torch.equal(same, norm(x.detach().float()))
