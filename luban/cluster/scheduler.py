@@ -68,6 +68,10 @@ def record(session: Session, kind: str, message: str, job_id: int | None = None,
     log.log(logging.DEBUG if quiet else logging.INFO, "%s job=%s %s", kind, job_id, message)
 
 
+def start_message(nodes, why: str) -> str:
+    return f"on {','.join(nodes)}: {why}"
+
+
 def one_line(err: BaseException | str, limit: int = 300) -> str:
     return " ".join(str(err).split())[:limit]
 
@@ -605,8 +609,11 @@ class Scheduler:
                         record(s, "wait", job.reason, job.id, quiet=bool(held))
 
     def claim(self, job_id: int, nodes: tuple[str, ...], why: str, quiet: bool = False) -> tuple[Job, str] | None:
-        """The start transaction: quota row locked and recounted, nodes inserted; None if refused."""
-        token = self._retry_tokens[job_id][0] if job_id in self._retry_tokens else new_token()
+        """The start transaction: quota row locked and recounted, nodes inserted; None if refused. The
+        retry of a start that was postponed writes its "start" event once it has started (``launch``):
+        an outage or a stuck earlier copy of hours is not two events per retry in the job's history."""
+        retry = job_id in self._retry_tokens
+        token = self._retry_tokens[job_id][0] if retry else new_token()
         try:
             with self.sessions.begin() as s:
                 job = s.get(Job, job_id)
@@ -624,7 +631,8 @@ class Scheduler:
                 if claimed.rowcount != 1:
                     return None
                 s.add_all(Allocation(node=n, job_id=job_id) for n in nodes)
-                record(s, "start", f"on {','.join(nodes)}: {why}", job_id, quiet=quiet)
+                if not retry:
+                    record(s, "start", start_message(nodes, why), job_id, quiet=quiet)
             return job, token
         except IntegrityError:
             return None  # another scheduler took one of the nodes first
@@ -657,10 +665,13 @@ class Scheduler:
                           f"launch failed: {one_line(err, 500)}")
             return
         self._executor_reached(start=True)
-        if job_id in self._retry_tokens:
+        retried = job_id in self._retry_tokens
+        if retried:
             self._retried[job_id] = self._retry_tokens.pop(job_id)[1]
         with self.sessions.begin() as s:
             s.get(Job, job_id).handle = handle
+            if retried:  # its "start" event (claim writes none for a retry)
+                record(s, "start", start_message(nodes, f"{why} (a retry of a start postponed)"), job_id)
 
     def _unclaim(self, s: Session, job: Job, quiet: bool = False, reason: str | None = None) -> None:
         """Undo a claim whose start met an executor outage: the attempt is queued again as it was
@@ -670,7 +681,11 @@ class Scheduler:
         s.execute(Allocation.__table__.delete().where(Allocation.job_id == job.id))
         job.nodes, job.started_at, job.token_hash, job.handle = [], None, None, None
         job.reason = reason or self._waiting_reason()
-        record(s, "wait", f"start postponed: {job.reason}", job.id, quiet=quiet)
+        message = f"start postponed: {job.reason}"
+        last = s.scalar(select(Event.message).where(Event.job_id == job.id, Event.kind == "wait")
+                        .order_by(Event.id.desc()).limit(1))
+        if last != message:  # postponed again for the same reason: one event says it
+            record(s, "wait", message, job.id, quiet=quiet)
 
     def _tagged(self, job: Job) -> Launch:
         """The launch of a queued attempt, to find what an earlier try of it left by its tag."""
