@@ -72,9 +72,16 @@ def data_parallel_size(layout: ParallelLayout) -> int:
     return layout.dp * layout.cp
 
 
+def uses_fsdp(layout: ParallelLayout) -> bool:
+    """FSDP2 wraps the model parts: zero >= 1 over dp x cp > 1 ranks, and ``offload = params``
+    always (FSDP2's ``CPUOffloadPolicy`` is the offload, also over one data-parallel rank and in
+    one process: without FSDP2 the parameters stayed on the device, silently)."""
+    return layout.zero >= 1 and (data_parallel_size(layout) > 1 or layout.offload == "params")
+
+
 def apply_data_parallel(module: nn.Module, layout: ParallelLayout, mesh: LayoutMesh, device: torch.device) -> nn.Module:
     """Wrap one model part (a whole model or one pipeline stage); returns the module to call."""
-    if data_parallel_size(layout) == 1:
+    if data_parallel_size(layout) == 1 and not uses_fsdp(layout):
         return module
     experts = expert_params(module)  # reduced over the expert-data-parallel group instead
     if layout.zero == 0:
@@ -128,4 +135,4 @@ def reshard(module: nn.Module) -> None:
 
 def uses_autocast(layout: ParallelLayout) -> bool:
     """FSDP2 casts parameters itself (``MixedPrecisionPolicy``); everything else uses autocast."""
-    return layout.zero == 0 or data_parallel_size(layout) == 1
+    return not uses_fsdp(layout)

@@ -49,7 +49,7 @@ from luban.model.head_loss import compiled_head_loss
 from luban.model.transformer import Transformer, lm_loss
 from luban.parallel.context_parallel import apply_context_parallel, feed_positions, shard_sequence
 from luban.parallel.expert_parallel import apply_expert_parallel, reduce_expert_grads
-from luban.parallel.data_parallel import apply_data_parallel, reshard, unwrap, uses_autocast
+from luban.parallel.data_parallel import apply_data_parallel, reshard, unwrap, uses_autocast, uses_fsdp
 from luban.parallel.layout import ParallelLayout, check_layout
 from luban.parallel.memory import ActivationCounter, optimizer_tensors, tensor_bytes
 from luban.parallel.memory import local as _local
@@ -166,12 +166,12 @@ class Engine:
         self.before_update = None  # called before the state dict's tensors change (see the module doc)
 
     def _join(self, layout: ParallelLayout, device: torch.device) -> LayoutMesh | None:
-        """Join the process group and build the mesh (``None`` for a single process); set this
-        rank's coordinates."""
+        """Join the process group and build the mesh (``None`` for a single process, unless FSDP2
+        wraps it for ``offload = params``: a one-process group); set this rank's coordinates."""
         self.rank, self.world_size, self.dp_rank, self.dp_size = 0, 1, 0, 1
         self.pp_rank = self.cp_rank = self.tp_rank = 0
-        if layout.world_size == 1:
-            return None
+        if layout.world_size == 1 and not uses_fsdp(layout):
+            return None  # one process, nothing to wrap: no process group (FSDP2's offload needs one)
         from luban.parallel.launch import init_distributed
 
         init_distributed(device)
@@ -314,8 +314,9 @@ class Engine:
         """Global L2 norm of all gradients, each element counted once across all ranks."""
         terms = self._norm_terms()
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
-        if terms:  # one fused kernel for the per-tensor norms; their squares summed in float64
-            norms = torch.stack(torch._foreach_norm([_local(g) for g, _ in terms])).double()
+        if terms:  # one fused kernel for the per-tensor norms; their squares summed in float64 (on this
+            # device: FSDP2's offload = params keeps the gradients on the host)
+            norms = torch.stack([n.to(self.device) for n in torch._foreach_norm([_local(g) for g, _ in terms])]).double()
             copies = torch.tensor([c for _, c in terms], dtype=torch.float64, device=self.device)
             sq = (norms.pow(2) / copies).sum()
         return math.sqrt(float(self._all_reduce(sq)))
@@ -398,12 +399,15 @@ class Engine:
 
 
 def build_engine(model_cfg: ModelConfig, layout: ParallelLayout, optim_cfg: OptimizerConfig,
-                 global_batch: int, seed: int, device: torch.device, compile: bool = False) -> Engine:
+                 global_batch: int, seed: int, device: torch.device, compile: bool = False,
+                 seq_len: int | None = None) -> Engine:
     """The engine for the current process group and layout (after ``check_layout``);
-    ``compile``: ``apply_compile`` (``resolve_compile`` turns ``[train] compile`` into it)."""
+    ``compile``: ``apply_compile`` (``resolve_compile`` turns ``[train] compile`` into it);
+    ``seq_len``: the length of the sequences it will train on (``[data] seq_len``; default the
+    model's), which the sequence rules of ``check_layout`` apply to."""
     from luban.parallel.launch import check_rank_env
 
-    check_layout(layout, model_cfg, global_batch, world_size=check_rank_env())
+    check_layout(layout, model_cfg, global_batch, world_size=check_rank_env(), seq_len=seq_len)
     return Engine(model_cfg, layout, optim_cfg, global_batch, seed, device, compile)
 
 

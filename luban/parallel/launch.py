@@ -290,7 +290,9 @@ def shutdown_distributed() -> None:
 
 
 def init_distributed(device) -> None:
-    """Join the process group once: NCCL on CUDA, gloo otherwise (env:// rendezvous)."""
+    """Join the process group once: NCCL on CUDA, gloo otherwise (env:// rendezvous; a process
+    that is no launched rank — ``WORLD_SIZE`` unset or 1 — forms a group of its own, which FSDP2
+    needs for ``offload = params`` in one process)."""
     import torch
     import torch.distributed as dist
 
@@ -300,8 +302,12 @@ def init_distributed(device) -> None:
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if check_rank_env() == 1:  # one process (FSDP2's offload needs a group): nobody to meet
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        return
     with _suspend_if_joining_stalls():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        dist.init_process_group(backend)
 
 
 JOIN_GRACE_S = 5.0  # a healthy rendezvous ends within this of a signal: the trainer then suspends as usual

@@ -135,6 +135,10 @@ class ParallelLayout:
         if self.dp_replicate > 1 and self.zero < 2:
             raise bad_value(f"{section}.dp_replicate", self.dp_replicate,
                             f"hybrid sharding needs zero = 2 or 3 (zero = {self.zero}); set dp_replicate = 1")
+        if self.dp_replicate > 1 and self.cp > 1 and order.index("cp") < order.index("dp"):
+            raise bad_value(f"{section}.mesh_order", self.mesh_order, f"hybrid sharding (dp_replicate = "
+                            f"{self.dp_replicate}) with cp = {self.cp} needs dp before cp: FSDP2's mesh "
+                            "(replicas, dp_shard x cp) must list its dimensions outermost first; e.g. pp,dp,cp,tp")
         if self.tp > 1 and self.zero == 0 and self.dp * self.cp > 1 and not rules.ddp_with_tp:
             raise bad_value(f"{section}.zero", 0, f"tp = {self.tp} with dp*cp = {self.dp * self.cp} needs zero >= 1: "
                             "DDP cannot reduce DTensor (tensor-parallel) parameters, FSDP2 can; nearest: zero = 1")
@@ -202,11 +206,24 @@ def check_layout(layout: ParallelLayout, model: ModelConfig, global_batch: int, 
     if layout.cp > 1 and model.dropout > 0:
         raise bad_value("model.dropout", model.dropout, f"ring attention (cp = {layout.cp}) has no attention "
                         "dropout; set dropout = 0 or cp = 1")
+    if layout.cp > 1 and model.moe and model.capacity_factor > 0:
+        raise bad_value("model.capacity_factor", model.capacity_factor, f"not with cp = {layout.cp}: an expert's "
+                        "capacity counts a micro-batch's tokens, which context parallel splits over ranks (each "
+                        "would drop other tokens than one process); set capacity_factor = 0 (dropless) or cp = 1")
     shards = int(schedules.sequence_shards(layout.cp, layout.tp, layout.sp))
     if seq % shards:
         ok = [c for c in _divisors(seq) if seq % int(schedules.sequence_shards(c, layout.tp, layout.sp)) == 0]
+        if layout.cp == 1 or not ok:  # sequence parallel alone: no cp helps
+            tps = [t for t in tp_ok if t > 1 and seq % int(schedules.sequence_shards(layout.cp, t, True)) == 0]
+            raise bad_value(f"{section}.sp", True, f"seq_len = {seq} must split into {shards} equal sequence shards "
+                            f"(tp{' x 2·cp' if layout.cp > 1 else ''}); set sp = false"
+                            + (f", or tp in {_nearest(tps, layout.tp)}" if tps else ""))
         raise bad_value(f"{section}.cp", layout.cp, f"seq_len = {seq} must split into {shards} equal chunks "
                         f"(2·cp load-balanced chunks{', times tp for sp' if layout.sp else ''}); nearest: {_nearest(ok, layout.cp)}")
+    if empty_shards(model.vocab, layout.tp):
+        ok = [t for t in tp_ok if not empty_shards(model.vocab, t)]
+        raise bad_value(f"{section}.tp", layout.tp, f"vocab = {model.vocab} leaves a tensor-parallel rank no vocabulary "
+                        f"rows (shards of {-(-model.vocab // layout.tp)}); nearest: {_nearest(ok, layout.tp)}")
     sched = schedules.get(layout.schedule)
     stages = sched.stages(layout.pp, layout.virtual_stages)
     if stages > model.layers:
@@ -264,6 +281,12 @@ def _is_int(v) -> bool:
 def _divisors(n: int) -> list[int]:
     low = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
     return sorted({*low, *(n // d for d in low)})
+
+
+def empty_shards(rows: int, parts):
+    """``Shard(0)`` cuts ``rows`` into ``parts`` chunks of ceil(rows/parts) (``torch.chunk``): some are empty
+    when the first parts - 1 of them already hold every row (torch's vocab-parallel loss then fails)."""
+    return (parts > 1) & (-(-rows // parts) * (parts - 1) >= rows)  # arrays too (``luban.plan.rules``)
 
 
 def _common_divisors(*ns: int) -> list[int]:

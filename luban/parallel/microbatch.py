@@ -72,8 +72,13 @@ class MicroBatchLoop:
         return total
 
     def evaluate(self, tokens, labels) -> torch.Tensor:
+        """The mean over the same micro-batches as training: one forward of this rank's whole
+        share held its activations and logits at once (memory training never needs), and a MoE
+        capacity cut per micro-batch dropped other tokens than training and other layouts did."""
+        mb = self.layout.micro_batch
         with self.autocast():
-            return self._loss(tokens, labels)
+            losses = [_local(self._loss(x, y)).float() for x, y in zip(tokens.split(mb), labels.split(mb))]
+        return torch.stack(losses).mean()
 
 
 class PipelineSchedule:

@@ -14,7 +14,9 @@ torchtitan feeds ``loss_parallel``: not its local tensor, because ``to_local()``
 *view*, and a view as the output of an FSDP2-wrapped model (tp with dp·cp > 1, zero >= 1)
 is what FSDP2 warns about ("returned a view tensor ... will silently drop the pre-backward
 hook": an in-place op on it would replace the autograd node its pre-backward hook is on).
-Tied embeddings stay tied: both are ``Shard(0)`` of one DTensor.
+Tied embeddings stay tied: both are ``Shard(0)`` of one DTensor. qk-norm weights (one per
+layer for all heads, applied to this rank's heads) are replicated over tp with their input
+sharded on the head dimension, so their gradients are summed over tp.
 A mixture-of-experts feed-forward is not tensor-parallel: its router and experts are
 replicated over tp and every tp rank runs it on the whole sequence (with ``sp`` the input is
 gathered and the output cut back to this rank's sequence shard); experts are spread by
@@ -50,6 +52,11 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, sp: bool) -> 
         for proj in ("wq", "wk", "wv"):
             plan[f"{p}.attn.{proj}"] = ColwiseParallel()
         plan[f"{p}.attn.wo"] = RowwiseParallel(output_layouts=residual)
+        if block.attn.qk_norm:  # one weight for every head, each rank normalises its own heads: the weight
+            # replicated over tp and its input sharded on the head dim, so its gradient is summed over tp
+            # (as a plain parameter each rank kept its heads' share: the copies parted, the norm was off)
+            for norm in ("q_norm", "k_norm"):
+                plan[f"{p}.attn.{norm}"] = SequenceParallel(sequence_dim=2, use_local_output=True)
         moe = isinstance(block.mlp, MoE)
         if not moe:
             for proj in ("w_gate", "w_up") if block.mlp.swiglu else ("w_up",):

@@ -92,8 +92,14 @@ class TiedEmbedding:
         return _rename(optim_sd, HEAD, EMBEDDING) if self.is_copy(part) else optim_sd
 
     def load_names(self, part: nn.Module, optim_sd: dict) -> dict:
-        """A checkpoint's optimizer state with the embedding's state under the copy's name."""
-        return _rename(optim_sd, EMBEDDING, HEAD) if self.is_copy(part) else optim_sd
+        """A checkpoint's optimizer state with the embedding's state under the copy's name, in
+        tensors of its own: the optimizer keeps the tensors it loads, and on a V schedule the
+        embedding's stage on the same rank loads the same ones (both copies' momentum and Adam
+        moments were then one tensor, updated twice a step: resumed runs went astray)."""
+        if not self.is_copy(part):
+            return optim_sd
+        return {k: v.clone() if isinstance(v, torch.Tensor) and k.split(".", 1)[1].startswith(HEAD + ".") else v
+                for k, v in _rename(optim_sd, EMBEDDING, HEAD).items()}
 
     def norm_skip(self) -> set[int]:
         """ids of the parameters whose gradient the norm must not count again (the copies)."""
@@ -108,5 +114,9 @@ class TiedEmbedding:
         if len(grads) == 2:  # V schedules: both stages on this rank
             grads[0].add_(grads[1])
             grads[1].copy_(grads[0])
+        elif grads and grads[0].is_cpu and dist.get_backend(self.group) == "nccl":  # offload = params: host gradients
+            summed = grads[0].cuda()
+            dist.all_reduce(summed, group=self.group)
+            grads[0].copy_(summed)
         elif grads:
             dist.all_reduce(grads[0], group=self.group)
