@@ -49,6 +49,6 @@ def candidates(model_cfg: ModelConfig, world_size: int, global_batch: int, seq_l
 
         system = System.from_dict(cached_profile(), source="probe")
     system = load_system(system)
-    precision = precision or ("bf16" if system.peak("bf16") > system.peak("fp32") else "fp32")
+    precision = precision or system.faster_precision()
     problem = Problem(model_cfg, system, world_size, seq_len, global_batch, runtime="luban", optimizer=optimizer)
     return problem, search(problem, top=top, precision=precision, schedules=schedules, offloads=offloads)

@@ -78,7 +78,7 @@ def register(sub) -> None:
     est = cmds.add_parser("estimate", parents=[common], help="memory, time, MFU and cost of one layout")
     for key, typ in LAYOUT_FLAGS.items():
         est.add_argument("--" + key.replace("_", "-"), type=typ, default=None,
-                         help=f"[parallel] {key}" + (" (default: bf16 where the system is faster in it, else fp32)"
+                         help=f"[parallel] {key}" + (" (default: bf16 where the system is faster in it, else fp32; a profile of one: that one)"
                                                      if key == "precision" else ""))
     est.add_argument("--sp", action="store_true", default=None, help="[parallel] sp (sequence parallel)")
     est.add_argument("--price-per-gpu-hour", type=schema.number(0, 1e9), default=0.0)
@@ -88,7 +88,9 @@ def register(sub) -> None:
 
     srch = cmds.add_parser("search", parents=[common], help="every valid layout; the fastest that fit")
     srch.add_argument("--top", type=schema.integer(1, 10_000), default=5)
-    srch.add_argument("--precision", type=NAME, default="bf16")
+    srch.add_argument("--precision", type=NAME, default=None,
+                      help="the precision every layout runs in (default: as estimate's: bf16 where the system is faster "
+                           "in it, else fp32; a profile of one: that one)")
     srch.add_argument("--chart", type=schema.path("new-file"),
                       help="write a PNG of the best layouts' memory and time (the best 50 at most: luban.plan.chart)")
     srch.add_argument("--ep", type=DEGREE, action="append", default=None,
@@ -196,15 +198,14 @@ def cmd_estimate(args) -> int:
     problem = _problem(args)
     layout = _layout(args, problem.gpus, problem.runtime_model)
     if args.precision is None:  # as the search and choose_layout do: the system's faster of bf16 and fp32
-        system = problem.system
-        layout = layout.replace(precision="bf16" if system.peak("bf16") > system.peak("fp32") else "fp32")
+        layout = layout.replace(precision=problem.system.faster_precision())
     check_layout(layout, problem.model, problem.global_batch, problem.gpus, problem.seq, rules=problem.runtime_model)
     if problem.tp_overlap and not layout.sp:  # asked for, on a layout where it cannot apply (the search keeps it per layout)
         raise bad_value("--tp-overlap", "on", "needs tensor + sequence parallel (--tp > 1 --sp); leave it at auto or off")
     g = Grid.from_layout(layout)
     est = Estimate.from_results(problem, g, evaluate(problem, g), train_tokens=args.train_tokens,
                                 price_per_gpu_hour=args.price_per_gpu_hour)
-    near = [] if est.fits else nearest_feasible(problem, layout)
+    near = [] if est.fits else nearest_feasible(problem, layout, progress=ProgressLine(what="nearest layouts that fit: "))
     if args.json:
         out = est.to_dict()
         if not est.fits:
@@ -246,10 +247,11 @@ PROGRESS_AFTER_S = 5.0  # a search shorter than this prints nothing but its resu
 class ProgressLine:
     """``search``'s progress: a line on stderr every ``PROGRESS_AFTER_S`` seconds once a search has
     run that long (millions of GPUs make hundreds of millions of layouts: minutes), so a long
-    search shows it is working and how far it has come."""
+    search shows it is working and how far it has come; ``what`` names a search the user did not ask
+    for by name (estimate's nearest layouts that fit)."""
 
-    def __init__(self, clock=time.monotonic, out=None):
-        self.clock, self.out = clock, out
+    def __init__(self, clock=time.monotonic, out=None, what: str = ""):
+        self.clock, self.out, self.what = clock, out, what
         self.start = self.last = clock()
 
     def __call__(self, done: int, total: int) -> None:
@@ -258,7 +260,7 @@ class ProgressLine:
             self.last = now
             elapsed = now - self.start
             left = elapsed * (total - done) / max(done, 1)
-            print(f"searched {done:,} of {total:,} layouts ({done / total:.0%}) in {elapsed:.0f} s; "
+            print(f"{self.what}searched {done:,} of {total:,} layouts ({done / total:.0%}) in {elapsed:.0f} s; "
                   f"about {left:.0f} s left", file=self.out or sys.stderr, flush=True)
 
 
@@ -266,7 +268,7 @@ def cmd_search(args) -> int:
     from luban.parallel.layout import PRECISIONS
     from luban.plan.explain import describe
 
-    if args.precision not in PRECISIONS:
+    if args.precision is not None and args.precision not in PRECISIONS:
         raise bad_value("--precision", args.precision, f"one of {', '.join(PRECISIONS)}")
     from luban.plan.search import search
 
@@ -275,11 +277,12 @@ def cmd_search(args) -> int:
 
         chart_format(args.chart)  # a bad suffix before the search, not after it
     problem = _problem(args)
+    precision = args.precision or problem.system.faster_precision()  # as estimate and choose_layout
     for ep in args.ep or ():
         if ep < 1 or (problem.model.moe and problem.model.experts % ep) or (not problem.model.moe and ep > 1):
             raise bad_value("--ep", ep, f"a divisor of experts = {problem.model.experts}" if problem.model.moe
                             else "1 (the model has no experts)")
-    result = search(problem, top=args.top, precision=args.precision, eps=args.ep, progress=ProgressLine())
+    result = search(problem, top=args.top, precision=precision, eps=args.ep, progress=ProgressLine())
     if args.chart and result.best:
         from luban.plan.chart import write_chart
 

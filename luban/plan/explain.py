@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from luban.parallel.layout import ParallelLayout
 from luban.plan.estimate import Estimate
 from luban.plan.grid import Grid
 from luban.plan.memory import (activation_bytes, expert_split, expert_zero_shards, moe_activation_bytes, param_bytes,
                                rank_experts, rank_layers, zero_shards)
 from luban.plan.problem import Problem
-from luban.plan.search import search
+from luban.plan.search import TooManyLayouts, search
 
 GIB = 2**30
 KNOBS = ("dp", "zero", "tp", "sp", "pp", "schedule", "virtual_stages", "cp", "micro_batch", "recompute", "offload", "ep")
@@ -60,16 +62,27 @@ def why_not(est: Estimate) -> list[str]:
     return lines
 
 
-def nearest_feasible(problem: Problem, layout: ParallelLayout, k: int = 3) -> list[Estimate]:
-    """Valid layouts that fit, fewest knobs changed from ``layout`` first, then fastest."""
+# a score's step per knob changed: above the span of log(tokens/s) over every positive float (-745 to 710),
+# so fewer changes always win and the speed still orders layouts with as many (-changed x 1e30 + tokens/s
+# rounded every speed away: a float's step at 1e30 is ~1e14)
+CHANGE_WEIGHT = 2048.0
+
+
+def nearest_feasible(problem: Problem, layout: ParallelLayout, k: int = 3, progress=None) -> list[Estimate]:
+    """Valid layouts that fit, fewest knobs changed from ``layout`` first, then fastest (``progress``: as
+    ``search``'s; the whole space is searched, on 2**24 GPUs a minute)."""
     target = Grid.from_layout(layout)
 
     def closeness(g: Grid, results: dict):
         changed = sum((getattr(g, name) != getattr(target, name)).astype(float) for name in KNOBS
                       if name != "dp")
-        return -changed * 1e30 + results["tokens_per_s"]
+        with np.errstate(divide="ignore", invalid="ignore"):  # an invalid layout's speed may be <= 0: never chosen
+            return -changed * CHANGE_WEIGHT + np.log(results["tokens_per_s"])
 
-    return search(problem, top=k, score=closeness, precision=layout.precision).best
+    try:
+        return search(problem, top=k, score=closeness, precision=layout.precision, progress=progress).best
+    except TooManyLayouts:  # the estimate stands without them (their search would take half an hour)
+        return []
 
 
 def moe_lines(est: Estimate, problem: Problem, g: Grid) -> list[str]:

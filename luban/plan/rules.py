@@ -11,7 +11,7 @@ import numpy as np
 
 from luban.model.config import ModelConfig
 from luban.parallel import schedules
-from luban.parallel.layout import LUBAN_RULES, OFFLOADS, PRECISIONS
+from luban.parallel.layout import LUBAN_RULES, OFFLOADS, PRECISIONS, empty_shards
 from luban.plan.grid import FP16, OPTIMIZER_OFFLOAD, PARAMS_OFFLOAD, Grid
 from luban.plan.memory import host_state_offload
 
@@ -35,7 +35,9 @@ REASONS = (
     "tp must divide heads, kv_heads and ffn_hidden",
     "ep > 1 needs a MoE model whose experts ep divides",
     "cp > 1 needs model.dropout = 0",
+    "cp > 1 with a MoE expert capacity (capacity_factor > 0)",
     "seq must split into cp (x2) (x tp with sp) chunks",
+    "tp leaves a rank no vocabulary rows",
     "pp * virtual_stages > layers",
     "global batch not divisible by dp * micro_batch",
     "too few micro-batches for the pipeline schedule",
@@ -78,7 +80,9 @@ def violations(g: Grid, model: ModelConfig, global_batch: int, gpus: int, seq: i
         (model.heads % g.tp != 0) | (model.kv_heads % g.tp != 0) | (model.ffn_hidden % g.tp != 0),
         (g.ep > 1) & ((not model.moe) | (max(model.experts, 1) % g.ep != 0)),
         (g.cp > 1) & (model.dropout > 0),
+        (g.cp > 1) & model.moe & (model.capacity_factor > 0),
         seq % shards != 0,
+        empty_shards(model.vocab, g.tp),
         stages > model.layers,
         global_batch % per_step != 0,
         pp_on & (m < need),

@@ -62,7 +62,7 @@ import numpy as np
 
 from luban.errors import bad_value
 from luban.parallel.layout import LUBAN_RULES, OFFLOADS, PRECISIONS
-from luban.plan.grid import BF16, FP8, FP32, FULL
+from luban.plan.grid import BF16, FP8, FP32, FULL, PARAMS_OFFLOAD
 
 GEMMS_PER_LAYER = 4  # QKV, attention output, fc1 (gate and up fused), fc2: Megatron's linear layers
 
@@ -578,10 +578,11 @@ def korthikanti_layer(problem, g, rt: Runtime) -> dict:
 
 def luban_fsdp_casts(g):
     """Layouts where luban's FSDP2 casts the parameters to the half-precision compute dtype
-    (``MixedPrecisionPolicy``, zero >= 1 with dp·cp > 1; ``luban.parallel.data_parallel.uses_autocast``)
-    instead of autocast: the whole forward runs in that dtype (residual stream and norms too) and
-    no per-micro-batch weight copies are saved (the cast weights are FSDP2's parameters)."""
-    return (g.precision != FP32) & (g.zero >= 1) & (g.dp * g.cp > 1)
+    (``MixedPrecisionPolicy``, zero >= 1 with dp·cp > 1, or ``offload = params`` on any dp·cp;
+    ``luban.parallel.data_parallel.uses_fsdp``) instead of autocast: the whole forward runs in that
+    dtype (residual stream and norms too) and no per-micro-batch weight copies are saved (the cast
+    weights are FSDP2's parameters)."""
+    return (g.precision != FP32) & (g.zero >= 1) & ((g.dp * g.cp > 1) | (g.offload == PARAMS_OFFLOAD))
 
 
 def luban_residual_bytes(g):

@@ -26,6 +26,9 @@ from luban.plan.rules import NO_GPU_MEMORY, NO_HOST_MEMORY, REASONS, first_viola
 
 ALL_OFFLOADS = tuple(range(len(OFFLOADS)))  # indices into OFFLOADS; check_layout drops what a runtime does not run
 VIRTUAL_STAGES = (2, 3, 4, 6, 8)  # searched for schedules without an upper bound on stages per rank
+# layouts one search may enumerate: up to a minute at the measured 4-14 M layouts/s (bench/results/plan.md;
+# DeepSeek-V3 on 2**24 GPUs is 231 M, 17 s); a GPU count of many divisors can make 1e10 and more
+MAX_LAYOUTS = 250_000_000
 
 
 @dataclass
@@ -56,9 +59,14 @@ def candidate_grid(problem: Problem, precision: str = "bf16", micro_batches=None
     (default: every divisor; ep only for a MoE model, dividing dp·cp and the experts)."""
     n = problem.gpus
     divs = _divisors(n)
+    if micro_batches is None:
+        micro_batches = [b for b in _divisors(problem.global_batch) if b <= 64]
+    per_row = len(zeros) * 2 * len(micro_batches) * len(recomputes) * len(offloads)  # the other axes (sp: 2)
     rows = []
     for tp in divs:
         for pp in divs if pps is None else [d for d in divs if d in pps]:
+            if n % (tp * pp):  # no cp completes it (skipped here: a count of many divisors made this loop minutes)
+                continue
             for cp in divs:
                 if n % (tp * pp * cp) or (cps is not None and cp not in cps):
                     continue
@@ -66,14 +74,13 @@ def candidate_grid(problem: Problem, precision: str = "bf16", micro_batches=None
                 for sched, v in _schedules(pp, schedules):
                     for ep in _expert_parallel(problem, dp * cp, eps):
                         rows.append((dp, tp, pp, cp, sched, v, ep))
+                _check_size(problem, len(rows) * per_row, len(divs))
     if not rows:  # only a restriction can empty it (tp = pp = cp = 1, ep = 1 always exist otherwise)
         fixed = {"--pp": pps, "--cp": cps, "--ep": eps}
         named = ", ".join(f"{k} = {' '.join(map(str, v))}" for k, v in fixed.items() if v is not None)
         raise LubanError(f"{named}: no layout of {n} GPUs has it (pp and cp must divide the GPUs; ep must divide "
                          f"dp*cp and the model's {problem.model.experts} experts)")
     a = np.array(rows, dtype=np.int64).T
-    if micro_batches is None:
-        micro_batches = [b for b in _divisors(problem.global_batch) if b <= 64]
 
     def axis(values, k):
         shape = [1] * 6
@@ -85,6 +92,18 @@ def candidate_grid(problem: Problem, precision: str = "bf16", micro_batches=None
                 zero=axis(zeros, 1), sp=axis([False, True], 2), micro_batch=axis(micro_batches, 3),
                 recompute=axis(recomputes, 4), offload=axis(offloads, 5),
                 precision=np.array(PRECISIONS.index(precision)))
+
+
+class TooManyLayouts(LubanError):
+    """A search of more than ``MAX_LAYOUTS`` layouts, refused while its grid is built (``--gpus 14414400``, 504
+    divisors: 3.4e10 layouts, half an hour, and a MemoryError traceback under a 6 GB limit)."""
+
+
+def _check_size(problem: Problem, layouts: int, divisors: int) -> None:
+    if layouts > MAX_LAYOUTS:
+        raise TooManyLayouts(f"--gpus = {problem.gpus}: at most {MAX_LAYOUTS:,} layouts to search; this count's "
+                             f"{divisors} divisors (with global batch {problem.global_batch}'s micro-batch sizes) make "
+                             f"more: a GPU count with fewer divisors (a power of two) or fewer GPUs")
 
 
 def _expert_parallel(problem: Problem, dp_cp: int, allowed) -> list:

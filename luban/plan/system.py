@@ -169,8 +169,8 @@ class System:
                 raise bad_value(f"{source}.efficiency.{a}", eff[a], f"ascending sizes, as many as efficiency.{b}")
         values["efficiency"] = eff
         cpu = values.get("cpu", {})
-        if cpu and (not isinstance(cpu, dict) or sorted(cpu) != sorted(CPU_KEYS)):
-            raise bad_value(f"{source}.cpu", cpu, f"a table of {', '.join(CPU_KEYS)}")
+        if not isinstance(cpu, dict) or cpu and sorted(cpu) != sorted(CPU_KEYS):  # {}: no CPU terms; false, 0, "": a mistake
+            raise bad_value(f"{source}.cpu", cpu, f"a table of {', '.join(CPU_KEYS)} (or none: a GPU profile)")
         for key in CPU_KEYS if cpu else ():
             low, high, closed = CPU_RANGES.get(key, CPU_SECONDS)
             whole = key in ("cores", "threads")
@@ -193,6 +193,18 @@ class System:
             if key in self.peak_flops:
                 return float(self.peak_flops[key])
         raise bad_value("parallel.precision", precision, f"system {self.name} lists {', '.join(self.peak_flops)}")
+
+    def faster_precision(self) -> str:
+        """bf16 where this system's peak is higher in it, else fp32: the precision ``luban plan estimate``,
+        ``luban plan search`` and ``choose_layout`` plan when none is given (fp32 on most CPUs). A profile
+        that lists only one of them gets that one (it was refused for lacking the other, which no one asked
+        for); one that lists neither, fp32 (``peak`` names what it lists)."""
+        def listed(precision):
+            return precision in self.peak_flops or precision == "bf16" and "fp16" in self.peak_flops  # as ``peak``
+
+        if not (listed("bf16") and listed("fp32")):
+            return "bf16" if listed("bf16") else "fp32"
+        return "bf16" if self.peak("bf16") > self.peak("fp32") else "fp32"
 
     def matmul_efficiency(self, flops):
         """Share of peak a GEMM of ``flops`` FLOPs reaches (array in, array out)."""

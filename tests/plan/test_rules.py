@@ -13,7 +13,9 @@ from luban.plan.grid import Grid
 from luban.plan.rules import first_violation
 
 MODELS = [get_preset("tiny-llama"), get_preset("megatron-22b"), get_preset("turing-530b").replace(dropout=0.1),
-          get_preset("tiny-moe"), get_preset("qwen3-30b-a3b")]
+          get_preset("tiny-moe"), get_preset("qwen3-30b-a3b"),
+          get_preset("tiny-moe").replace(capacity_factor=1.25),  # refused with cp > 1
+          get_preset("tiny-llama").replace(kv_heads=4, vocab=9)]  # tp = 4 or 8 would leave a rank no vocabulary rows
 CHOICES = dict(dp=[1, 2, 3, 4, 8, 16], dp_replicate=[1, 2, 4], zero=[0, 1, 2, 3], tp=[1, 2, 3, 4, 8, 16],
                sp=[False, True], pp=[1, 2, 4, 5, 8, 35], schedule=list(SCHEDULES), virtual_stages=[1, 2, 3, 4],
                cp=[1, 2, 4, 3], micro_batch=[1, 2, 3, 4, 8], recompute=["none", "selective", "full", "full:2"],
@@ -57,3 +59,15 @@ def test_mask_agrees_with_check_layout_on_random_layouts(rules):
             assert got == expected, (layout, model.name, batch, gpus, seq)
             outcomes.append(expected)
     assert 100 < sum(outcomes) < len(outcomes) - 100  # both outcomes exercised
+
+
+def test_the_mask_has_the_rules_the_layout_review_added():
+    """2026-11-27: check_layout refused a MoE capacity with cp > 1 and a tp that leaves a rank no
+    vocabulary rows; the search proposed such layouts (its mask lacked the two rules)."""
+    from luban.plan.rules import REASONS
+    grid = Grid.from_layout(ParallelLayout(dp=2, cp=2))
+    code = first_violation(grid, get_preset("tiny-moe").replace(capacity_factor=1.25), 8, 4, 128)
+    assert REASONS[int(code)] == "cp > 1 with a MoE expert capacity (capacity_factor > 0)"
+    code = first_violation(Grid.from_layout(ParallelLayout(tp=4, zero=1)), get_preset("tiny-llama").replace(kv_heads=4, vocab=9),
+                           8, 4, 128)
+    assert REASONS[int(code)] == "tp leaves a rank no vocabulary rows"

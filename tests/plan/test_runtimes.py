@@ -309,3 +309,19 @@ def test_gelu_new_passes_are_counted_from_transformers_code():
     extra = 41 * cfg.layers * 16 * 1024 * cfg.ffn_hidden * 2 / (s.hbm_bandwidth * s.efficiency["hbm_efficiency"])
     assert steps["transformers", False] - steps["pytorch", False] == pytest.approx(extra, rel=0.01)
     assert steps["transformers", True] > steps["pytorch", True]  # compiled: the GELU fuses, the mask stays
+
+
+def test_the_planner_knows_where_luban_casts_with_fsdp2():
+    """``luban_fsdp_casts`` (arrays) is ``uses_fsdp`` (one layout) in a half precision: 2026-11-27
+    ``offload = params`` became FSDP2 on any dp·cp (it did nothing without data parallel)."""
+    import itertools
+
+    from luban.parallel.data_parallel import uses_fsdp
+    from luban.parallel.layout import ParallelLayout
+    from luban.plan.grid import Grid
+    from luban.plan.runtimes import luban_fsdp_casts
+
+    for dp, cp, zero, offload, precision in itertools.product((1, 2), (1, 2), (0, 1, 3), ("none", "params"),
+                                                              ("bf16", "fp32")):
+        layout = ParallelLayout(dp=dp, cp=cp, zero=zero, offload=offload, precision=precision)
+        assert bool(luban_fsdp_casts(Grid.from_layout(layout))) == (uses_fsdp(layout) and precision != "fp32"), layout
