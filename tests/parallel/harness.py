@@ -134,12 +134,14 @@ def run_job(job: dict) -> dict:
             "local_experts": local_experts}
 
 
-def main(jobs_file: str, out_dir: str) -> int:
+def main(jobs_file: str, out_dir: str, run=None) -> int:
+    """Each rank: every job of ``jobs_file`` through ``run`` (default ``run_job``), its result saved
+    per rank in ``out_dir``; the first job that raises ends the rank (exit 1)."""
     torch.set_num_threads(1)
     rank = int(os.environ.get("RANK", "0"))
     for job in json.loads(Path(jobs_file).read_text()):
         try:
-            result = run_job(job)
+            result = (run or run_job)(job)
         except Exception:  # record and go on: one broken layout must not hide the others
             result = {"error": traceback.format_exc()}
             print(f"[rank {rank}] {job['name']}: {result['error']}", file=sys.stderr)

@@ -39,7 +39,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import traceback
 from pathlib import Path
 
 import pytest
@@ -49,6 +48,7 @@ from luban.errors import LubanError
 from luban.model.presets import get_preset
 from luban.parallel.layout import ParallelLayout, check_layout
 from tests.child import launch as bounded_launch
+from tests.parallel import harness
 from tests.parallel.harness import LR, MAX_NORM, batch, full_params, max_diff, merged_params, model_cfg, run_job
 
 TOL = 1e-5
@@ -119,18 +119,7 @@ def run(job: dict) -> dict:
 
 
 def main(jobs_file: str, out_dir: str) -> int:
-    torch.set_num_threads(1)
-    rank = int(os.environ.get("RANK", "0"))
-    for spec in json.loads(Path(jobs_file).read_text()):
-        try:
-            result = run(spec)
-        except Exception:
-            result = {"error": traceback.format_exc()}
-            print(f"[rank {rank}] {spec['name']}: {result['error']}", file=sys.stderr)
-        torch.save(result, Path(out_dir) / f"{spec['name']}.rank{rank}.pt")
-        if "error" in result:
-            return 1
-    return 0
+    return harness.main(jobs_file, out_dir, run=run)
 
 
 def reference(spec: dict) -> dict:
