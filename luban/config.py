@@ -9,7 +9,9 @@ allowed. The resolved config is saved in every checkpoint. Schema: docs/training
 from __future__ import annotations
 
 import dataclasses
+import errno
 import math
+import os
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -109,6 +111,21 @@ RANGES = {("train", "steps"): (1, 10**8), ("train", "global_batch"): (1, MAX_GLO
           ("data", "eval_batches"): (1, 10**6), ("data", "prefetch"): (0, 64), ("data", "seq_len"): (0, 1 << 24)}
 
 
+PATHS = {("run", "dir"), ("data", "path")}  # looked up on the file system (check_path)
+
+
+def check_path(key: str, value: str) -> None:
+    """A path the file system can look up: one it refuses as too long (a name over 255 bytes) is one
+    line here, not an ``OSError`` (pathlib raises ENAMETOOLONG) wherever it is first used."""
+    try:
+        os.stat(value)
+    except OSError as err:
+        if err.errno == errno.ENAMETOOLONG:
+            raise bad_value(key, value, f"a path the file system can take ({err.strerror})") from None
+    except ValueError:  # a NUL character: named where the path is used
+        pass
+
+
 def _num(x: float) -> str:
     return str(int(x)) if float(x).is_integer() and abs(x) < 1e15 else f"{x:g}"
 
@@ -135,6 +152,8 @@ def _section(cls, raw: dict, name: str):
                 raise bad_value(f"{name}.{key}", value, f"from {_num(lo)} to {_num(hi)}")
         if isinstance(value, str) and (name, key) == ("run", "dir") and not value.strip():
             raise bad_value("run.dir", value, "a folder for the run (checkpoints, metrics)")
+        if (name, key) in PATHS:
+            check_path(f"{name}.{key}", value)
         values[key] = value
     return cls(**values)
 

@@ -189,24 +189,29 @@ def path(kind: str):
 
     def parse(value) -> str:
         value = text(allowed=allowed)(value)
-        p = Path(value)
-        if kind == "file":
-            ok = p.is_file()
-        elif kind == "dir":
-            ok = p.is_dir()
-        elif kind == "new-file":
-            parent = p.parent
-            ok = not os.path.lexists(p) and parent.is_dir() and writable_folder(parent)
-        else:
-            p = p.absolute()
-            while not p.exists() and p != p.parent:
-                p = p.parent
-            ok = p.is_dir() and writable_folder(p)
+        try:
+            ok = _path_is(Path(value), kind)
+        except OSError as err:  # a name too long for the file system (pathlib raises ENAMETOOLONG)
+            raise Invalid(value, f"{allowed} ({err.strerror or err})") from None
         if not ok:
             raise Invalid(value, allowed)
         return value
 
     return _declared(parse, allowed)
+
+
+def _path_is(p: Path, kind: str) -> bool:
+    """Whether ``p`` is what ``path(kind)`` accepts."""
+    if kind == "file":
+        return p.is_file()
+    if kind == "dir":
+        return p.is_dir()
+    if kind == "new-file":
+        return not os.path.lexists(p) and p.parent.is_dir() and writable_folder(p.parent)
+    p = p.absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return p.is_dir() and writable_folder(p)
 
 
 def custom(convert, allowed: str):

@@ -83,6 +83,17 @@ def _moe_family(cfg: ModelConfig) -> str:
     return "mixtral"
 
 
+def export_warnings(cfg: ModelConfig) -> list[str]:
+    """What of ``cfg`` the exported folder computes differently, one line each (``luban export`` prints
+    them): a capacity limit, which luban's experts apply in inference too, where Mixtral and Qwen3-MoE
+    are dropless."""
+    if cfg.moe and cfg.capacity_factor:
+        return [f"model.capacity_factor = {cfg.capacity_factor}: {CAUSAL_LM[_family(cfg)][0]} is dropless (every "
+                "token reaches its top-k experts), so its logits differ from luban's where this model's capacity "
+                "drops tokens"]
+    return []
+
+
 def _pairs(cfg: ModelConfig, family: str):
     """(luban key, HF key, transpose) for every tensor except GPT-2's fused QKV."""
     if family == "gpt2":
@@ -481,13 +492,16 @@ class HfImport(NamedTuple):
     warnings: list
 
 
-def import_folder(folder: Path) -> HfImport:
-    """Read a folder transformers saved (config.json, model.safetensors or its sharded index)."""
+def import_folder(folder: Path, fits=None) -> HfImport:
+    """Read a folder transformers saved (config.json, model.safetensors or its sharded index). ``fits``:
+    called with the model's config before any weight is read (``luban import``: does it fit in memory)."""
     src = folder / "config.json"
     if not src.is_file():
         raise LubanError(f"{src}: no such file; a Hugging Face folder holds config.json and model.safetensors")
     raw = _read_json(src)
     cfg, extra, notes = read_config(raw, str(src))
+    if fits is not None:
+        fits(cfg)
     tensors, where = _read_tensors(folder)
     return HfImport(cfg, _state(cfg, tensors, where, _architectures_hint(raw)), extra, notes)
 

@@ -119,9 +119,11 @@ def fit_ranks(nproc: int | None, gpus: int, demo: bool = False) -> int:
 
 
 def _run_training(args) -> int:
-    from luban.config import load_config
+    from luban.config import check_path, load_config
 
     cfg = load_config(args.config, args.set)
+    if args.resume not in (None, "auto"):
+        check_path("--resume", args.resume)
     from luban.train.resolve import checkpoint_model, fit_vocab
 
     cfg, adopted = checkpoint_model(cfg, args.resume)  # every rank does the same: the same checkpoint
@@ -150,7 +152,7 @@ def _run_training(args) -> int:
             cfg, prediction = plan_check.plan(cfg, world)
         check_layout(cfg.parallel, cfg.model, cfg.train.global_batch, world, cfg.seq_len)
         check_fits(cfg, world, args.nproc, pick_device(cfg.run.device).type)  # before any rank allocates
-        check_run_dir(cfg.run.dir, resume=args.resume)
+        check_run_dir(cfg.run.dir, resume=args.resume, lock=args.node_rank == 0)  # held while its ranks run
         Path(cfg.run.dir, "plan.json").unlink(missing_ok=True)
         if args.parallel == "auto":
             plan_check.write_plan(Path(cfg.run.dir), prediction)
@@ -276,7 +278,7 @@ def _check_same_tokenizer(args, meta: dict, data: str, model_vocab: int) -> None
 
 
 def cmd_export(args) -> int:
-    from luban.model.hf import export_folder
+    from luban.model.hf import export_folder, export_warnings
     from luban.train.sample import load_model
 
     from luban import owned
@@ -289,6 +291,8 @@ def cmd_export(args) -> int:
                             meta.get("hf_extra"), record=True)
     if tokenizer is None:
         print(f"luban: warning: no tokenizer written: {why}", file=sys.stderr)
+    for note in export_warnings(model.cfg):
+        print(f"luban: warning: {note}", file=sys.stderr)
     print(f"wrote {args.out}: {', '.join(written)}")
     return 0
 
@@ -337,7 +341,9 @@ def cmd_import(args) -> int:
     if held:  # an import starts a run: it never joins (or prunes) one that has checkpoints
         raise bad_value("OUT", str(out), f"already holds a run ({held[0].name} in checkpoints/); import into a new "
                                          "or empty folder (nothing was changed)")
-    imported = import_folder(Path(args.folder))
+    from luban.train.sample import check_host_memory
+
+    imported = import_folder(Path(args.folder), fits=lambda cfg: check_host_memory(str(args.folder), cfg, "FOLDER"))
     for note in imported.warnings:
         print(f"luban: warning: {args.folder}/config.json: {note}", file=sys.stderr)
     meta = {"step": 0, "config": {"model": imported.cfg.to_dict()}, "world_size": 1, "source": str(args.folder),

@@ -17,11 +17,14 @@ from luban import owned
 from luban.errors import bad_value
 
 
-def check_run_dir(run_dir: str | Path, need_bytes: int = 0, resume: str | None = None) -> None:
+def check_run_dir(run_dir: str | Path, need_bytes: int = 0, resume: str | None = None, lock: bool = True) -> None:
     """``refuse_run_dir``, then the folder is made luban's (``owned.claim``) with its ``checkpoints``,
-    which must take a write (and with ``need_bytes``, one more checkpoint)."""
+    which must take a write (and with ``need_bytes``, one more checkpoint). ``lock``: this process takes
+    the run (``lock_run_dir``); the ranks of luban's launcher, which took it, and nodes but the first do not."""
     refuse_run_dir(run_dir, resume)
     owned.claim(run_dir, "run", "run.dir")
+    if lock:
+        lock_run_dir(run_dir)
     root = Path(run_dir) / "checkpoints"
     try:
         root.mkdir(parents=True, exist_ok=True)
@@ -37,6 +40,40 @@ def check_run_dir(run_dir: str | Path, need_bytes: int = 0, resume: str | None =
                                                  f"{need_bytes / 2**30:.2f} GiB; free space or choose another")
 
 
+_LOCKS: dict[str, int] = {}  # run folder -> the open marker this process holds its lock on
+
+
+def lock_run_dir(run_dir: str | Path) -> None:
+    """One ``luban train`` at a time per run folder: an exclusive ``flock`` on its marker (``.luban``),
+    held until ``unlock_run_dir`` or the process ends. Two runs resumed into one folder at once each
+    saved over the other's checkpoints of the same step and pruned the rest, and interleaved metrics."""
+    import fcntl
+
+    key = os.path.realpath(run_dir)
+    if key in _LOCKS:  # this process holds it (the launcher, then its one Trainer; the demo's two halves)
+        return
+    try:
+        fd = os.open(Path(run_dir) / owned.MARKER, os.O_RDONLY)
+    except OSError:  # an unreadable marker: unguarded, as before (the writes that follow name the folder)
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise bad_value("run.dir", str(run_dir), "another luban train is running in this folder now; wait for it "
+                                                 "to end, or choose a new run.dir (nothing was changed)") from None
+    except OSError:  # a file system without flock (some network mounts): unguarded, as before
+        os.close(fd)
+        return
+    _LOCKS[key] = fd
+
+
+def unlock_run_dir(run_dir: str | Path) -> None:
+    fd = _LOCKS.pop(os.path.realpath(run_dir), None)
+    if fd is not None:
+        os.close(fd)
+
+
 def refuse_run_dir(run_dir: str | Path, resume: str | None = None) -> None:
     """The refusals that read, never write (a refused run leaves no folder behind): a folder luban may
     not write a run into (``owned.check``); without ``--resume`` (``resume``), one that already holds
@@ -44,6 +81,7 @@ def refuse_run_dir(run_dir: str | Path, resume: str | None = None) -> None:
     its retention, and ``--resume auto`` then mixed the two runs); so is one naming a checkpoint of
     another folder (an imported one, another run's) where this folder holds a run."""
     owned.check(run_dir, "run", "run.dir")
+    _refuse_wrong_kinds(run_dir)
     root = Path(run_dir) / "checkpoints"
     held = owned.step_dirs(root) if not resume or _elsewhere(resume, root) else []
     if held and resume:
@@ -55,6 +93,23 @@ def refuse_run_dir(run_dir: str | Path, resume: str | None = None) -> None:
         raise bad_value("run.dir", str(run_dir), f"already holds a run ({len(held)} checkpoint(s), the newest "
                                                  f"{held[0].name}); continue it with --resume auto, or choose a new "
                                                  "run.dir (nothing was changed)")
+
+
+# what luban writes into run.dir, files and folders (metrics.py, peak.PEAK_FILE, plan_check, the trainer)
+RUN_ENTRIES = {"config.json": "file", "metrics.jsonl": "file", "peak.json": "file", "plan.json": "file",
+               "plan_vs_measured.json": "file", "checkpoints": "folder", "tensorboard": "folder"}
+
+
+def _refuse_wrong_kinds(run_dir: str | Path) -> None:
+    """A folder where luban writes one of its files (``mkdir RUN/config.json``), or a file where it makes a
+    folder (``RUN/tensorboard``), failed with a traceback when it was opened: refused in one line, like a
+    foreign file (links and special files: ``owned.check``)."""
+    for name, kind in RUN_ENTRIES.items():
+        path = Path(run_dir) / name
+        if path.exists() and not path.is_symlink() and path.is_dir() != (kind == "folder"):
+            found = "folder" if path.is_dir() else "file"
+            raise bad_value("run.dir", str(run_dir), f"holds a {found} {name!r} where luban makes its {kind}; move "
+                                                     "it away, or choose a new run.dir (nothing was changed)")
 
 
 def _elsewhere(resume: str | None, root: Path) -> bool:

@@ -42,7 +42,7 @@ def load_model(path: str) -> tuple[Transformer, dict]:
     except (OSError, ValueError, KeyError, TypeError, RecursionError) as err:
         raise LubanError(f"CHECKPOINT = {path!r}: meta.json has no readable model config "
                          f"({err})".replace("\n", " ")) from None
-    _check_fits(path, cfg)
+    check_host_memory(path, cfg)
     model = build_model(cfg)
     state = {"model": model.state_dict()}
     try:
@@ -55,16 +55,17 @@ def load_model(path: str) -> tuple[Transformer, dict]:
     return model.eval(), meta
 
 
-def _check_fits(path: str, cfg: ModelConfig) -> None:
+def check_host_memory(path: str, cfg: ModelConfig, key: str = "CHECKPOINT") -> None:
     """The model is built here in float32, in host memory: one that cannot fit (a checkpoint trained on a
-    cluster, read on a laptop) is refused in one line, not failed in the allocator or killed by the kernel."""
+    cluster, read on a laptop; a Hugging Face folder ``luban import`` reads, ``key`` = ``FOLDER``) is refused
+    in one line, not failed in the allocator or killed by the kernel."""
     from luban.model.flops import param_count
     from luban.train.memcheck import GIB, mem_available
 
     params, available = param_count(cfg), mem_available()
     if os.environ.get("LUBAN_SKIP_MEMORY_CHECK") or available is None or 4 * params <= available:
         return
-    raise LubanError(f"CHECKPOINT = {path!r}: its model ({cfg.name}, {params:,} parameters) needs "
+    raise LubanError(f"{key} = {path!r}: its model ({cfg.name}, {params:,} parameters) needs "
                      f"{4 * params / GIB:.1f} GiB of host memory in float32, but {available / GIB:.1f} GiB is "
                      "available; read it on a machine with more memory")
 

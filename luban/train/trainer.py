@@ -19,10 +19,12 @@ from pathlib import Path
 
 import torch
 
+from luban import procs
 from luban.config import RunConfig
 from luban.errors import EXIT_SUSPENDED, LubanError, bad_value, escaped
 from luban.model import flops
 from luban.model.config import ModelConfig
+from luban.owned import STEP_DIR
 from luban.parallel.engine import Engine, OptimizerConfig, build_engine, resolve_compile
 from luban.parallel.launch import check_rank_env
 from luban.parallel.layout import check_layout
@@ -31,7 +33,7 @@ from luban.train import checkpoint
 from luban.train.metrics import MetricsLogger
 from luban.train.peak import run_peak
 from luban.train import preempt
-from luban.train.rundir import check_run_dir
+from luban.train.rundir import check_run_dir, unlock_run_dir
 from luban.train.resolve import dataset_path, pick_device
 from luban.train.schedule import lr_at
 
@@ -105,7 +107,7 @@ class Trainer:
         torch.manual_seed(t.seed)
         set_deterministic(t.deterministic, self.device)
         self.engine: Engine = build_engine(cfg.model, cfg.parallel, optim, t.global_batch, t.seed, self.device,
-                                           compile=resolve_compile(t.compile, self.device))
+                                           compile=resolve_compile(t.compile, self.device), seq_len=cfg.seq_len)
         self.is_main = self.engine.rank == 0
         self.data_dir = data_dir
         from luban.data.loader import TokenLoader
@@ -136,7 +138,7 @@ class Trainer:
     def meta(self) -> dict:
         return {"step": self.step, "loader": self.loader.state_dict(), "config": self.cfg.to_dict(),
                 "world_size": self.engine.world_size, "layout": self.cfg.parallel.to_dict(),
-                "dataset": str(self.data_dir), "tokenizer": self.tokenizer, "peak": getattr(self, "peak", None)}
+                "dataset": str(self.data_dir.absolute()), "tokenizer": self.tokenizer, "peak": getattr(self, "peak", None)}
 
     def save(self, blocking: bool = False) -> Path:
         """Collective. Asynchronous unless ``blocking`` (suspend, end of training) or async is off/unsafe;
@@ -232,7 +234,7 @@ class Trainer:
                                  for k, v in self.cfg.to_dict()["train"].items()
                                  if meta["config"].get("train", {}).get(k) != v]
         if resume != "auto":
-            self._branch_from(ckpt)
+            self._branch_from(ckpt, meta["step"])
         return ckpt
 
     def _check_compatible(self, ckpt: Path, saved: dict) -> None:
@@ -257,13 +259,16 @@ class Trainer:
                             f"{saved['train'].get('optimizer')!r}, as in the checkpoint --resume names "
                             f"({ckpt}): its optimizer state cannot be loaded into another optimizer")
 
-    def _branch_from(self, ckpt: Path) -> None:
+    def _branch_from(self, ckpt: Path, step: int) -> None:
         """Resuming from an explicit older checkpoint of this run starts a branch: the newer ones are
         moved aside (kept, named) so retention cannot delete the branch point and --resume auto
-        follows the branch."""
+        follows the branch. A checkpoint elsewhere under ``checkpoints/`` (an ``aside-*`` folder, a
+        copy under a name of the user's) branches the same way: the checkpoints of ``checkpoints/``
+        from its ``step`` (meta.json's; the folder's name may be any) on are another branch's, which
+        this run's saves would replace (the same step numbers) and retention prune."""
         newer = [p for p in checkpoint.step_dirs(self.ckpt_root) if p.resolve() != ckpt.resolve()
-                 and int(p.name.split("_")[1]) > int(ckpt.name.split("_")[1])] \
-            if ckpt.resolve().parent == self.ckpt_root.resolve() else []
+                 and int(STEP_DIR.match(p.name).group(1)) >= step] \
+            if ckpt.resolve().is_relative_to(self.ckpt_root.resolve()) else []
         aside = self.ckpt_root / f"aside-{time.strftime('%Y%m%d-%H%M%S')}-after-{ckpt.name}"
         if newer and self.is_main:
             aside.mkdir(parents=True, exist_ok=True)
@@ -284,10 +289,17 @@ class Trainer:
         return sum(losses) / max(1, len(losses))
 
     def train(self, resume: str | None = None) -> TrainResult:
+        try:
+            return self._train(resume)
+        finally:
+            unlock_run_dir(self.run_dir)  # where this process locked it (check_run_dir)
+
+    def _train(self, resume: str | None) -> TrainResult:
         cfg, t = self.cfg, self.cfg.train
         suspend = preempt.install()
         if self.is_main:  # before anything is written there (luban.owned: a foreign folder is refused untouched)
-            check_run_dir(self.run_dir, self.checkpoint_bytes(), resume=resume)
+            check_run_dir(self.run_dir, self.checkpoint_bytes(), resume=resume,
+                          lock=not os.environ.get(procs.PARENT_VAR))  # luban's launcher holds it for its ranks
         log = MetricsLogger(self.run_dir, t.steps, cfg.run.tensorboard, cfg.run.progress, enabled=self.is_main,
                             on_closed=lambda: suspend.request("a closed output pipe"))
         unsafe = self.async_unsafe()
