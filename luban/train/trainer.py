@@ -311,7 +311,11 @@ class Trainer:
             log.message(f"resumed from {ckpt} at step {self.step}" if ckpt else "no checkpoint found: starting fresh")
             for note in getattr(self, "resume_notes", []) if ckpt else []:
                 log.message(note)
-        if self.is_main:
+        finished = self.step >= t.steps  # resumed at or past the end: nothing to train, the run's config kept
+        if finished:
+            log.message(f"step {self.step} is at or past train.steps = {t.steps}: nothing to train "
+                        "(raise train.steps to train on)")
+        if self.is_main and not finished:
             (self.run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
             self._report_to_cluster(log)
         tokens_per_step = t.global_batch * cfg.seq_len

@@ -209,3 +209,16 @@ def test_ranks_check_the_sequences_they_train_on_not_the_models_length(small_dat
     proc = luban("train", "--nproc", 2, *_sets(tiny_overrides(small_dataset, tmp_path / "run", **values)), timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "seq_len = 130" not in proc.stderr
+
+
+def test_resuming_at_or_past_the_end_says_so_and_keeps_the_runs_config(two_checkpoints, small_dataset, tmp_path):
+    """--resume auto with train.steps below the checkpoint's step exited 0 having trained nothing,
+    silently, and wrote the new train.steps into the run's config.json."""
+    import json
+
+    run = _copy_run(two_checkpoints, tmp_path)
+    before = (run / "config.json").read_text()
+    proc = _resume(small_dataset, run, "auto", **{"train.steps": 2})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "step 4 is at or past train.steps = 2: nothing to train" in proc.stdout + proc.stderr
+    assert (run / "config.json").read_text() == before and json.loads(before)["train"]["steps"] == 4
