@@ -10,6 +10,7 @@ steps and any sequence of suspend/resume that adds up to N give bitwise-equal we
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import resource
@@ -271,7 +272,12 @@ class Trainer:
             if ckpt.resolve().is_relative_to(self.ckpt_root.resolve()) else []
         aside = self.ckpt_root / f"aside-{time.strftime('%Y%m%d-%H%M%S')}-after-{ckpt.name}"
         if newer and self.is_main:
-            aside.mkdir(parents=True, exist_ok=True)
+            for k in itertools.count(2):  # a branch from the same checkpoint in the same second: a name of its own
+                try:
+                    aside.mkdir()
+                    break
+                except FileExistsError:
+                    aside = aside.with_name(f"{aside.name.split('~')[0]}~{k}")
             for path in newer:
                 path.rename(aside / path.name)
         if newer:

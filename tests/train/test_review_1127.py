@@ -222,3 +222,22 @@ def test_resuming_at_or_past_the_end_says_so_and_keeps_the_runs_config(two_check
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "step 4 is at or past train.steps = 2: nothing to train" in proc.stdout + proc.stderr
     assert (run / "config.json").read_text() == before and json.loads(before)["train"]["steps"] == 4
+
+
+def test_two_branches_from_one_checkpoint_in_one_second_get_folders_of_their_own(two_checkpoints, small_dataset,
+                                                                                  tmp_path):
+    """The folder a branch sets newer checkpoints aside in is named to the second: a second branch from
+    the same checkpoint within it renamed its checkpoints onto the first's (a traceback, ENOTEMPTY)."""
+    import time
+
+    run = _copy_run(two_checkpoints, tmp_path)
+    ckpts = run / "checkpoints"
+    now = time.time()
+    for dt in range(60):  # the folders an earlier branch made in the seconds this resume may start in
+        taken = ckpts / f"aside-{time.strftime('%Y%m%d-%H%M%S', time.localtime(now + dt))}-after-step_0000002"
+        shutil.copytree(ckpts / "step_0000004", taken / "step_0000004")
+    proc = _resume(small_dataset, run, ckpts / "step_0000002")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    mine = [p for p in ckpts.glob("aside-*~2")]
+    assert len(mine) == 1 and (mine[0] / "step_0000004" / "meta.json").is_file(), sorted(ckpts.iterdir())
+    assert len(list(ckpts.glob("aside-*"))) == 61
