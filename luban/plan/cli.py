@@ -287,6 +287,8 @@ def cmd_search(args) -> int:
         from luban.plan.chart import write_chart
 
         write_chart(result.best, args.chart, f"{problem.model.name} on {problem.gpus}x {problem.system.name}")
+    elif args.chart:  # said under --json too (it printed nothing, and the file was simply not there)
+        print(f"luban: warning: no layout fits: no chart written ({args.chart})", file=sys.stderr)
     if args.json:
         print(json_text({"evaluated": result.evaluated, "seconds": result.seconds, "layouts_per_s": result.rate,
                           "cpu_seconds": result.cpu_seconds, "layouts_per_cpu_s": result.cpu_rate,

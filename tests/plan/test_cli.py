@@ -273,3 +273,14 @@ def test_probe_base_is_refused_where_it_would_be_ignored():
     r = luban("probe", "--base", "hgx-h200")
     assert r.returncode == 2 and r.stderr.startswith("luban: error: --base = 'hgx-h200': only with --device cuda"), \
         r.stderr
+
+
+def test_a_chart_asked_for_where_no_layout_fits_says_none_was_written(tmp_path):
+    """``search --chart F --json`` with no layout that fits printed the JSON and nothing else: F was
+    simply not there (a hostile review, 2026-11-27)."""
+    chart = tmp_path / "best.png"
+    r = luban("search", "--model", "llama-70b", "--gpus", "1", "--global-batch", "8", "--system", "dgx-h100",
+              "--json", "--chart", str(chart))
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["best"] == [] and not chart.exists()
+    assert f"luban: warning: no layout fits: no chart written ({chart})" in r.stderr
