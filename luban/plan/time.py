@@ -346,7 +346,9 @@ def step_time(problem: Problem, g: Grid, mem: dict) -> dict:
         return gather, reduce
 
     # the routed experts reduce over the expert-data-parallel group (dp / ep ranks; folded: tp·dp·cp / ep)
-    hooks = np.where((dp > 1) & (g.zero > 0), cpu["contend"] * m * groups * cpu["fsdp_group"], 0.0)  # FSDP2 on a CPU
+    # FSDP2 on a CPU: over dp > 1, and for offload = params on any dp (``data_parallel.uses_fsdp``: one process too)
+    fsdp = (g.zero > 0) & ((dp > 1) | (g.offload == PARAMS_OFFLOAD))
+    hooks = np.where(fsdp, cpu["contend"] * m * groups * cpu["fsdp_group"], 0.0)
     gather, reduce = data_parallel_sync(params - mem["expert_params"], dp, t * c)
     if cfg.moe:  # expert data parallel: every ep-th data-parallel rank (folded: Megatron-Core's expert ranks
         # are ordered tp-ep-dp-pp with expert-TP 1, parallel_state.py, so the ep ranks are consecutive)
@@ -369,7 +371,7 @@ def step_time(problem: Problem, g: Grid, mem: dict) -> dict:
     host_bw = s.host_bandwidth / s.gpus_per_node
     tensors = n * cpu["layer_tensors"] + cpu["rest_tensors"]
     optimizer = (slow * np.where(offloaded, 2 * shard * (ob + gb) / host_bw, 2 * shard * (wb + gb + ob) / hbm)
-                 + contend * tensors * np.where((t > 1) | ((dp * c > 1) & (g.zero >= 1)), cpu["dtensor"], cpu["tensor"]))
+                 + contend * tensors * np.where((t > 1) | ((dp * c > 1) & (g.zero >= 1)) | fsdp, cpu["dtensor"], cpu["tensor"]))
     link = s.offload_bandwidth
     fetch = np.where(g.offload == PARAMS_OFFLOAD, m * 2 * params / shards * wb / link, 0.0)
     offload = np.where(offloaded, shard * (gb + wb) / link, 0.0) + np.maximum(0.0, fetch - s.efficiency["zero3_overlap"] * busy)

@@ -19,7 +19,8 @@ import pytest
 
 from luban.config import load_config
 from luban.parallel.layout import ParallelLayout
-from luban.plan.auto import candidates
+from luban.parallel.data_parallel import uses_fsdp
+from luban.plan.auto import RUNTIME_OFFLOADS, candidates
 from luban.plan.grid import Grid
 from luban.plan.memory import memory
 from tests.child import launch
@@ -60,7 +61,7 @@ CLASS = ("dp", "tp", "sp", "pp", "cp", "schedule", "virtual_stages", "recompute"
 
 def _class(layout: ParallelLayout) -> tuple:
     d = layout.to_dict()
-    fsdp = d["zero"] >= 1 and d["dp"] * d["cp"] > 1  # FSDP2 wraps the model (else DDP or nothing)
+    fsdp = uses_fsdp(layout)  # FSDP2 wraps the model (else DDP or nothing)
     return (*(d[k] for k in CLASS), fsdp, d["offload"] == "activations")
 
 
@@ -101,14 +102,15 @@ FULL_SWEEP = os.environ.get("LUBAN_FULL_SWEEP") == "1"
 
 
 def sweep_layouts(model, world: int) -> tuple[dict, list[ParallelLayout]]:
-    """Every layout the planner's search (``--parallel auto``'s, on the pinned profile) returns
-    for ``world`` ranks in fp32 and bf16; the layouts to measure (per class, the smallest and the
+    """Every layout the planner's search (``--parallel auto``'s, on the pinned profile, with the
+    offloads auto leaves out on a CPU profile: their accounting is the GPU's) returns for ``world``
+    ranks in fp32 and bf16; the layouts to measure (per class, the smallest and the
     largest micro-batch; for more than one rank a pairwise cover of those unless FULL_SWEEP) and
     the problem of each precision."""
     problems, picks = {}, []
     for precision in ("fp32", "bf16"):
         problem, result = candidates(model, world, SETS["train.global_batch"], SETS["model.seq_len"], PROFILE,
-                                     precision=precision, top=10**9)
+                                     precision=precision, offloads=RUNTIME_OFFLOADS, top=10**9)
         problems[precision] = problem
         assert result.best, result.rejected
         classes = defaultdict(list)
