@@ -660,7 +660,10 @@ class Scheduler:
                               reason=self._deferred[job_id][2] if isinstance(err, StartDeferred) else None)
             return
         except Exception as err:  # noqa: BLE001 - any other launch failure fails this attempt, not the service
+            retried = self._retry_tokens.pop(job_id, None) is not None
             with self.sessions.begin() as s:
+                if retried:  # the start that failed is in its history, with its nodes
+                    self._retry_started(s, job_id, nodes, why)
                 self._end(s, s.get(Job, job_id), states.FAILED, None, StopReason.LOST,
                           f"launch failed: {one_line(err, 500)}")
             return
@@ -670,8 +673,13 @@ class Scheduler:
             self._retried[job_id] = self._retry_tokens.pop(job_id)[1]
         with self.sessions.begin() as s:
             s.get(Job, job_id).handle = handle
-            if retried:  # its "start" event (claim writes none for a retry)
-                record(s, "start", start_message(nodes, f"{why} (a retry of a start postponed)"), job_id)
+            if retried:
+                self._retry_started(s, job_id, nodes, why)
+
+    def _retry_started(self, s: Session, job_id: int, nodes: tuple[str, ...], why: str) -> None:
+        """The "start" event of a retry of a postponed start, once it has started or failed (``claim``
+        writes none for a retry: one more "start" per retry of an outage of hours)."""
+        record(s, "start", start_message(nodes, f"{why} (a retry of a start postponed)"), job_id)
 
     def _unclaim(self, s: Session, job: Job, quiet: bool = False, reason: str | None = None) -> None:
         """Undo a claim whose start met an executor outage: the attempt is queued again as it was

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy import func, select
+from sqlalchemy import select
 
 from luban.cluster import db, launcher, policy
 from luban.cluster.executors import Launch
@@ -306,4 +306,27 @@ def test_a_hung_controller_costs_one_poll_a_tick_not_one_per_job(slurm, caplog):
     t.elapse(1)
     scheduler.guarded_tick()
     assert calls.read_text().count("scontrol show job") - polls == 3  # both polled again
+    no_tracebacks(caplog)
+
+
+def test_a_retry_that_slurm_then_refuses_has_its_start_in_the_jobs_history(slurm, caplog):
+    """A retry of a postponed start writes its "start" event once it has started (not one per retry);
+    one that sbatch then refused ended with no start event for it (its nodes were in no event)."""
+    scheduler, submit, fake, calls, t = slurm
+    (fake / "down").touch()
+    j = submit()
+    scheduler.guarded_tick()
+    assert job(scheduler, j).state == "queued"
+    (fake / "down").unlink()
+    (fake / "bin" / "sbatch").write_text('#!/bin/sh\necho "sbatch: error: Batch job submission failed: '
+                                         'Invalid account or account/partition combination specified" >&2\nexit 1\n')
+    t.elapse(600)
+    scheduler.guarded_tick()
+    assert job(scheduler, j).state == "failed"
+    with scheduler.sessions() as s:
+        history = s.scalars(select(Event.kind).where(Event.job_id == j).order_by(Event.id)).all()
+        starts = s.scalars(select(Event.message).where(Event.job_id == j, Event.kind == "start")).all()
+    assert history[-2] == "start" and history.count("start") == 2, history  # the retry's start, then its end
+    assert len(starts) == 2 and "a retry of a start postponed" in starts[-1] and "node" in starts[-1], starts
+    assert not scheduler._retry_tokens
     no_tracebacks(caplog)
