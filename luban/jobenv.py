@@ -66,14 +66,25 @@ def rendezvous(env=os.environ) -> Rendezvous | None:
 NOT_INHERITED = ("LUBAN_CLUSTER_TOKEN", "LUBAN_CLUSTER_URL", "RANK", "WORLD_SIZE", "LOCAL_RANK",
                  "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT",
                  procs.PARENT_VAR, procs.TAG_VAR)
+# the contract's names (the table above, and a group's directories, docs/platform.md): luban sets each
+# for every job or, where it has none for a job (no group), leaves it out; never the submitter's
+# environment nor a spec's env (a job submitted from inside another carried that job's LUBAN_NODE and
+# LUBAN_GROUP_DATA_DIR into a job of no group)
+OWN = (JOB_ID, "LUBAN_CHAIN_ID", "LUBAN_RESTART_COUNT", NNODES, NODE_RANK, "LUBAN_NODES", "LUBAN_NODE",
+       GPUS_PER_NODE, MASTER_ADDR, MASTER_PORT, procs.TAG_VAR, "LUBAN_CLUSTER_URL", "LUBAN_CLUSTER_TOKEN",
+       "LUBAN_WORKDIR", "LUBAN_GROUP", "LUBAN_GROUP_DATA_DIR", "LUBAN_GROUP_ENV_DIR")
 MINIMAL = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
 
 
 def inheritable(env) -> dict[str, str]:
     """``env`` without secrets, rank variables and the job contract's own names (LUBAN_JOB_*, ...)."""
-    own = {NNODES, NODE_RANK, GPUS_PER_NODE, MASTER_ADDR, MASTER_PORT, JOB_ID}
-    return {k: v for k, v in env.items()
-            if NAME_RE.fullmatch(k) and k not in NOT_INHERITED and k not in own and not k.startswith(("LUBAN_JOB_", "LUBAN_CHAIN_"))}
+    return {k: v for k, v in without_own(env).items()
+            if NAME_RE.fullmatch(k) and k not in NOT_INHERITED and not k.startswith(("LUBAN_JOB_", "LUBAN_CHAIN_"))}
+
+
+def without_own(env) -> dict[str, str]:
+    """``env`` less the contract's names (``OWN``): what a spec's ``env`` may give a job."""
+    return {k: v for k, v in env.items() if k not in OWN}
 
 
 def base_environment(spec: dict, service_env=os.environ) -> dict[str, str]:

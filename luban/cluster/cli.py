@@ -59,6 +59,9 @@ def cmd_submit(args) -> int:
     if file is not None and command and command[0] != "--":
         raise bad_value("submit", " ".join(rest), "options go before JOB.yaml; a command goes after --")
     command = command[1:] if command[:1] == ["--"] else command
+    if file is None and not command:  # not "name is missing": the name comes from the command or the file
+        raise bad_value("submit", " ".join(args.rest) or "(nothing)",
+                        "a job spec JOB.yaml, or a command after --, e.g. luban submit -- python train.py")
     if file is not None and not file.endswith((".yaml", ".yml", ".json")):
         raise bad_value("job file", file,
                         "a .yaml/.yml file; put a command after --, e.g. luban submit -- python train.py")
@@ -280,10 +283,18 @@ def cmd_stop(args) -> int:
     from luban.cluster.states import FINAL
 
     client = _client(args)
-    ids = args.jobs
-    for job_id in ids:
-        job = client.suspend(job_id) if args.command_name == "suspend" else client.stop(job_id)
+    ids = []  # the attempts asked: a chain's latest, which an earlier attempt's id names (luban stop FIRST_ID)
+    for job_id in args.jobs:
+        try:
+            job = client.suspend(job_id) if args.command_name == "suspend" else client.stop(job_id)
+        except LubanError:  # one that ended meanwhile (`luban stop 1 2 3` as 2 ends) does not keep 3 running
+            job = client.latest(job_id)
+            if job["state"] not in FINAL:
+                raise
+            print(f"job {job['id']} already {job['state']}", flush=True)
+            continue
         print(f"{args.command_name} requested for job {job['id']} ({job['state']})", flush=True)
+        ids.append(job["id"])
     deadline = time.monotonic() + args.timeout
     for job_id in [] if args.no_wait else ids:
         while (state := client.job(job_id)["state"]) not in FINAL:
@@ -318,7 +329,7 @@ def cmd_admin(args) -> int:
     elif what == "user" and action == "token":
         print(client.rotate_token(args.name)["token"])
     elif what == "user" and action == "set":
-        user = client.set_user(args.name, group=args.group)
+        user = client.set_user(args.name, group=None if args.no_group else args.group)
         print(f"user {user['name']}: group {user['group'] or '-'}{' (admin)' if user['admin'] else ''}")
     elif what == "user":
         _table(client.users(), ["name", "admin", "group"])
@@ -611,9 +622,11 @@ def register(subparsers) -> None:
     p.add_argument("--group", type=NAME)
     p = user.add_parser("token", parents=[conn], help="issue a new token (the old one stops working)")
     p.add_argument("name", type=NAME)
-    p = user.add_parser("set", parents=[conn], help="move a user to a group")
+    p = user.add_parser("set", parents=[conn], help="move a user to a group (--group G) or out of any (--no-group)")
     p.add_argument("name", type=NAME)
-    p.add_argument("--group", type=NAME)
+    moved = p.add_mutually_exclusive_group(required=True)  # a bare `set NAME` took the user out of its group
+    moved.add_argument("--group", type=NAME)
+    moved.add_argument("--no-group", action="store_true", help="take the user out of its group")
     user.add_parser("list", parents=[conn])
     group = what.add_parser("group").add_subparsers(dest="action", required=True, metavar="ACTION")
     p = group.add_parser("add", parents=[conn])

@@ -37,6 +37,9 @@ RETRY_MIN_S, RETRY_MAX_S = 5.0, 300.0  # starts while the executor is unavailabl
 GONE = "gone"  # a node's state once the executor no longer reports it (sync_nodes): kept, not scheduled
 NODE_SYNC_S = 300.0  # seconds between readings of the executor's nodes (a node added to Slurm is seen without a restart)
 MAX_REPORTED = 1000  # distinct executor problems remembered (each logged once)
+# a queued attempt with any of these requested is not started: not in the policy's snapshot, and
+# refused by the claim (a hold or stop that lands between a tick's snapshot and its start)
+NOT_STARTED = int(StopReason.USER_STOP | StopReason.ADMIN_STOP | StopReason.HOLD)
 
 
 @dataclasses.dataclass
@@ -550,9 +553,7 @@ class Scheduler:
                                j.place, j.started_at if j.state != states.QUEUED else j.queued_at,
                                tuple(j.nodes or ()))
                 for j in s.scalars(select(Job).where(Job.state.in_(LIVE)))
-                if not (j.state == states.QUEUED and (j.requested & (StopReason.USER_STOP | StopReason.ADMIN_STOP
-                                                                     | StopReason.HOLD)
-                                                      or j.id in self._deferred))]
+                if not (j.state == states.QUEUED and (j.requested & NOT_STARTED or j.id in self._deferred))]
         quota = {(q.owner, q.node_group, q.priority): q.nodes for q in s.scalars(select(Quota))}
         return policy.Snapshot(now, nodes, jobs, quota, self.settings.quantum)
 
@@ -625,7 +626,8 @@ class Scheduler:
                     record(s, "refuse", f"quota re-check failed: {held} + {job.nnodes} > "
                                         f"{quota.nodes if quota else 0}", job_id)
                     return None
-                claimed = s.execute(update(Job).where(Job.id == job_id, Job.state == states.QUEUED).values(
+                claimed = s.execute(update(Job).where(Job.id == job_id, Job.state == states.QUEUED,
+                                                      Job.requested.op("&")(NOT_STARTED) == 0).values(
                     state=states.STARTING, nodes=list(nodes), started_at=self.clock.now(), reason=why,
                     token_hash=token_hash(token)))
                 if claimed.rowcount != 1:
@@ -721,7 +723,7 @@ class Scheduler:
         first = s.get(Node, nodes[0])
         user = s.get(User, job.user)
         group = s.get(UserGroup, job.group or user.group) if (job.group or user.group) else None
-        env = {**jobenv.base_environment(job.spec), **job.spec.get("env", {}),
+        env = {**jobenv.base_environment(job.spec), **jobenv.without_own(job.spec.get("env", {})),
                "LUBAN_CLUSTER_URL": self.settings.url, "LUBAN_CLUSTER_TOKEN": token,
                "LUBAN_JOB_ID": str(job.id), "LUBAN_CHAIN_ID": job.chain_id,
                "LUBAN_RESTART_COUNT": str(job.restart_count), "LUBAN_NODES": ",".join(nodes),

@@ -128,7 +128,7 @@ def job_dict(job: Job) -> dict:
         "priority", "node_group", "nnodes", "state", "stop_reason", "reason", "chain_submitted_at", "place",
         "queued_at", "started_at", "ended_at", "exit_code", "nodes", "spec")} | {
         "priority_name": prio.Priority(job.priority).name, "node_hours": round(node_hours(job), 4),
-        "held": bool(job.requested & StopReason.HOLD),
+        "held": bool(job.requested & StopReason.HOLD) and job.state == states.QUEUED,  # a stopped job is not held
         "stop_reasons": [f.name for f in StopReason if job.stop_reason & f]}
 
 
@@ -377,7 +377,7 @@ def check_command(spec: specs.JobSpec, account: str) -> None:
         who = accounts.identity(account)
     except KeyError:
         return  # the launcher says "cannot run as" (an admin's mapping, not the submitter's doing)
-    env = {**jobenv.base_environment(spec.to_dict()), **spec.env}
+    env = {**jobenv.base_environment(spec.to_dict()), **jobenv.without_own(spec.env)}
     why = jobcheck.problem(spec.command, env, spec.workdir, who)
     if why is not None:
         raise LubanError(why)
@@ -470,8 +470,11 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
         mine = Job.user == p.user.name
         return or_(mine, Job.group == p.user.group) if p.user.group else mine
 
-    def get_job(s: Session, p: Principal, job_id: int, latest: bool = False) -> Job:
-        job = s.get(Job, job_id) if 1 <= job_id <= ID_MAX else None
+    def get_job(s: Session, p: Principal, job_id: int, latest: bool = False, lock: bool = False) -> Job:
+        """``lock``: the row locked (FOR UPDATE) until the transaction ends, for a request that reads the
+        job's flags and writes them back: two at once (a stop and a hold) each wrote its own over the
+        other's on PostgreSQL, and one was lost."""
+        job = s.get(Job, job_id, with_for_update=lock) if 1 <= job_id <= ID_MAX else None
         allowed = job is not None and (p.user.is_admin or job.user == p.user.name
                                        or (job.group is not None and job.group == p.user.group))
         if p.job_id is not None:
@@ -479,7 +482,8 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
         if not allowed:
             raise HTTPException(404, f"job {job_id} not found")
         if latest:
-            return s.scalars(select(Job).where(Job.chain_id == job.chain_id).order_by(Job.id.desc())).first()
+            newest = select(Job).where(Job.chain_id == job.chain_id).order_by(Job.id.desc()).limit(1)
+            return s.scalars(newest.with_for_update() if lock else newest).first()
         return job
 
     # -- jobs --------------------------------------------------------------------------------
@@ -506,7 +510,8 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
                 raise HTTPException(429, f"user {user.name} already has {queued} queued jobs (the limit is "
                                          f"{max_queued}); wait for some to start or stop some")
             if spec.group is not None and spec.group != user.group:
-                raise bad_value("group", spec.group, f"you are not a member (your group: {user.group})")
+                raise bad_value("group", spec.group, "you are not a member (" + (
+                    f"your group: {user.group})" if user.group else "you are in no group)"))
             known = sorted(set(s.scalars(select(Node.node_group))))
             if spec.node_group is None:
                 spec.node_group = known[0] if len(known) == 1 else "default"
@@ -592,7 +597,7 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
 
     def request_flag(job_id: int, p: Principal, flag: StopReason) -> dict:
         with sessions.begin() as s:
-            job = get_job(s, p, job_id, latest=True)
+            job = get_job(s, p, job_id, latest=True, lock=True)
             allowed = (states.STARTING, states.RUNNING) if flag == StopReason.USER_SUSPEND else LIVE
             if job.state not in allowed:
                 raise bad_value("job", job_id, f"is {job.state}; this needs a job that is {' or '.join(allowed)}")
@@ -612,7 +617,7 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
 
     def hold_flag(job_id: int, p: Principal, hold: bool) -> dict:
         with sessions.begin() as s:
-            job = get_job(s, p, job_id, latest=True)
+            job = get_job(s, p, job_id, latest=True, lock=True)
             if job.state != states.QUEUED:
                 raise bad_value("job", job_id, f"is {job.state}; only a queued job can be held or released")
             job.requested = (job.requested | StopReason.HOLD) if hold else (job.requested & ~StopReason.HOLD)
@@ -668,7 +673,11 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
             if value is not None and not math.isfinite(value):
                 raise bad_value(key, value, "a finite time in seconds since the epoch")
         rows: dict[str, dict] = {}
-        query = select(Job).where(visible(p), Job.started_at.is_not(None))
+        # only the attempts that overlap the period, chosen in SQL (as usage_daily): the table holds every
+        # attempt ever run, and `luban usage --days 1` read them all into the service at each call
+        query = select(Job).where(visible(p), Job.started_at.is_not(None),
+                                  or_(Job.ended_at.is_(None), Job.ended_at > since),
+                                  *([Job.started_at < until] if until is not None else []))
         for job in s.scalars(query):
             hours = node_hours(job, since, until)
             if hours <= 0:
@@ -727,7 +736,7 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
     @app.post("/api/jobs/{job_id}/go_suspend")
     def go_suspend(job_id: int, p: Principal = Depends(principal)):
         with sessions.begin() as s:
-            job = get_job(s, p, job_id)
+            job = get_job(s, p, job_id, lock=True)
             job.acked = True
             if job.state != states.SUSPENDING:
                 job.requested |= StopReason.USER_SUSPEND
