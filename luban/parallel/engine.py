@@ -57,7 +57,7 @@ from luban.parallel.mesh import LayoutMesh, build_mesh, coordinate
 from luban.parallel.microbatch import MicroBatchLoop, PipelineSchedule, Schedule
 from luban.parallel.activation_offload import ActivationOffload
 from luban.parallel.offload import OffloadedOptimizer
-from luban.parallel.optimizer import OptimizerConfig, build_optimizer
+from luban.parallel.optimizer import OptimizerConfig, build_optimizer, init_state
 from luban.parallel.recompute import apply_recompute
 from luban.parallel.pipeline import Pipeline, TransformerPipeline
 from luban.parallel.precision import LossScaler, autocast
@@ -138,7 +138,7 @@ def build_schedule(model: TransformerPipeline, layout: ParallelLayout, mesh: Lay
         return MicroBatchLoop(prepare(model.build_stage(0, 1), 0), layout, loss_fn, scaler, autocast_fn)
     pipeline = Pipeline(model, mesh["pp"], layout.schedule, layout.virtual_stages,
                         layout.num_microbatches(global_batch), device, prepare=prepare)
-    return PipelineSchedule(pipeline, loss_fn, scaler, autocast_fn)
+    return PipelineSchedule(pipeline, loss_fn, scaler, autocast_fn, data_ranks=layout.dp * layout.cp)
 
 
 class Engine:
@@ -326,8 +326,8 @@ class Engine:
         Under fp16 a non-finite norm skips the step (on every rank) and halves the loss scale."""
         self._sync_grads()
         grads = [_local(p.grad) for p in self._params() if p.grad is not None]
-        if self.scaler.enabled:
-            torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
+        if self.scaler.enabled:  # the loss scale, over dp·cp (and micro-batches): LossScaler.backward_scale
+            torch._foreach_mul_(grads, 1.0 / self.schedule.grad_scale)
         norm = self.grad_norm()
         if self.scaler.update(norm):
             coef = max_norm / (norm + 1e-6) if max_norm > 0 else 1.0
@@ -363,6 +363,7 @@ class Engine:
         for part, opt in zip(self.parts, self.optimizers):
             model.update(get_model_state_dict(part))
             if optimizer:
+                init_state(opt)  # not torch's: its states were those of a first step taken
                 optim.update(self.tied.save_names(part, get_optimizer_state_dict(part, opt, options=OPTIM_OPTIONS)))
         return {"model": model, "optim": optim, "scaler": self.scaler.state_dict()} if optimizer else {"model": model}
 

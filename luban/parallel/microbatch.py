@@ -5,8 +5,9 @@
 * ``PipelineSchedule``: this rank's stages of a ``luban.parallel.pipeline.Pipeline`` driven by
   its ``torch.distributed.pipelining`` schedule.
 
-Both backpropagate the loss times the loss scale (``LossScaler``, fp16) and return the
-unscaled mean loss of this rank's micro-batches. ``saved(measured)`` gives the saved-tensor
+Both backpropagate the loss times the loss scale (``LossScaler.backward_scale``, fp16: the
+same per-token factor on every layout), leave that factor on the gradients in ``grad_scale``
+and return the unscaled mean loss of this rank's micro-batches. ``saved(measured)`` gives the saved-tensor
 context around a micro-batch's forward: activation offload on every one, and with
 ``measured=True`` (the first ``recorded_microbatches`` of them) the ``ActivationCounter``.
 """
@@ -32,6 +33,7 @@ class Schedule(Protocol):
     parts: list[nn.Module]  # this rank's model parts (after every apply_* step)
     recorded_microbatches: int  # micro-batches ``saved(True)`` wraps in ``forward_backward``
     measurable: bool  # a step's saved activations are those of its micro-batches only
+    grad_scale: float  # the factor the last forward_backward left on the gradients (fp16's loss scale)
 
     def forward_backward(self, tokens: torch.Tensor, labels: torch.Tensor,
                          saved: Callable[[bool], ContextManager]) -> torch.Tensor:
@@ -46,6 +48,7 @@ class MicroBatchLoop:
 
     recorded_microbatches = 1  # activations have the same shapes every micro-batch: record the first
     measurable = True
+    grad_scale = 1.0  # the factor the last forward_backward left on the gradients
 
     def __init__(self, module: nn.Module, layout: ParallelLayout, loss_fn: LossFn, scaler: LossScaler,
                  autocast: Callable[[], ContextManager]):
@@ -61,13 +64,14 @@ class MicroBatchLoop:
     def forward_backward(self, tokens, labels, saved) -> torch.Tensor:
         model, mb = self.parts[0], self.layout.micro_batch
         n = tokens.shape[0] // mb
-        moe.set_aux_grad_scale(self.parts, self.scaler.scale / n)  # backward runs on loss * scale / n
+        self.grad_scale = self.scaler.backward_scale(self.layout.dp * self.layout.cp)
+        moe.set_aux_grad_scale(self.parts, self.grad_scale / n)  # backward runs on loss / n * grad_scale
         total = torch.zeros((), device=tokens.device)
         for i, (x, y) in enumerate(zip(tokens.split(mb), labels.split(mb))):
             with set_gradient_sync(model, self.layout, sync=i == n - 1):
                 with saved(i == 0), self.autocast():
                     loss = self._loss(x, y) / n
-                (loss * self.scaler.scale).backward()
+                (loss * self.grad_scale).backward()
             total += _local(loss.detach())
         return total
 
@@ -84,22 +88,28 @@ class MicroBatchLoop:
 class PipelineSchedule:
     """A pipeline's stages on this rank; every micro-batch's activations are recorded."""
 
-    def __init__(self, pipeline: Pipeline, loss_fn: LossFn, scaler: LossScaler, autocast: Callable[[], ContextManager]):
+    grad_scale = 1.0  # the factor the last forward_backward left on the gradients
+
+    def __init__(self, pipeline: Pipeline, loss_fn: LossFn, scaler: LossScaler, autocast: Callable[[], ContextManager],
+                 data_ranks: int = 1):
         self.pipeline, self.parts, self.loss_fn, self.scaler, self.autocast = (
             pipeline, pipeline.parts, loss_fn, scaler, autocast)
+        self.data_ranks = data_ranks  # dp·cp
         self.recorded_microbatches = pipeline.n_microbatches
         self.measurable = False  # the first step also runs torch's shape-inference forward (saved, then freed)
         self._scaled_loss = self._scaled  # one object: the pipeline caches a torch schedule per loss fn
 
     def _scaled(self, logits, labels):
-        return self.loss_fn(logits, labels) * self.scaler.scale
+        return self.loss_fn(logits, labels) * self.grad_scale
 
     def forward_backward(self, tokens, labels, saved) -> torch.Tensor:
-        moe.set_aux_grad_scale(self.parts, self.scaler.scale)  # the schedule divides by n micro-batches
+        # each micro-batch's loss is backpropagated whole, the schedule divides the sum by n after
+        self.grad_scale = self.scaler.backward_scale(self.data_ranks, self.pipeline.n_microbatches)
+        moe.set_aux_grad_scale(self.parts, self.grad_scale)
         with saved(True), self.autocast():
             loss = self.pipeline.forward_backward(tokens, labels, self._scaled_loss)
         self.measurable = True
-        return loss / self.scaler.scale
+        return loss / self.grad_scale
 
     def evaluate(self, tokens, labels) -> torch.Tensor:
         with self.autocast():

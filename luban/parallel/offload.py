@@ -86,6 +86,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             self._stamps[i] = _stamp(local)
 
     def state_dict(self) -> dict:
+        self._sync_groups(self.param_groups, self.inner.param_groups)  # the hyperparameters as set now
         sd = self.inner.state_dict()
         sd["state"] = {i: {k: self._to_global(v, self._params[i]) for k, v in st.items()}
                        for i, st in sd["state"].items()}

@@ -1,7 +1,8 @@
 """The optimizer factory: AdamW (weight decay on matrices only) or SGD over one model part's
 parameters, on the device or offloaded to the host (``luban.parallel.offload``).
 
-The learning rate is 0 here: the trainer sets it every step (``Engine.step``)."""
+The learning rate is 0 here: the trainer sets it every step (``Engine.step``). ``init_state``: the
+state of an optimizer that has not stepped yet, for its checkpoint."""
 
 from __future__ import annotations
 
@@ -32,6 +33,37 @@ def build_optimizer(params, cfg: OptimizerConfig, device: torch.device, offload:
     if offload:
         return OffloadedOptimizer(groups, lambda host_groups: _optimizer(host_groups, cfg, torch.device("cpu")))
     return _optimizer(groups, cfg, device)
+
+
+@torch.no_grad()
+def init_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give an optimizer that has not stepped yet the state its first step starts from (AdamW: step
+    0, zero moments; SGD: a zero momentum buffer), before a state dict is built: a checkpoint needs
+    the keys, and torch's ``get_optimizer_state_dict`` otherwise makes them with a step on zero
+    gradients at lr 0 that counts (AdamW's step 1: its bias correction one step ahead from then on)
+    and decays (SGD's momentum buffer = weight_decay * weight). An fp16 run whose first steps all
+    overflowed and that saved then (a suspension, ``checkpoint_every``) trained on from that state,
+    saving or not: it, and the run resumed from it, parted from the same run straight through."""
+    if len(optimizer.state) or any(p.grad is not None for g in optimizer.param_groups for p in g["params"]):
+        return
+    kept = [(g["lr"], g.get("weight_decay")) for g in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+        if "weight_decay" in group:
+            group["weight_decay"] = 0.0
+        for p in group["params"]:
+            p.grad = torch.zeros_like(p) if p.requires_grad else None
+    optimizer.step()
+    for group, (lr, decay) in zip(optimizer.param_groups, kept):
+        group["lr"] = lr
+        if decay is not None:
+            group["weight_decay"] = decay
+    optimizer.zero_grad(set_to_none=True)
+    for state in optimizer.state.values():
+        if torch.is_tensor(state.get("step")):
+            state["step"].zero_()
+        elif "step" in state:
+            state["step"] = 0
 
 
 def _optimizer(groups: list[dict], cfg: OptimizerConfig, device: torch.device) -> torch.optim.Optimizer:

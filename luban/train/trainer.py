@@ -216,6 +216,8 @@ class Trainer:
         self._check_compatible(ckpt, meta["config"])  # before loading: DCP's own errors are tracebacks
         imported = checkpoint.imported(meta)  # weights alone: step 0, a new optimizer and data order
         state = self.engine.state_dict(optimizer=not imported)
+        if (meta.get("layout") or {}).get("precision") != "fp16":  # its scaler was off (scale 1): an fp16 run
+            state.pop("scaler", None)  # resumed from it starts at the initial loss scale, not at 1
         failed = None
         try:
             checkpoint.load(ckpt, state, "--resume", named, rng=not imported)
