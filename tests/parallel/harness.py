@@ -184,6 +184,19 @@ def run_phases(jobs: dict[int, list[dict]], reshard: list[tuple[str, dict, dict,
     return {"out": out, "codes": codes, "single": single}
 
 
+def spawned_results(spawned: tuple, name: str, nproc: int = 4) -> list[dict]:
+    """Every rank's result of job ``name`` of a spawn (``(out_dir, exit code, output)``), failing with
+    the ranks' output where a rank wrote none or raised."""
+    out, code, output = spawned
+    per_rank = []
+    for r in range(nproc):
+        path = Path(out) / f"{name}.rank{r}.pt"
+        assert path.exists(), f"{name}: no result from rank {r} (exit {code})\n{output[-3000:]}"
+        per_rank.append(torch.load(path, weights_only=False))
+        assert "error" not in per_rank[-1], per_rank[-1]["error"]
+    return per_rank
+
+
 def results(name: str, nproc: int, out_dir: Path) -> list[dict]:
     return [torch.load(out_dir / f"{name}.rank{r}.pt", weights_only=False) for r in range(nproc)]
 

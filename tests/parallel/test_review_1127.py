@@ -140,15 +140,7 @@ def spawned(tmp_path_factory):
     return out, code, output
 
 
-def outcome(spawned, name: str) -> list[dict]:
-    out, code, output = spawned
-    per_rank = []
-    for r in range(4):
-        path = out / f"{name}.rank{r}.pt"
-        assert path.exists(), f"{name}: no result from rank {r} (exit {code})\n{output[-3000:]}"
-        per_rank.append(torch.load(path, weights_only=False))
-        assert "error" not in per_rank[-1], per_rank[-1]["error"]
-    return per_rank
+outcome = harness.spawned_results  # every rank's result of one job of the spawn
 
 
 @pytest.mark.multirank

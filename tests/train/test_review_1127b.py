@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -52,6 +51,7 @@ from luban.parallel.engine import OptimizerConfig, build_engine
 from luban.parallel.layout import ParallelLayout
 from luban.train.trainer import Trainer
 from tests.child import launch as bounded_launch
+from tests.parallel import harness
 from tests.parallel.harness import batch, full_params, max_diff, merged_params, model_cfg, run_job
 from tests.train import test_resume_layouts as layouts
 
@@ -77,15 +77,7 @@ def spawned(tmp_path_factory):
     return out, code, output
 
 
-def outcome(spawned, name: str) -> list[dict]:
-    out, code, output = spawned
-    per_rank = []
-    for r in range(4):
-        path = Path(out) / f"{name}.rank{r}.pt"
-        assert path.exists(), f"{name}: no result from rank {r} (exit {code})\n{output[-3000:]}"
-        per_rank.append(torch.load(path, weights_only=False))
-        assert "error" not in per_rank[-1], per_rank[-1]["error"]
-    return per_rank
+outcome = harness.spawned_results  # every rank's result of one job of the spawn
 
 
 @pytest.mark.multirank
