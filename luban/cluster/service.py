@@ -663,6 +663,13 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
         plan = {k: plan[k] for k in ("step_time_s",) if isinstance(plan.get(k), (int, float))} if plan else None
         return {"dir": event.message, "points": [q for q in points if "step" in q], "plan": plan}
 
+    def overlapping(p: Principal, since: float, until: float | None = None):
+        """The attempts ``p`` may see that ran during [since, until), chosen in SQL: the table holds every
+        attempt ever run (`luban usage --days 1` read them all into the service at each call)."""
+        return select(Job).where(visible(p), Job.started_at.is_not(None),
+                                 or_(Job.ended_at.is_(None), Job.ended_at >= since),
+                                 *([Job.started_at < until] if until is not None else []))
+
     @app.get("/api/usage")
     def usage(since: float = 0.0, until: float | None = None, by: str = "user", p: Principal = Depends(person),
               s: Session = Depends(db)):
@@ -673,12 +680,7 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
             if value is not None and not math.isfinite(value):
                 raise bad_value(key, value, "a finite time in seconds since the epoch")
         rows: dict[str, dict] = {}
-        # only the attempts that overlap the period, chosen in SQL (as usage_daily): the table holds every
-        # attempt ever run, and `luban usage --days 1` read them all into the service at each call
-        query = select(Job).where(visible(p), Job.started_at.is_not(None),
-                                  or_(Job.ended_at.is_(None), Job.ended_at > since),
-                                  *([Job.started_at < until] if until is not None else []))
-        for job in s.scalars(query):
+        for job in s.scalars(overlapping(p, since, until)):
             hours = node_hours(job, since, until)
             if hours <= 0:
                 continue
@@ -696,8 +698,7 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
             raise bad_value("days", days, "an integer from 1 to 366")
         today = math.floor(clocks.now() / 86400) * 86400
         starts = [today - 86400 * i for i in range(days - 1, -1, -1)]
-        jobs = s.scalars(select(Job).where(visible(p), Job.started_at.is_not(None),
-                                           or_(Job.ended_at.is_(None), Job.ended_at >= starts[0]))).all()
+        jobs = s.scalars(overlapping(p, starts[0])).all()
         out = []
         for t in starts:
             per: dict[str, float] = {}
