@@ -6,11 +6,14 @@ streamed into ``train-NNNNN.bin`` / ``val-NNNNN.bin`` shards of about ``shard_si
 (a document is never split across shards).
 
 A build is a transaction. Every argument and the destination are checked before anything is
-written (a folder holding files luban did not write is refused, untouched). The new dataset is
-built in a hidden sibling ``.NAME.building-PID`` — shards, tokenizer, then the checksummed
+written (a folder holding files luban did not write, a symbolic link, a mount point are refused,
+untouched). The new dataset is built in a hidden sibling ``.NAME.building-PID`` (the old folder's
+mode and group, its marker locked while the build runs) — shards, tokenizer, then the checksummed
 manifest — and swapped in with one atomic ``renameat2(RENAME_EXCHANGE)``, after which the old
-copy is deleted. A kill at any moment therefore leaves, at NAME, the old dataset or the new one,
-complete and verifiable; a staging folder left by a killed build is removed by the next build.
+copy is deleted, manifest first and marker last. A kill at any moment therefore leaves, at NAME,
+the old dataset or the new one, complete and verifiable; what a killed build left beside it (its
+stage, the old copy it was deleting) is removed by the next build, once its PID is not running
+here and its marker is not locked (a live build in another container or on another NFS client).
 """
 
 from __future__ import annotations
@@ -18,18 +21,18 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
-import fnmatch
 import math
 import os
 import re
 import shutil
+import stat
 from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 
 from luban import interrupt
-from luban.data.atomic import TEMP_GLOB, _fsync_dir
+from luban.data.atomic import _fsync_dir
 from luban.data.corpus import (DEFAULT_MAX_BYTES, cap_files, collect_files,
                                default_corpus_files, file_size, read_text, stdlib_dir)
 from luban.data.manifest import FORMAT, MANIFEST, SHARD_NAME, open_dataset, write_manifest
@@ -117,12 +120,18 @@ def _check_options(**options) -> None:
         raise bad_value("--vocab-size", options["vocab_size"], "only with --tokenizer bpe (byte has 257)")
 
 
+# the temporaries luban writes into a dataset folder: ``AtomicFile``'s ``.NAME.tmp-PID`` of a dataset file, and
+# ``owned.mark``'s ``.luban.tmp-PID``; a user's ``.notes.tmp-1`` is not one (a rebuild deleted it, to 2026-11-28)
+TEMP_NAME = re.compile(r"\.(.+)\.tmp-\d+")
+
+
 def dataset_file(path: Path) -> bool:
-    """One of the files a luban dataset folder holds: manifest, tokenizer, shards, temporaries, marker;
-    a file, by name (a user's folder named ``manifest.json`` is not luban's, nor what it holds)."""
-    name = path.name
-    return path.is_file() and (name in (MANIFEST, BPE_FILE, owned.MARKER) or bool(
-        SHARD_NAME.match(name) or fnmatch.fnmatch(name, TEMP_GLOB)))
+    """One of the files a luban dataset folder holds: manifest, tokenizer, shards, marker, and luban's own
+    temporaries of those (``TEMP_NAME``); a file, by name (a user's folder named ``manifest.json`` is not
+    luban's, nor what it holds)."""
+    temp = TEMP_NAME.fullmatch(path.name)
+    names = (temp.group(1), "." + temp.group(1)) if temp else (path.name,)  # ".luban.tmp-PID": the marker's
+    return path.is_file() and any(n in (MANIFEST, BPE_FILE, owned.MARKER) or SHARD_NAME.match(n) for n in names)
 
 
 def check_output(out_dir: Path) -> None:
@@ -141,17 +150,74 @@ def check_output(out_dir: Path) -> None:
 
 def _check_swappable(out_dir: Path) -> None:
     """A build renames its stage onto ``out_dir`` (``_swap_in``), so ``out_dir`` must be a folder of its own
-    name: not the current folder, ``..`` or ``/`` (no name to rename onto), and not a symbolic link (the
-    rename would replace the link, not the folder it points to)."""
+    name: not the current folder, ``..`` or ``/`` (no name to rename onto), not a symbolic link (the
+    rename would replace the link, not the folder it points to), and not a mount point (a rename onto one
+    fails EBUSY: it was a traceback after the whole build, 2026-11-28)."""
     if not str(out_dir).strip() or out_dir.name in ("", ".."):
         raise bad_value("--out", str(out_dir), "a folder for the dataset (not the current folder, '..' or '/')")
     if out_dir.is_symlink():
         raise bad_value("--out", str(out_dir), "a folder, not a symbolic link: name the folder it points to "
                                                 "(nothing was changed)")
+    if out_dir.is_dir() and _not_renamable(out_dir):
+        raise bad_value("--out", str(out_dir), f"a folder this user may replace: it is another user's in "
+                                                f"{str(out_dir.parent)!r}, a folder with the sticky bit (as /tmp), "
+                                                "where only a folder's owner may rename it; ask its owner to rebuild "
+                                                "it, or choose another folder (nothing was changed)")
+    if out_dir.is_dir() and _is_mount_point(out_dir):
+        raise bad_value("--out", str(out_dir), "a folder that is not a mount point: a build renames the new dataset "
+                                                f"onto the folder's name; choose a folder inside it, e.g. "
+                                                f"{str(out_dir / 'ds')!r} (nothing was changed)")
+
+
+def _not_renamable(folder: Path) -> bool:
+    """Whether the sticky bit of ``folder``'s parent keeps this user from renaming it (rename(2), EPERM: the
+    parent is sticky and this user owns neither it nor the folder and is not root); it was a traceback after
+    the whole build (2026-11-28)."""
+    try:
+        parent, own = folder.parent.stat(), folder.stat()
+    except OSError:
+        return False
+    uid = os.geteuid()
+    return bool(parent.st_mode & stat.S_ISVTX) and uid != 0 and uid not in (parent.st_uid, own.st_uid)
+
+
+MOUNTINFO = Path("/proc/self/mountinfo")  # proc(5): field 5 is the mount point, with space, tab, newline, \\ as octal
+
+
+def _is_mount_point(folder: Path) -> bool:
+    """Whether ``folder`` is a mount point: ``os.path.ismount`` (another device than its parent), or, on Linux, a
+    mount point of this process's mount table (a bind mount of a folder of the same file system, which
+    ``ismount`` does not see)."""
+    if os.path.ismount(folder):
+        return True
+    try:
+        table = MOUNTINFO.read_bytes()
+    except OSError:
+        return False
+    here = os.fsencode(os.path.realpath(folder))
+    unescape = re.compile(rb"\\([0-7]{3})")
+    return any(unescape.sub(lambda m: bytes([int(m.group(1), 8)]), line.split(b" ")[4]) == here
+               for line in table.splitlines() if line.count(b" ") >= 4)
 
 
 # the storage refused a write (full, over quota, read-only, failing, file too large): exit 74, not a traceback
 STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EFBIG)
+
+
+def _inherit(stage: Path, out_dir: Path) -> None:
+    """Give a new stage the mode and group of the folder it will replace (a team's setgid folder, a private 0700
+    one), before any file is made in it, so its files get that group as they would in the old folder; a rebuild
+    made it a plain 0755 folder of the builder's group (to 2026-11-28). The owner keeps full access to it."""
+    try:
+        old = out_dir.stat()
+    except OSError:  # none yet: umask's mode
+        return
+    try:
+        if old.st_gid != stage.stat().st_gid:
+            os.chown(stage, -1, old.st_gid)
+        os.chmod(stage, stat.S_IMODE(old.st_mode) | stat.S_IRWXU)
+    except OSError:  # a group this user is not in: the new folder keeps the defaults
+        pass
 
 
 def _staging(out_dir: Path) -> Path:
@@ -159,11 +225,38 @@ def _staging(out_dir: Path) -> Path:
 
 
 def _remove(stage: Path) -> None:
-    """Delete a stage; a file a native call was still writing into it can make one pass fail."""
+    """Delete a stage (``_delete``); a file a native call was still writing into it can make one pass fail."""
     for _ in range(3):
-        shutil.rmtree(stage, ignore_errors=True)
+        try:
+            _delete(stage)
+        except OSError:
+            pass
         if not os.path.lexists(stage):
             return
+
+
+def _delete(folder: Path) -> None:
+    """Delete a dataset folder of luban's (a stage, a dead build's, the old copy a swap put aside) so that a
+    kill part-way leaves one the next build still knows as luban's and removes (``_dead_siblings``): marked
+    first (an old copy built before the marker), then the manifest (a part-deleted copy is never taken for a
+    complete one by ``recover``), the other files, the marker last. ``shutil.rmtree`` deleted in the
+    directory's order: a kill after the marker and the manifest were gone left the shards, and no later
+    build removed them (2026-11-28)."""
+    try:
+        owned.mark(folder, "dataset")
+    except OSError:  # a full disk: deleted unmarked (a stage is marked first thing, so only an old copy)
+        pass
+    (folder / MANIFEST).unlink(missing_ok=True)
+    with os.scandir(folder) as entries:
+        for entry in list(entries):
+            if entry.name == owned.MARKER:
+                continue
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path)
+            else:
+                os.unlink(entry.path)
+    (folder / owned.MARKER).unlink(missing_ok=True)
+    os.rmdir(folder)
 
 
 def _swap_in(staging: Path, out_dir: Path) -> None:
@@ -171,14 +264,20 @@ def _swap_in(staging: Path, out_dir: Path) -> None:
     exchange the two paths atomically (Linux renameat2 RENAME_EXCHANGE) and delete the old one.
     A kill at any moment leaves the old dataset or the new one at ``out_dir``, never neither."""
     if not out_dir.exists():
-        os.rename(staging, out_dir)
-    elif _exchange(staging, out_dir):
-        shutil.rmtree(staging)  # now the old dataset
+        try:
+            os.rename(staging, out_dir)
+            _fsync_dir(out_dir.parent)
+            return
+        except OSError as err:  # a build racing this one swapped its dataset in meanwhile: replace it
+            if err.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+    if _exchange(staging, out_dir):
+        _delete(staging)  # now the old dataset
     else:  # no renameat2: two renames; recover() finds the new one if a crash falls between
         old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
         os.rename(out_dir, old)
         os.rename(staging, out_dir)
-        shutil.rmtree(old)
+        _delete(old)
     _fsync_dir(out_dir.parent)
 
 
@@ -207,14 +306,54 @@ def _dead_siblings(out_dir: Path) -> list[Path]:
         found = [p for p in out_dir.parent.iterdir() if pattern.fullmatch(p.name)]
     except OSError:
         return []
-    return [p for p in found if p.is_dir() and not p.is_symlink() and owned.owner(p) in ("empty", "dataset")
-            and _ended(int(p.name.rsplit("-", 1)[-1]))]
+    return [p for p in found if p.is_dir() and not p.is_symlink()
+            and (owned.owner(p) in ("empty", "dataset") or _marking(p))
+            and _ended(int(p.name.rsplit("-", 1)[-1])) and not _held(p)]
+
+
+def _marking(stage: Path) -> bool:
+    """A stage killed while ``owned.mark`` wrote its marker: it holds the marker's temporary alone."""
+    try:
+        names = os.listdir(stage)
+    except OSError:
+        return False
+    return len(names) == 1 and re.fullmatch(rf"{re.escape(owned.MARKER)}\.tmp-\d+", names[0]) is not None
 
 
 def _ended(pid: int) -> bool:
     """Whether the build of process ``pid`` is over: no such process, or this one (which has no stage yet:
     one by its PID is a dead process's whose PID it was given)."""
     return pid == os.getpid() or not Path(f"/proc/{pid}").exists()
+
+
+def _hold(stage: Path) -> int:
+    """Lock the stage's marker for as long as this build runs (``flock``, which the kernel gives back when the
+    process dies). A build in another PID namespace (a container), or on another machine over NFS, is not in
+    this machine's /proc: its live stage was removed from under it, a traceback (2026-11-28). Returns the fd."""
+    fd = os.open(stage / owned.MARKER, os.O_RDWR)  # written: NFS locks a file exclusively only when open for writing
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    except OSError:  # no locks here (ENOLCK: NFS mounted nolock): the stage is known live by its PID alone
+        pass
+    return fd
+
+
+def _held(stage: Path) -> bool:
+    """Whether a live build holds ``stage``'s marker locked (``_hold``); a marker that cannot be opened or locked
+    for another reason counts as held (nothing is removed that is not shown dead); no marker: not held."""
+    try:
+        fd = os.open(stage / owned.MARKER, os.O_RDWR if os.access(stage / owned.MARKER, os.W_OK) else os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
 
 
 # what a build racing this one into the same folder leaves: a sibling it removed, an out_dir it put back
@@ -241,7 +380,7 @@ def recover(out_dir: Path) -> None:
                 if err.errno not in RACED_ERRNOS:
                     raise
     for sibling in _dead_siblings(out_dir):
-        shutil.rmtree(sibling, ignore_errors=True)
+        _remove(sibling)
 
 
 def build_dataset(inputs=None, out_dir=".", *, tokenizer: str = "byte",
@@ -273,13 +412,25 @@ def build_dataset(inputs=None, out_dir=".", *, tokenizer: str = "byte",
     try:  # root passes os.access everywhere: /proc/x is refused only here
         final_dir.parent.mkdir(parents=True, exist_ok=True)
         out_dir.mkdir()  # exists: a folder of that name recover() did not remove is not luban's
+        _inherit(out_dir, final_dir)
     except OSError as err:
+        if err.errno == errno.ENAMETOOLONG and len(os.fsencode(final_dir.name)) < len(os.fsencode(out_dir.name)):
+            raise bad_value("--out", str(final_dir), "a shorter folder name: a build stages the dataset beside it as "
+                                                      f"'.NAME.building-PID', here {len(os.fsencode(out_dir.name))} "
+                                                      "bytes, which is too long for the file system (nothing was "
+                                                      "changed)") from None
+        if final_dir.is_dir() and err.errno in (errno.EACCES, errno.EPERM):  # writable itself, its parent not
+            raise bad_value("--out", str(final_dir), f"a folder in a writable folder: a build stages the dataset beside "
+                                                      f"it, in {str(final_dir.parent)!r}, then renames it into place "
+                                                      f"({err.strerror}); choose a folder inside it, e.g. "
+                                                      f"{str(final_dir / 'ds')!r} (nothing was changed)") from None
         raise bad_value("--out", str(final_dir), f"{OPTIONS['out'].allowed} ({err.strerror})") from None
-    stage = out_dir
+    stage, lock = out_dir, None
     # a forced exit (luban.interrupt) removes the stage, also one that comes while this except removes it
     with interrupt.on_abort(lambda: _remove(stage)):
         try:  # Ctrl-C: this except removes the stage
             owned.mark(out_dir, "dataset")
+            lock = _hold(out_dir)
             manifest = _build_into(out_dir, files, source, tokenizer, vocab_size, shard_size_mb, val_fraction,
                                    seed, chunk_tokens)
             with interrupt.critical():
@@ -291,6 +442,9 @@ def build_dataset(inputs=None, out_dir=".", *, tokenizer: str = "byte",
                                        f"({err.strerror}); free space or choose another folder (a dataset already "
                                        "there is kept)") from None
             raise
+        finally:
+            if lock is not None:
+                os.close(lock)
     return manifest
 
 

@@ -10,6 +10,7 @@ style byte-level alphabet, so every string round-trips and nothing is downloaded
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -157,8 +158,9 @@ def tokenizer_from_entry(dataset_dir: Path, entry: dict) -> Tokenizer:
         if entry.get("file") != BPE_FILE:
             raise bad_value(f"{where}: tokenizer.file", entry.get("file"), repr(BPE_FILE))
         path = Path(dataset_dir) / BPE_FILE
-        if not path.is_file():
-            raise LubanError(f"{path}: cannot load the BPE tokenizer (missing, but {where.name} names it): the "
+        if not path.is_file():  # a folder, a named pipe (never opened: a read would wait), a link to a device
+            what = "not a regular file" if os.path.lexists(path) else "missing"
+            raise LubanError(f"{path}: cannot load the BPE tokenizer ({what}, but {where.name} names it): the "
                              "dataset cannot be decoded or trained on; rebuild it with `luban data build`")
         try:
             text = path.read_bytes()
