@@ -58,7 +58,7 @@ from torch.nn.parallel import DistributedDataParallel
 from luban.parallel.expert_parallel import expert_params
 from luban.parallel.layout import ParallelLayout
 from luban.parallel.mesh import LayoutMesh
-from luban.parallel.precision import DTYPES
+from luban.parallel.precision import FSDP_PARAM_DTYPE, fsdp_casts
 
 # DDP's flag for syncing buffers in every forward: torch 2.13 renamed ``broadcast_buffers`` (deprecated
 # there) to ``forward_sync_buffers``; torch 2.11 and 2.12 have only the old name
@@ -98,9 +98,9 @@ def apply_data_parallel(module: nn.Module, layout: ParallelLayout, mesh: LayoutM
                                        bucket_cap_mb=layout.bucket_mb, find_unused_parameters=True,
                                        device_ids=[torch.cuda.current_device()] if device.type == "cuda" else None)
     dp_mesh = mesh["dp_replicate", "dp_shard_cp"] if layout.dp_replicate > 1 else mesh["dp_shard_cp"]
-    compute = DTYPES[layout.precision]
     options = dict(mesh=dp_mesh, reshard_after_forward=layout.zero == 3,
-                   mp_policy=MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32),
+                   mp_policy=MixedPrecisionPolicy(param_dtype=FSDP_PARAM_DTYPE[layout.precision],
+                                                  reduce_dtype=torch.float32),
                    offload_policy=(CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
                                    if layout.offload == "params" else OffloadPolicy()),
                    ignored_params=set(experts) or None)
@@ -134,5 +134,6 @@ def reshard(module: nn.Module) -> None:
 
 
 def uses_autocast(layout: ParallelLayout) -> bool:
-    """FSDP2 casts parameters itself (``MixedPrecisionPolicy``); everything else uses autocast."""
-    return not uses_fsdp(layout)
+    """Autocast around the forward, except where FSDP2 casts the parameters itself (bf16 under
+    FSDP2: ``precision.FSDP_PARAM_DTYPE``)."""
+    return not (uses_fsdp(layout) and fsdp_casts(layout.precision))

@@ -1,8 +1,9 @@
 """Mixed precision: autocast for bf16/fp16 and dynamic loss scaling for fp16.
 
 Weights, gradients and optimizer state stay fp32 (Micikevicius et al. 2018, "Mixed
-Precision Training"). Under FSDP2 the compute dtype comes from ``MixedPrecisionPolicy``
-instead of autocast. The loss scaler is luban's own (not ``torch.amp.GradScaler``) because
+Precision Training") on every layout, and gradients are reduced in fp32. Under FSDP2 bf16 is
+FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16)``; fp16 is autocast, as everywhere else
+(``FSDP_PARAM_DTYPE`` says why). The loss scaler is luban's own (not ``torch.amp.GradScaler``) because
 it must decide on the *global* gradient norm: a non-finite norm on any rank — any pipeline
 stage, any shard — skips the step on every rank.
 """
@@ -17,6 +18,27 @@ import torch
 from luban.parallel.layout import ParallelLayout
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+# What FSDP2 all-gathers the weights in (``MixedPrecisionPolicy.param_dtype``; None: the stored fp32
+# weights, with autocast around the forward as in one process). FSDP2's cast makes the *whole* forward
+# run in that dtype: embeddings, residual stream, norms, and the gradients of norm weights and
+# embeddings (sums over every token) come out in it, where autocast keeps them fp32 and casts only
+# the matmuls' inputs.
+# * bf16 has fp32's exponent range, so that overflows nothing autocast does not; it only rounds more
+#   (tiny, one step, 2026-11-28: each gradient at most 1.4e-2 from fp32's, relative, against 1.0e-2 in
+#   one process; docs/training.md), and the all-gather moves half the bytes of fp32 (torchtitan's choice).
+# * fp16 (largest value 65504) overflowed where one process did not: tiny, dp 2, zero 2, one step, the
+#   largest loss scale without overflow was 2^18 against 2^20 for one process and DDP. With autocast
+#   under FSDP2 the arithmetic is one process's (tests/parallel/test_review_1128.py); the price is an
+#   fp32 all-gather (2x the bytes of fp16, and fp32 gathered weights under zero 1/2), plus autocast's
+#   fp16 copies of the weights, which backward keeps as one process does (unsharded, even under zero 3,
+#   unless recompute redoes the casts; docs/parallelism.md).
+FSDP_PARAM_DTYPE = {"fp32": None, "bf16": torch.bfloat16, "fp16": None}
+
+
+def fsdp_casts(precision: str) -> bool:
+    """Whether FSDP2 casts the weights to the compute dtype (``FSDP_PARAM_DTYPE``) instead of autocast."""
+    return FSDP_PARAM_DTYPE[precision] is not None
 
 
 def autocast(layout: ParallelLayout, device: torch.device):

@@ -1,8 +1,9 @@
 """Mixed precision across ranks: bf16 and fp16 (dynamic loss scaling) under every parallel
 dimension train like the single process at the same precision.
 
-The single process uses autocast; DDP does too, so it matches to fp32 rounding (1e-5). FSDP2 casts the
-parameters itself (``MixedPrecisionPolicy``) and tp/pp/cp split the reductions differently, so
+The single process uses autocast; DDP does too, so it matches to fp32 rounding (1e-5). Under bf16 FSDP2
+casts the parameters itself (``MixedPrecisionPolicy``; fp16 FSDP2 uses autocast since 2026-11-28,
+``precision.FSDP_PARAM_DTYPE``) and tp/pp/cp split the reductions differently, so
 low-precision rounding differs: the bounds are a few bf16/fp16 roundings of a 2-step SGD update
 (lr 0.1), measured at 6e-5 (bf16) and 8e-6 (fp16) on 2026-11-21, and each layout must also be
 closer to its own precision's single-process run than a bf16 run is to fp32 (4e-5 and up).

@@ -12,8 +12,8 @@ an uninterrupted run (same layout: bitwise; another layout: to rounding).
   Now the backward multiplies each micro-batch's loss by ``LossScaler.backward_scale`` (the scale
   over dp·cp, and over the micro-batches whose sum a pipeline divides after), the factor one process
   uses per token, and ``Engine.step`` divides that out: every layout overflows where one process does
-  (FSDP2's fp16 ``MixedPrecisionPolicy``, zero >= 1 on dp·cp > 1, computes the residual stream in
-  fp16 too, so it may still overflow where autocast does not).
+  (fp16 under FSDP2, zero >= 1 on dp·cp > 1, also runs autocast since 2026-11-28:
+  tests/parallel/test_review_1128.py).
 * a checkpoint of an optimizer that had not stepped yet (fp16: every step so far overflowed, then a
   suspension or ``checkpoint_every`` saved) changed the run: torch's ``get_optimizer_state_dict``
   makes the missing states with a step on zero gradients at lr 0, which counts (AdamW: step 1, its
