@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from luban.config import RunConfig
-from luban.errors import LubanError, bad_value
+from luban.errors import LubanError, bad_value, shown
 from luban.model import flops
 
 if TYPE_CHECKING:
@@ -35,6 +35,11 @@ def dataset_path(cfg: RunConfig) -> Path:
     cache = cache_dir()
     try:
         return ensure_default_dataset(cache / "datasets" / "default-byte")
+    except LubanError as err:  # the build's refusal names its --out, a flag this user never gave
+        if type(err) is not LubanError or not str(err).startswith("--out = "):
+            raise
+        raise LubanError(f"LUBAN_CACHE = {shown(str(cache))}: the default dataset's folder "
+                         f"{str(err)[len('--out = '):]}; or set data.path to a dataset") from None
     except OSError as err:  # LUBAN_CACHE a file, under /proc, unwritable: its folders cannot be made
         raise bad_value("LUBAN_CACHE", str(cache), f"a folder luban can write its cache into ({err.strerror or err}); "
                         "or set data.path to a dataset") from None

@@ -96,6 +96,21 @@ def test_bad_environment_is_one_line_exit_2(tiny, tmp_path, env, data_path, need
     assert proc.returncode == 2 and len(lines) == 1 and needle in lines[0], proc.stderr
 
 
+def test_a_foreign_file_in_the_cache_names_luban_cache_not_a_flag(tiny, tmp_path):
+    """The default dataset's folder holding a user's file was refused as ``--out = ...``, a flag
+    ``luban train`` has not (claims review, 2026-11-28)."""
+    import os
+
+    folder = tmp_path / "cache" / "datasets" / "default-byte"
+    folder.mkdir(parents=True)
+    (folder / "notes.txt").write_text("mine")
+    proc = luban("train", *_sets(tiny(**{"data.path": '""'})), env={**os.environ, "LUBAN_CACHE": str(tmp_path / "cache")})
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith(f"luban: error: LUBAN_CACHE = '{tmp_path / 'cache'}'") and "notes.txt" in lines[0]
+    assert "--out" not in lines[0] and (folder / "notes.txt").read_text() == "mine"
+
+
 def test_every_command_has_help():
     for cmd in ("train", "demo", "sample", "export", "import", "data"):
         proc = luban(cmd, "--help", check=0)
