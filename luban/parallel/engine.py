@@ -6,6 +6,9 @@ The trainer only ever calls this API; everything about how the model is split ac
 * ``forward_backward(tokens, labels)`` runs all micro-batches of this dp rank's share of the
   global batch, accumulates gradients and returns the global mean loss (same on all ranks);
 * ``step(lr, max_norm)`` clips by the global gradient norm, applies the optimizer, zeroes grads;
+  both return host floats, or with ``host=False`` 0-dim float64 tensors on the device whose
+  ``float()`` is the same value: nothing waits for the device (no GPU -> host read) but the
+  fp16 loss scaler's overflow check, so the trainer reads them on logging steps only;
 * ``state_dict()`` / ``load_state_dict()`` use global parameter names and global (DTensor)
   shapes, model and flattened optimizer state alike, so a DCP checkpoint saved under one
   layout loads under any other;
@@ -164,6 +167,7 @@ class Engine:
         self._host_activation_bytes = 0  # of those, moved to host memory (offload = activations)
         self.offload = ActivationOffload(self.parts, device) if layout.offload == "activations" else None
         self.before_update = None  # called before the state dict's tensors change (see the module doc)
+        self._copies_cached: tuple = (None, None)  # ``_copies``
 
     def _join(self, layout: ParallelLayout, device: torch.device) -> LayoutMesh | None:
         """Join the process group and build the mesh (``None`` for a single process, unless FSDP2
@@ -191,8 +195,9 @@ class Engine:
         return self.parts
 
     # ---- forward and backward -------------------------------------------------------------
-    def forward_backward(self, tokens: torch.Tensor, labels: torch.Tensor) -> float:
-        """Accumulate gradients over this rank's micro-batches; return the global mean loss."""
+    def forward_backward(self, tokens: torch.Tensor, labels: torch.Tensor, host: bool = True):
+        """Accumulate gradients over this rank's micro-batches; return the global mean loss (a
+        float; ``host=False``: a 0-dim tensor on the device, see ``_global_mean``)."""
         for part in self.parts:
             part.train()
         tokens, labels = self._local_batch(tokens, labels)
@@ -206,7 +211,7 @@ class Engine:
                 self._host_activation_bytes = self.offload.host_bytes // self.schedule.recorded_microbatches
         self._grad_bytes = tensor_bytes(p.grad for p in self._params())
         self.moe_metrics = self._moe_metrics()
-        return self._global_mean(total)
+        return self._global_mean(total, host)
 
     def _moe_metrics(self) -> dict:
         """MoE load and aux loss per layer, over the global batch and every pipeline stage."""
@@ -225,8 +230,14 @@ class Engine:
             dist.all_reduce(t, group=self.mesh["dp_cp"].get_group())
 
     def _local_batch(self, tokens, labels):
-        """On the device; this cp rank's load-balanced sequence chunks."""
-        tokens, labels = tokens.to(self.device), labels.to(self.device)
+        """On the device; this cp rank's load-balanced sequence chunks. Copied without waiting: a
+        blocking host -> GPU copy synchronises the stream (waits for the last step's kernels), and so
+        does an asynchronous one from pageable memory (CUDA's cudaMemcpyAsync "API synchronization
+        behavior"), so a GPU batch goes through pinned memory first, as nanoGPT's loader does
+        (torch's caching host allocator keeps that block until the copy is done)."""
+        if self.device.type == "cuda":
+            tokens, labels = (t.pin_memory() for t in (tokens, labels))
+        tokens, labels = (t.to(self.device, non_blocking=True) for t in (tokens, labels))
         if self.layout.cp > 1:
             tokens, labels = (shard_sequence(t, self.layout.cp, self.cp_rank) for t in (tokens, labels))
         return tokens, labels
@@ -252,13 +263,18 @@ class Engine:
             return counter.record() if first and measured else contextlib.nullcontext()
         return saved
 
-    def _global_mean(self, loss: torch.Tensor) -> float:
-        """Every dp x cp rank holds the mean of its share (pp and tp ranks agree already)."""
-        if self.layout.dp * self.layout.cp == 1:
-            return float(loss)
+    def _global_mean(self, loss: torch.Tensor, host: bool = True):
+        """Every dp x cp rank holds the mean of its share (pp and tp ranks agree already). The
+        fp32 sum over the ranks, divided in float64 (as a host float divides it): ``host=False``
+        returns that 0-dim tensor, whose ``float()`` is bitwise the float ``host=True`` returns."""
+        loss = loss.detach().reshape(()).double() if self.layout.dp * self.layout.cp == 1 else \
+            self._all_reduced_mean(loss)
+        return float(loss) if host else loss
+
+    def _all_reduced_mean(self, loss: torch.Tensor) -> torch.Tensor:
         loss = loss.detach().reshape(()).float().clone()
         dist.all_reduce(loss, group=self.mesh["dp_cp"].get_group())
-        return float(loss) / (self.layout.dp * self.layout.cp)
+        return loss.double() / (self.layout.dp * self.layout.cp)
 
     @torch.no_grad()
     def eval_loss(self, tokens: torch.Tensor, labels: torch.Tensor) -> float:
@@ -310,29 +326,40 @@ class Engine:
                 p.grad = p.grad.redistribute(p.device_mesh, p.placements)
         self.tied.sync_grads()
 
-    def grad_norm(self) -> float:
-        """Global L2 norm of all gradients, each element counted once across all ranks."""
+    def grad_norm(self, host: bool = True):
+        """Global L2 norm of all gradients, each element counted once across all ranks: a float,
+        or (``host=False``) a 0-dim float64 tensor on the device (correctly rounded sqrt both ways:
+        the same value)."""
         terms = self._norm_terms()
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
         if terms:  # one fused kernel for the per-tensor norms; their squares summed in float64 (on this
             # device: FSDP2's offload = params keeps the gradients on the host)
             norms = torch.stack([n.to(self.device) for n in torch._foreach_norm([_local(g) for g, _ in terms])]).double()
-            copies = torch.tensor([c for _, c in terms], dtype=torch.float64, device=self.device)
-            sq = (norms.pow(2) / copies).sum()
-        return math.sqrt(float(self._all_reduce(sq)))
+            sq = (norms.pow(2) / self._copies([c for _, c in terms])).sum()
+        norm = self._all_reduce(sq).sqrt()
+        return float(norm) if host else norm
 
-    def step(self, lr: float, max_norm: float) -> float:
-        """Set lr, unscale, clip to ``max_norm`` (0: no clipping), step, zero grads; return grad norm.
-        Under fp16 a non-finite norm skips the step (on every rank) and halves the loss scale."""
+    def _copies(self, copies: list[int]) -> torch.Tensor:
+        """``copies`` as a float64 tensor on the device, made once (the same every step): a
+        blocking host -> GPU copy each step would wait for the device."""
+        key = tuple(copies)
+        if self._copies_cached[0] != key:
+            self._copies_cached = (key, torch.tensor(copies, dtype=torch.float64, device=self.device))
+        return self._copies_cached[1]
+
+    def step(self, lr: float, max_norm: float, host: bool = True):
+        """Set lr, unscale, clip to ``max_norm`` (0: no clipping), step, zero grads; return grad norm
+        (``host=False``: the tensor of ``grad_norm``). Under fp16 a non-finite norm skips the step
+        (on every rank) and halves the loss scale: that decision reads the norm on the host, the one
+        device -> host wait left in a step; without fp16 the clip is computed on the device."""
         self._sync_grads()
         grads = [_local(p.grad) for p in self._params() if p.grad is not None]
         if self.scaler.enabled:  # the loss scale, over dp·cp (and micro-batches): LossScaler.backward_scale
             torch._foreach_mul_(grads, 1.0 / self.schedule.grad_scale)
-        norm = self.grad_norm()
-        if self.scaler.update(norm):
-            coef = max_norm / (norm + 1e-6) if max_norm > 0 else 1.0
-            if coef < 1.0:
-                torch._foreach_mul_(grads, coef)
+        norm = self.grad_norm(host=False)
+        if not self.scaler.enabled or self.scaler.update(float(norm)):
+            if max_norm > 0:
+                _clip(grads, max_norm, norm)
             self._before_update()
             for opt in self.optimizers:
                 for group in opt.param_groups:
@@ -344,7 +371,7 @@ class Engine:
             moe.reset_stats(self.parts)
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
-        return norm
+        return float(norm) if host else norm
 
     # ---- coordination, checkpoints, memory ------------------------------------------------
     def any_rank(self, flag: bool) -> bool:
@@ -397,6 +424,21 @@ class Engine:
         if self.device.type == "cuda":
             report["peak_device_bytes"] = torch.cuda.max_memory_allocated(self.device)
         return report
+
+
+def _clip(grads: list[torch.Tensor], max_norm: float, norm: torch.Tensor) -> None:
+    """Scale ``grads`` by ``max_norm / (norm + 1e-6)`` where that is below 1, on the device: the
+    float64 factor, rounded to the gradients' fp32 as a Python float factor is (bitwise the host
+    rule ``if coef < 1: grads *= coef``; a factor >= 1 or NaN multiplies by 1, which changes
+    nothing). Gradients on another device (FSDP2's ``offload = params`` keeps them on the host)
+    get a copy of the factor there."""
+    coef = torch.full_like(norm, max_norm).div(norm + 1e-6)  # not ``max_norm / t``: torch computes 1/t * max_norm
+    coef = torch.where(coef < 1.0, coef, torch.ones_like(coef))
+    by_device: dict = {}
+    for g in grads:
+        by_device.setdefault((g.device, g.dtype), []).append(g)
+    for (device, dtype), group in by_device.items():  # the factor in the multiply's compute type (float for fp32)
+        torch._foreach_mul_(group, coef.to(device=device, dtype=torch.promote_types(dtype, torch.float32)))
 
 
 def build_engine(model_cfg: ModelConfig, layout: ParallelLayout, optim_cfg: OptimizerConfig,

@@ -1,11 +1,13 @@
 """Per-step metrics: ``<run>/metrics.jsonl``, TensorBoard, and a terminal progress line.
 
-Each line of metrics.jsonl is one JSON object. Fields (docs/training.md):
-  step, tokens (cumulative), loss, lr, grad_norm, tokens_per_s, tflops (achieved model
-  TFLOP/s over all ranks), mfu, hfu, time_data_s, time_fwd_bwd_s, time_optimizer_s,
-  time_step_s, peak_memory_bytes, param_bytes, grad_bytes, optimizer_bytes,
-  activation_bytes (this rank, from tensor storages), host_optimizer_bytes (optimizer offload
-  only), val_loss (on eval steps only).
+Each line of metrics.jsonl is one JSON object, one per logged step (every ``log_every``-th, the
+last, and each eval step). Fields (docs/training.md):
+  step, tokens (cumulative), loss, lr, grad_norm (of the logged step itself), tokens_per_s,
+  tflops (achieved model TFLOP/s over all ranks), mfu, hfu, time_data_s, time_fwd_bwd_s,
+  time_optimizer_s, time_step_s (these six: means over the steps since the previous logged
+  one, ``StepWindow``; with log_every = 1 the step's own), peak_memory_bytes, param_bytes,
+  grad_bytes, optimizer_bytes, activation_bytes (this rank, from tensor storages),
+  host_optimizer_bytes (optimizer offload only), val_loss (on eval steps only).
 MFU = tokens/s · model FLOPs per token / (world size · peak FLOP/s); HFU uses hardware
 FLOPs (recompute included); both null where above 100% (the run's peak is too low:
 ``luban.train.peak.run_peak``). FLOPs per token come from ``luban.model.flops``.
@@ -20,6 +22,59 @@ import time
 
 from luban import interrupt
 from pathlib import Path
+
+
+class StepWindow:
+    """The timing figures of one metrics.jsonl record: means over the steps since the last logged
+    one. The trainer reads the device only on the steps it logs (a GPU -> host read stalls the
+    host until the device drains, so the next step's kernels are not queued while it runs), so
+    one step's own time on a GPU is unknown: the host has moved on while its kernels run. A
+    window's is known: its last step waits for the device (``add`` after the drain), so the host
+    times summed over the window cover its device work. ``time_data_s`` and ``time_step_s`` are
+    host wall-clock times; on a GPU ``time_fwd_bwd_s`` and ``time_optimizer_s`` are device times
+    between CUDA events recorded at the step's marks (``mark``), read once the window drained; on
+    a CPU, where the work is done when the call returns, host times like the others."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+        self.reset()
+
+    def reset(self) -> None:
+        self.steps = 0
+        self.data_s = self.fwd_bwd_s = self.optimizer_s = self.step_s = 0.0
+        self.marks: list = []
+
+    def mark(self):
+        """A point of the step in the device's stream: a CUDA event (None on a CPU)."""
+        if not self.cuda:
+            return None
+        import torch
+
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def add(self, t0: float, t1: float, t2: float, t3: float, marks: tuple = (None, None, None)) -> None:
+        """One step: host times at its start, after the batch, after forward+backward, at its end;
+        ``marks``: ``mark()`` after the batch, after forward+backward, after the optimizer step."""
+        self.steps += 1
+        self.data_s += t1 - t0
+        self.fwd_bwd_s += t2 - t1
+        self.optimizer_s += t3 - t2
+        self.step_s += t3 - t0
+        if self.cuda:
+            self.marks.append(marks)
+
+    def means(self) -> dict:
+        """The window's mean seconds per step (once the device drained); a new window begins."""
+        n, fwd_bwd, optimizer = self.steps, self.fwd_bwd_s, self.optimizer_s
+        if self.cuda:  # elapsed_time: milliseconds between two completed events
+            fwd_bwd = sum(a.elapsed_time(b) for a, b, _ in self.marks) / 1e3
+            optimizer = sum(b.elapsed_time(c) for _, b, c in self.marks) / 1e3
+        means = {"time_data_s": self.data_s / n, "time_fwd_bwd_s": fwd_bwd / n, "time_optimizer_s": optimizer / n,
+                 "time_step_s": self.step_s / n}
+        self.reset()
+        return means
 
 
 class MetricsLogger:

@@ -3,7 +3,10 @@
 The HAI platform's contract (seed 000): the scheduler signals a job, the job saves a
 checkpoint and exits, and is resumed later. The first SIGUSR1, SIGTERM or SIGINT sets a flag
 that the trainer checks after each step; a second SIGINT exits at once with code 130.
-Ranks agree through an all-reduce (MAX), so every rank saves the same step.
+Ranks agree through an all-reduce (MAX), so every rank saves the same step. It runs on the host
+(``any_rank``: a CPU tensor over a gloo group, made once beside an NCCL one), never on the GPU:
+an NCCL all-reduce and ``.item()`` every step waited for the GPU to finish the step, so the host
+could not queue the next step's kernels while it ran.
 
 The handlers are installed by ``install()`` as the first thing ``python -m luban train`` does
 (``luban/__main__.py``), before torch is imported, and ``parallel.launch`` starts ranks with
@@ -50,16 +53,43 @@ class SuspendFlag:
         self.requested, self.reason = True, self.reason or reason
 
     def agreed(self) -> bool:
-        """True on every rank as soon as any rank was signalled."""
-        import torch
-        import torch.distributed as dist
+        """True on every rank as soon as any rank was signalled (collective: every rank calls it
+        at the same point of each step)."""
+        return any_rank(self.requested)
 
-        if not (dist.is_available() and dist.is_initialized()):
-            return self.requested
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-        flag = torch.tensor([int(self.requested)], dtype=torch.int32, device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank if ``flag`` is true on any rank: an all-reduce (MAX) of a CPU tensor over
+    ``host_group``, which waits for the other ranks' hosts but never for a device. Collective."""
+    import torch
+    import torch.distributed as dist
+
+    group = host_group()
+    if group is False:
+        return flag
+    value = torch.tensor([int(flag)], dtype=torch.int32)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    return bool(value[0])
+
+
+_HOST_GROUP: tuple | None = None  # (the default group it was made for, a gloo group over its ranks)
+
+
+def host_group():
+    """The process group for all-reduces of host (CPU) values: ``None`` (the default group) where
+    it runs gloo, else a gloo group over the same ranks, made at the first call (collective, so
+    made at the same call on every rank) and remade for a new default group; ``False`` where there
+    is no other rank to agree with (no process group, or a group of one)."""
+    global _HOST_GROUP
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return False
+    if "gloo" in dist.get_backend():  # "gloo", or "cpu:gloo,cuda:nccl": CPU tensors go to gloo
+        return None
+    if _HOST_GROUP is None or _HOST_GROUP[0] is not dist.group.WORLD:
+        _HOST_GROUP = (dist.group.WORLD, dist.new_group(backend="gloo"))
+    return _HOST_GROUP[1]
 
 
 _FLAG: SuspendFlag | None = None

@@ -31,7 +31,7 @@ from luban.parallel.launch import check_rank_env
 from luban.parallel.layout import check_layout
 from luban.parallel.recompute import recomputed_flops_mode
 from luban.train import checkpoint
-from luban.train.metrics import MetricsLogger
+from luban.train.metrics import MetricsLogger, StepWindow
 from luban.train.peak import run_peak
 from luban.train import preempt
 from luban.train.rundir import check_run_dir, unlock_run_dir
@@ -58,6 +58,13 @@ def set_deterministic(on: bool, device: torch.device) -> None:
         torch.backends.cudnn.benchmark = False
         torch.backends.cudnn.deterministic = True
     torch.use_deterministic_algorithms(True)
+
+
+def drain(device: torch.device) -> None:
+    """Wait until the device has run everything queued (a GPU; a CPU's work is done already). The
+    loop calls it only on the steps that read the device anyway (``Trainer._train``)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -177,12 +184,12 @@ class Trainer:
         return None
 
     def _checkpoint_due(self) -> bool:
-        """``checkpoint_every_minutes``: rank 0's clock decides, so every rank saves the same step."""
+        """``checkpoint_every_minutes``: rank 0's clock decides, so every rank saves the same step
+        (agreed on the host, ``preempt.any_rank``: no wait for the GPU)."""
         minutes = self.cfg.train.checkpoint_every_minutes
         if not minutes:
             return False
-        due = self.is_main and time.monotonic() - self._last_save_time >= 60 * minutes
-        return self.engine.any_rank(due)  # on the training group's device (NCCL needs CUDA tensors)
+        return preempt.any_rank(self.is_main and time.monotonic() - self._last_save_time >= 60 * minutes)
 
     def log_saves(self, log: MetricsLogger) -> None:
         """metrics.jsonl ``{"step", "checkpoint": {step, stall_s, write_s, async}}`` for each save whose write ended."""
@@ -332,48 +339,59 @@ class Trainer:
         peak = self.peak["flops"] * self.engine.world_size
         implausible = False  # MFU/HFU above 100%: reported as not measured, with one warning
         loss, saved, step_times, memory = None, None, [], {}
+        window = StepWindow(self.device)  # the timing figures since the last logged step
         try:
             if suspend.agreed():  # signalled during start-up: nothing new to save
                 log.message(f"suspended on {suspend.reason or 'a peer rank signal'} before the first step "
                             f"(step {self.step}); exit {EXIT_SUSPENDED} (resume with --resume auto)")
                 return TrainResult(self.step, True, None, None)
             while self.step < t.steps:
+                # loss and grad norm stay on the device: read (and the device drained) only on the steps
+                # that log; the rest queue their kernels behind the previous step's (StepWindow)
                 t0 = time.perf_counter()
                 tokens, labels = next(self.loader)
                 t1 = time.perf_counter()
-                loss = self.engine.forward_backward(tokens, labels)
+                marks = [window.mark()]
+                loss = self.engine.forward_backward(tokens, labels, host=False)
                 t2 = time.perf_counter()
+                marks.append(window.mark())
                 lr = lr_at(self.step, t.lr, t.min_lr, t.warmup_steps, t.steps)
-                grad_norm = self.engine.step(lr, t.grad_clip)
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
-                t3 = time.perf_counter()
-                # after the step: a fresh optimizer makes its state there (step 1 read 0 optimizer bytes before)
-                memory = self.engine.memory_report()
+                grad_norm = self.engine.step(lr, t.grad_clip, host=False)
+                marks.append(window.mark())
                 self.step += 1
-                step_times.append(t3 - t0)
-                if len(step_times) == 1 and self.engine.compiled:
+                evaluating = bool(t.eval_every) and self.step % t.eval_every == 0
+                logging = self.step % t.log_every == 0 or self.step == t.steps or evaluating
+                timing_compile = self.engine.compiled and not step_times and window.steps == 0  # the first step
+                if logging or timing_compile:
+                    drain(self.device)
+                t3 = time.perf_counter()
+                window.add(t0, t1, t2, t3, tuple(marks))
+                if timing_compile:
                     log.message(f"first step {t3 - t0:.1f} s, compiling included (train.compile = {t.compile!r})")
-                record = {"step": self.step, "tokens": self.step * tokens_per_step, "loss": loss, "lr": lr,
-                          "grad_norm": grad_norm, "tokens_per_s": tokens_per_step / (t3 - t0),
-                          "tflops": tokens_per_step * self.model_flops / (t3 - t0) / 1e12,
-                          "mfu": tokens_per_step * self.model_flops / (t3 - t0) / peak,
-                          "hfu": tokens_per_step * self.hw_flops / (t3 - t0) / peak,
-                          "time_data_s": t1 - t0, "time_fwd_bwd_s": t2 - t1, "time_optimizer_s": t3 - t2,
-                          "time_step_s": t3 - t0, "peak_memory_bytes": peak_memory_bytes(self.device), **memory,
-                          **self.engine.moe_metrics}
-                if record["hfu"] > 1 or record["mfu"] > 1:
-                    if not implausible:
-                        log.message(f"MFU {100 * record['mfu']:.0f}% / HFU {100 * record['hfu']:.0f}% is above 100%: "
-                                    f"the peak {self.peak['flops'] / 1e12:.3g} TFLOP/s per rank "
-                                    f"({self.peak['source']}, {self.run_dir / 'peak.json'}) is below what this "
-                                    "machine does; mfu and hfu are reported as not measured (null); set "
-                                    "LUBAN_PEAK_FLOPS to this machine's peak")
-                    implausible = True
-                    record["mfu"] = record["hfu"] = None
-                if t.eval_every and self.step % t.eval_every == 0:
-                    record["val_loss"] = self.validate()
-                if self.step % t.log_every == 0 or self.step == t.steps or "val_loss" in record:
+                if logging:
+                    n, times = window.steps, window.means()
+                    step_times += [times["time_step_s"]] * n  # each step of the window: its mean
+                    # after the step: a fresh optimizer makes its state there (step 1 read 0 optimizer bytes before)
+                    memory = self.engine.memory_report()
+                    time_s = times["time_step_s"]
+                    record = {"step": self.step, "tokens": self.step * tokens_per_step, "loss": float(loss), "lr": lr,
+                              "grad_norm": float(grad_norm), "tokens_per_s": tokens_per_step / time_s,
+                              "tflops": tokens_per_step * self.model_flops / time_s / 1e12,
+                              "mfu": tokens_per_step * self.model_flops / time_s / peak,
+                              "hfu": tokens_per_step * self.hw_flops / time_s / peak,
+                              **times, "peak_memory_bytes": peak_memory_bytes(self.device), **memory,
+                              **self.engine.moe_metrics}
+                    if record["hfu"] > 1 or record["mfu"] > 1:
+                        if not implausible:
+                            log.message(f"MFU {100 * record['mfu']:.0f}% / HFU {100 * record['hfu']:.0f}% is above "
+                                        f"100%: the peak {self.peak['flops'] / 1e12:.3g} TFLOP/s per rank "
+                                        f"({self.peak['source']}, {self.run_dir / 'peak.json'}) is below what this "
+                                        "machine does; mfu and hfu are reported as not measured (null); set "
+                                        "LUBAN_PEAK_FLOPS to this machine's peak")
+                        implausible = True
+                        record["mfu"] = record["hfu"] = None
+                    if evaluating:
+                        record["val_loss"] = self.validate()
                     log.log(record)
                 stop = suspend.agreed()
                 final = stop or self.step == t.steps
@@ -383,14 +401,14 @@ class Trainer:
                 if stop and self.step < t.steps:
                     log.message(f"suspended on {suspend.reason or 'a peer rank signal'} at step {self.step}; "
                                 f"checkpoint {saved}; exit {EXIT_SUSPENDED} (resume with --resume auto)")
-                    return TrainResult(self.step, True, saved, loss)
+                    return TrainResult(self.step, True, saved, float(loss))
             self._report_plan(memory, step_times[3:], log)
         finally:
             if self.writer is not None:
                 self.writer.close()
             self.loader.close()
             log.close()
-        return TrainResult(self.step, False, saved, loss)
+        return TrainResult(self.step, False, saved, None if loss is None else float(loss))
 
     def _report_to_cluster(self, log: MetricsLogger) -> None:
         """Inside a luban job: tell the scheduler where metrics.jsonl is (its dashboard's job page)."""
