@@ -25,6 +25,26 @@ LAYOUT_FLAGS = {"dp": DEGREE, "dp_replicate": DEGREE, "zero": schema.integer(0, 
                 "schedule": NAME, "virtual_stages": DEGREE, "cp": DEGREE, "micro_batch": DEGREE, "recompute": NAME,
                 "offload": NAME, "precision": NAME, "ep": DEGREE}
 GIB = 2**30
+# the config keys a layout check names (``luban.parallel.layout``) and the flag that set each here
+TYPED_FLAGS = {**{f"parallel.{key}": "--" + key.replace("_", "-") for key in (*LAYOUT_FLAGS, "sp")},
+               "train.global_batch": "--global-batch"}
+
+
+def typed_flags(command):
+    """``command`` whose errors name the flag the user typed beside the config key the check names:
+    ``--tp / parallel.tp = 3: ...`` for ``parallel.tp = 3: ...`` (keys no flag sets are left as they are)."""
+    import functools
+
+    @functools.wraps(command)
+    def run(args) -> int:
+        try:
+            return command(args)
+        except LubanError as err:
+            key, sep, rest = str(err).partition(" = ")
+            if type(err) is not LubanError or not sep or key not in TYPED_FLAGS:
+                raise
+            raise LubanError(f"{TYPED_FLAGS[key]} / {key} = {rest}") from None
+    return run
 
 
 def register(sub) -> None:
@@ -84,7 +104,7 @@ def register(sub) -> None:
     est.add_argument("--price-per-gpu-hour", type=schema.number(0, 1e9), default=0.0)
     est.add_argument("--train-tokens", type=schema.number(0, 1e18), default=0.0, help="tokens to train (for time, GPU-hours, cost)")
     est.add_argument("--explain", action="store_true", help="show where every byte and millisecond goes")
-    est.set_defaults(func=cmd_estimate)
+    est.set_defaults(func=typed_flags(cmd_estimate))
 
     srch = cmds.add_parser("search", parents=[common], help="every valid layout; the fastest that fit")
     srch.add_argument("--top", type=schema.integer(1, 10_000), default=5)
@@ -96,10 +116,12 @@ def register(sub) -> None:
     srch.add_argument("--ep", type=DEGREE, action="append", default=None,
                       help="MoE: search only these expert-parallel sizes (repeatable; default: every size that "
                            "divides dp*cp and the experts)")
-    srch.set_defaults(func=cmd_search)
+    srch.set_defaults(func=typed_flags(cmd_search))
 
     val = cmds.add_parser("validate", help="reproduce the published tables")
-    val.add_argument("--system", default="dgx-a100-80g")
+    val.add_argument("--system", default="dgx-a100-80g",
+                     help="the A100 profile (built-in name or file) the A100 tables (Korthikanti 2022, Narayanan 2021) are "
+                          "planned on; another GPU's profile is refused (the H100 tables and the sources use their own machines')")
     val.add_argument("--json", action="store_true")
     val.add_argument("--grid", choices=("full", "small", "fine", "none"), default="full",
                      help="leave-one-source-out refit grid (luban.plan.loso): full (default, 81 combinations), "

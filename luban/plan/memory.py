@@ -49,12 +49,40 @@ def fsdp_transients(params, weight_b, grad_b, zero, shards):
 
 
 def rank_layers(problem: Problem, g: Grid) -> tuple:
-    """Transformer layers on (pipeline rank 0, the last stage's rank, the busiest rank): the
-    runtime's split and placement (``luban.parallel.schedules``), or the explicit ``pp_split``."""
+    """Transformer layers on (pipeline rank 0, the last stage's rank, the busiest rank): the explicit
+    ``pp_split``, else luban's split and placement (``luban.parallel.schedules``), or Megatron's split
+    (``even_rank_layers``) for a runtime model that splits so (``Runtime.even_pipeline_split``)."""
     if g.stage_layers is not None:
         return g.stage_layers
-    return schedules.rank_layers(problem.model.layers, g.pp, g.virtual_stages, problem.derived["head_layers"],
-                                 g.schedule)
+    balanced = schedules.rank_layers(problem.model.layers, g.pp, g.virtual_stages, problem.derived["head_layers"],
+                                     g.schedule)
+    if not problem.runtime_model.even_pipeline_split:
+        return balanced
+    return even_rank_layers(problem.model.layers, g.pp, g.virtual_stages, g.schedule, balanced)
+
+
+def even_rank_layers(layers: int, pp, v, code, otherwise: tuple) -> tuple:
+    """(rank 0, last-stage rank, busiest rank) layers under Megatron's split: layers / stages on every
+    stage (Megatron-Core ``transformer_block.get_num_layers_to_build``, which requires the division), and
+    where they do not divide but layers + 2 do, the embedding and the loss counted as one layer each: the
+    first and the last stage one layer fewer (Megatron-Core ``account_for_embedding_in_pipeline_split`` and
+    ``account_for_loss_in_pipeline_split``, which Megatron-Bridge's recipes set for such models; DeepSpeed's
+    ``--pp-partition-method 'type:transformer|embedding'``, BLOOM's; Llama 3's "one fewer layer on the first
+    and the last stage", Dubey et al. 2024 Sec. 3.3.2); ``otherwise`` (luban's split) where neither divides.
+    Loop placement: the first and the last stage sit on ranks 0 and pp − 1; V: both on rank 0."""
+    pp = np.asarray(pp)
+    vshape = schedules.is_v(code)
+    v = np.where(vshape, 2, np.asarray(v))
+    stages = pp * v
+    even = layers % stages == 0
+    fewer = ~even & ((layers + 2) % stages == 0)  # the first and the last stage hold one layer fewer
+    per_stage = np.where(even, layers // stages, (layers + 2) // stages)
+    full = v * per_stage  # a rank holding neither end
+    ends = np.where(vshape, full - 2 * fewer, full - fewer)  # rank 0 (and the last stage's rank)
+    most = np.where(vshape | (pp > 2), np.maximum(full, ends), ends)
+    single = pp == 1
+    split = (even | fewer) & ~single
+    return tuple(np.where(split, x, other) for x, other in zip((ends, ends, most), otherwise))
 
 
 def expert_split(problem: Problem, g: Grid):

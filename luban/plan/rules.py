@@ -94,8 +94,24 @@ def first_violation(g: Grid, model: ModelConfig, global_batch: int, gpus: int, s
                     rules=LUBAN_RULES):
     """Index into ``REASONS`` of the first violated rule per layout (0: valid). ``extra`` adds
     further conditions (the memory checks) after the layout rules."""
-    conditions = violations(g, model, global_batch, gpus, seq, rules) + list(extra)
-    code = np.zeros(g.shape, dtype=np.int8)
+    return _first(violations(g, model, global_batch, gpus, seq, rules) + list(extra), g.shape)
+
+
+def _first(conditions: list, shape: tuple):
+    """Index (1-based) of the first true condition per entry of ``shape`` (0: none)."""
+    code = np.zeros(shape, dtype=np.int8)
     for k in range(len(conditions), 0, -1):
         code = np.where(conditions[k - 1], np.int8(k), code)
     return code
+
+
+def rule_counts(g: Grid, model: ModelConfig, global_batch: int, gpus: int, seq: int, rules=LUBAN_RULES,
+                upto: int | None = None) -> np.ndarray:
+    """Layouts of ``g`` per ``REASONS`` index of their first violated layout rule (no memory checks):
+    ``first_violation``'s counts, without spreading the codes over the axes the rules looked at do not
+    depend on (no rule reads recompute; only the last three read micro_batch): each code is counted once
+    for every layout it broadcasts to. ``upto``: look at the first ``upto`` rules only, exact for layouts
+    that violate one of them (the search's rows that a rule of their own knobs rejects)."""
+    conditions = violations(g, model, global_batch, gpus, seq, rules)[:upto]
+    code = _first(conditions, np.broadcast_shapes(*(np.shape(c) for c in conditions)))
+    return np.bincount(code.ravel(), minlength=len(REASONS)) * (int(np.prod(g.shape)) // code.size)

@@ -22,7 +22,7 @@ from luban.parallel.layout import OFFLOADS, PRECISIONS, SCHEDULES, _divisors
 from luban.plan.estimate import Estimate, evaluate
 from luban.plan.grid import Grid
 from luban.plan.problem import Problem
-from luban.plan.rules import NO_GPU_MEMORY, NO_HOST_MEMORY, REASONS, first_violation, violations
+from luban.plan.rules import NO_GPU_MEMORY, NO_HOST_MEMORY, REASONS, first_violation, rule_counts, violations
 
 ALL_OFFLOADS = tuple(range(len(OFFLOADS)))  # indices into OFFLOADS; check_layout drops what a runtime does not run
 VIRTUAL_STAGES = (2, 3, 4, 6, 8)  # searched for schedules without an upper bound on stages per rank
@@ -127,51 +127,67 @@ def search(problem: Problem, top: int = 5, chunk: int = 1 << 16, score=None, pro
 
     Axis 0 of the grid is processed ``chunk`` layouts at a time to stay within the CPU caches;
     ``progress(done, total)`` (layouts) is called after each chunk. Rows of axis 0 that a layout
-    rule rejects whatever the other knobs (``_rejected_rows``: tp not dividing the heads, too many
+    rule rejects whatever the other knobs (``_row_rules``: tp not dividing the heads, too many
     stages) are only counted: their first violation is a layout rule, never a memory check, so the
-    estimate (nine times the cost of the rules) is not computed for them."""
+    estimate (nine times the cost of the rules) is not computed for them, and only the rules up to
+    their own are looked at, over the axes those rules read (``rules.rule_counts``)."""
     start, cpu_start = time.perf_counter(), time.process_time()
     g = candidate_grid(problem, **grid_options)
     per_row = int(np.prod(g.shape[1:]))
     step = max(1, chunk // max(1, per_row))
-    rejected_rows = _rejected_rows(g, problem)
+    row_rules = _row_rules(g, problem)
     counts = np.zeros(len(REASONS), dtype=np.int64)
     best: list = []
     done, total = 0, g.shape[0] * per_row
-    for estimated, rows in ((False, np.flatnonzero(rejected_rows)), (True, np.flatnonzero(~rejected_rows))):
-        for lo in range(0, len(rows), step):
-            part = _rows(g, rows[lo:lo + step])
-            with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-                results = evaluate(problem, part) if estimated else None
-                extra = (~results["memory"]["fits_hbm"], ~results["memory"]["fits_host"]) if estimated else ()
-                codes = first_violation(part, problem.model, problem.global_batch, problem.gpus, problem.seq,
-                                        extra=extra, rules=problem.runtime_model)
-            codes = np.broadcast_to(codes, part.shape).ravel()
-            counts += np.bincount(codes, minlength=len(REASONS))
-            if estimated:
-                value = results["tokens_per_s"] if score is None else score(part, results)
-                value = np.broadcast_to(value, part.shape).ravel()
-                valid = np.flatnonzero(codes == 0)
-                keep = valid[np.lexsort((valid, -value[valid]))[:top]]  # ties: the simpler layout (lower knobs) first
-                best += [(-value[i], rows[lo], i, part.layout(np.unravel_index(i, part.shape))) for i in keep]
-            done += codes.size
-            if progress is not None:
-                progress(done, total)
+    rejected_rows = np.flatnonzero(row_rules)
+    for lo in range(0, len(rejected_rows), step):  # counted: the first violation is at or before the row's own rule
+        rows = rejected_rows[lo:lo + step]
+        found = rule_counts(_rows(g, rows), problem.model, problem.global_batch, problem.gpus, problem.seq,
+                            problem.runtime_model, upto=int(row_rules[rows].max()))
+        counts += found
+        done += int(found.sum())
+        if progress is not None:
+            progress(done, total)
+    rows = np.flatnonzero(row_rules == 0)
+    for lo in range(0, len(rows), step):  # estimated, checked against the rules and the memory limits
+        part = _rows(g, rows[lo:lo + step])
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            results = evaluate(problem, part)
+            codes = first_violation(part, problem.model, problem.global_batch, problem.gpus, problem.seq,
+                                    extra=(~results["memory"]["fits_hbm"], ~results["memory"]["fits_host"]),
+                                    rules=problem.runtime_model)
+        codes = np.broadcast_to(codes, part.shape).ravel()
+        counts += np.bincount(codes, minlength=len(REASONS))
+        value = results["tokens_per_s"] if score is None else score(part, results)
+        value = np.broadcast_to(value, part.shape).ravel()
+        valid = np.flatnonzero(codes == 0)
+        keep = valid[np.lexsort((valid, -value[valid]))[:top]]  # ties: the simpler layout (lower knobs) first
+        best += [(-value[i], rows[lo], i, part.layout(np.unravel_index(i, part.shape))) for i in keep]
+        done += codes.size
+        if progress is not None:
+            progress(done, total)
     best = [_estimate_one(problem, layout) for *_, layout in sorted(best, key=lambda item: item[:3])[:top]]
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     rejected = {REASONS[k]: int(c) for k, c in enumerate(counts) if k and c}
     return SearchResult(problem, int(counts.sum()), seconds, cpu_seconds, rejected, int(counts[0]), best)
 
 
-def _rejected_rows(g: Grid, problem: Problem) -> np.ndarray:
-    """Per row of axis 0: whether a layout rule that depends on that row's knobs alone (dp, tp, pp,
-    cp, schedule, virtual stages, ep; broadcast over the other axes) rejects it."""
-    rejected = np.zeros(g.shape[0], dtype=bool)
-    for violated in violations(g, problem.model, problem.global_batch, problem.gpus, problem.seq,
-                               problem.runtime_model):
+def _row_rules(g: Grid, problem: Problem) -> np.ndarray:
+    """Per row of axis 0: the first layout rule (index into ``REASONS``; 0: none) that depends on that
+    row's knobs alone (dp, tp, pp, cp, schedule, virtual stages, ep; broadcast over the other axes) and
+    rejects it."""
+    found = np.zeros(g.shape[0], dtype=np.int64)
+    conditions = violations(g, problem.model, problem.global_batch, problem.gpus, problem.seq, problem.runtime_model)
+    for k, violated in reversed(list(enumerate(conditions, 1))):
         if all(n == 1 for n in np.shape(violated)[1:]):
-            rejected |= np.broadcast_to(violated, (g.shape[0],) + (1,) * (len(g.shape) - 1)).reshape(-1)
-    return rejected
+            row = np.broadcast_to(violated, (g.shape[0],) + (1,) * (len(g.shape) - 1)).reshape(-1)
+            found = np.where(row, k, found)
+    return found
+
+
+def _rejected_rows(g: Grid, problem: Problem) -> np.ndarray:
+    """Per row of axis 0: whether a layout rule of that row's knobs alone rejects it (``_row_rules``)."""
+    return _row_rules(g, problem) > 0
 
 
 def _estimate_one(problem: Problem, layout) -> Estimate:

@@ -247,7 +247,7 @@ def step_time(problem: Problem, g: Grid, mem: dict) -> dict:
     hbm = s.hbm_bandwidth * s.efficiency["hbm_efficiency"]
     traffic = s.efficiency["elementwise_traffic"] * rt.traffic_scale(problem)
     act = activation_bytes(problem, g)
-    n = rank_layers(problem, g)[2]  # the busiest rank paces the pipeline
+    _, last_n, most_n = rank_layers(problem, g)  # layers on the last stage's rank and on the busiest rank
     cpu = cpu_terms(problem)
     slow, contend = cpu["slow"], cpu["contend"]
 
@@ -286,8 +286,10 @@ def step_time(problem: Problem, g: Grid, mem: dict) -> dict:
     # context parallel: ring exchange of K and V chunks, hidden behind the attention core
     kv_msg = 2 * tokens * cfg.kv_dim * act["e"] / t
     cp_intra = t * c <= s.nvlink_domain
-    cp_fwd = np.maximum(0.0, (c - 1) * collective(problem, kv_msg, c, cp_intra, P2P) - attn)
-    cp_bwd = np.maximum(0.0, (c - 1) * collective(problem, 2 * kv_msg, c, cp_intra, P2P) - 2 * attn)
+    cp_ring_fwd = (c - 1) * collective(problem, kv_msg, c, cp_intra, P2P)
+    cp_ring_bwd = (c - 1) * collective(problem, 2 * kv_msg, c, cp_intra, P2P)
+    cp_fwd = np.maximum(0.0, cp_ring_fwd - attn)
+    cp_bwd = np.maximum(0.0, cp_ring_bwd - 2 * attn)
 
     # expert parallel: dispatch + combine all-to-all per MoE layer (average layer: x moe_share);
     # the EP group's ranks sit at stride tp inside dp·cp, or (``Runtime.ep_folding``) on
@@ -295,6 +297,7 @@ def step_time(problem: Problem, g: Grid, mem: dict) -> dict:
     ep_one = (problem.expert_imbalance * d["moe_share"] * 2
               * all_to_all(problem, ep_tokens * all_to_all_bytes(problem, g, act["e"]), g.ep, 1 if folded else t,
                            dispatcher=problem.dispatcher))
+    ep_all = ep_one  # before any overlap
     if problem.ep_overlap:  # Megatron-Core --overlap-moe-expert-parallel-comm: in the 1F1B steady state one
         # micro-batch's forward runs beside another's backward, and each side's dispatch and combine
         # hide behind the other's compute (3 layer forwards per pair, half of it per direction); an
@@ -310,17 +313,29 @@ def step_time(problem: Problem, g: Grid, mem: dict) -> dict:
                                        attn + traffic * (act["none"] - act["selective"]) * tokens / hbm)
     recompute = np.where(g.recompute == FULL, share * layer_fwd, np.where(g.recompute == SELECTIVE, selective_redo, 0.0))
     comm_redo = np.where(g.recompute == FULL, share * (tp_fwd + cp_fwd + ep_one), 0.0)
+    stall_redo = np.where(g.recompute == FULL, share * stall, 0.0)  # a recomputed forward waits again
 
-    fwd = n * layer_fwd + head_fwd
-    bwd = 2 * fwd + unaligned_head_seconds(problem, g, tokens, peak)
+    # the rank that paces the pipeline: the LM head (and its loss) runs only on the rank holding the
+    # last stage (``luban.parallel.pipeline``: the last stage keeps the final norm and the head; a V-shaped
+    # schedule puts it on rank 0, whose layers ``rank_layers`` reports as the last stage's), so the
+    # busiest stage is the costlier of that rank (its layers + the head) and the rank with the most
+    # layers (without it); one micro-batch, forward + backward (at pp = 1 both are the one rank)
+    head_bwd = 2 * head_fwd + unaligned_head_seconds(problem, g, tokens, peak)
+    layer_fb = (3 * layer_fwd + recompute + tp_fwd + tp_bwd + cp_fwd + cp_bwd + 2 * ep_one + comm_redo
+                + stall + stall_redo)  # one layer's share of F + B below
+    holds_head = last_n * layer_fb + head_fwd + head_bwd >= most_n * layer_fb
+    n = np.where(holds_head, last_n, most_n)
+    head = np.where(holds_head, 1.0, 0.0)  # 1 where the pacing rank holds the head
+
+    fwd = n * layer_fwd + head * head_fwd
+    bwd = 2 * n * layer_fwd + head * head_bwd
     rc = n * recompute
     tp_mb = n * (tp_fwd + tp_bwd + np.where(g.recompute == FULL, share * tp_fwd, 0.0))
     cp_mb = n * (cp_fwd + cp_bwd + np.where(g.recompute == FULL, share * cp_fwd, 0.0))
     ep_mb = n * (2 * ep_one + np.where(g.recompute == FULL, share * ep_one, 0.0))
-    stall_redo = np.where(g.recompute == FULL, share * stall, 0.0)  # a recomputed forward waits again
     F = fwd + n * (tp_fwd + cp_fwd + ep_one + stall)
     B = bwd + rc + n * (tp_bwd + cp_bwd + ep_one + comm_redo + stall_redo)
-    W = n * mm + head_fwd  # weight-gradient GEMMs, deferrable by zero-bubble schedules
+    W = n * mm + head * head_fwd  # weight-gradient GEMMs, deferrable by zero-bubble schedules
 
     bubble = pipeline_bubble(g, F, B, W)
     pp_msg = msg / t
@@ -358,7 +373,15 @@ def step_time(problem: Problem, g: Grid, mem: dict) -> dict:
         gather, reduce = gather + expert_gather, reduce + expert_reduce
     dp_total = gather + reduce + hooks
     busy = m * (F + B)
-    hidden = rt.dp_hidden(problem, g, gather, reduce, F, B, busy)
+    # what a runtime hides behind one micro-batch's forward or backward (``dp_hidden``) shares that compute
+    # with what the tensor-, context- and expert-parallel overlaps above already hid behind it: their windows
+    # are the pacing rank's compute less those (the gradient reduce had been hidden behind the whole
+    # backward, exposed communication included, beside the TP traffic hidden behind its GEMMs)
+    hid_f = n * ((tp_one - tp_fwd) + (cp_ring_fwd - cp_fwd) + (ep_all - ep_one) / 2)
+    hid_b = n * ((tp_one - tp_bwd) + (cp_ring_bwd - cp_bwd) + (ep_all - ep_one) / 2)
+    F_free = np.maximum(0.0, fwd - hid_f)
+    B_free = np.maximum(0.0, bwd + rc - hid_b)
+    hidden = rt.dp_hidden(problem, g, gather, reduce, F_free, B_free, busy)
     if rt.scalar_allreduces:  # per step: e.g. loss, gradient-norm and suspend-flag all-reduces of a scalar
         world = np.asarray(problem.gpus)
         dp_total = dp_total + rt.scalar_allreduces * collective(problem, 8.0, world, world <= s.nvlink_domain, ALL_REDUCE)
@@ -374,7 +397,11 @@ def step_time(problem: Problem, g: Grid, mem: dict) -> dict:
                  + contend * tensors * np.where((t > 1) | ((dp * c > 1) & (g.zero >= 1)) | fsdp, cpu["dtensor"], cpu["tensor"]))
     link = s.offload_bandwidth
     fetch = np.where(g.offload == PARAMS_OFFLOAD, m * 2 * params / shards * wb / link, 0.0)
-    offload = np.where(offloaded, shard * (gb + wb) / link, 0.0) + np.maximum(0.0, fetch - s.efficiency["zero3_overlap"] * busy)
+    # the weights' fetch from the host prefetches behind the same compute as the data-parallel collectives
+    # (``dp_hidden``): one budget, the profile's ``zero3_overlap`` share of the step's compute, of which the
+    # fetch gets what those collectives left (each was hidden up to the whole share: twice the compute)
+    fetch_hidden = np.minimum(fetch, np.maximum(0.0, s.efficiency["zero3_overlap"] * busy - hidden))
+    offload = np.where(offloaded, shard * (gb + wb) / link, 0.0) + fetch - fetch_hidden
     offload = offload + tier_exposed(problem, g, mem, m, n, layer_fwd, shard, (wb, gb, ob))
 
     host = host_bound(problem, n, F + B)
@@ -382,7 +409,10 @@ def step_time(problem: Problem, g: Grid, mem: dict) -> dict:
              "pp_p2p": pp_comm, "pipeline_bubble": bubble, "dp_comm": dp_total - hidden, "optimizer": optimizer,
              "offload": offload}
     step = sum(parts.values())
-    return {"parts": parts, "step": step, "dp_hidden": hidden, "F": F, "B": B, "W": W}
+    # hidden_other: the tensor-, context- and expert-parallel communication hidden per step; compute: the
+    # pacing rank's forward, backward and recompute per step (what every overlap hides behind)
+    return {"parts": parts, "step": step, "dp_hidden": hidden, "F": F, "B": B, "W": W,
+            "hidden_other": m * (hid_f + hid_b), "compute": m * (fwd + bwd + rc)}
 
 
 PERMUTE_PASSES = 4  # permute (gather into expert order) + unpermute (weighted scatter back): each reads and writes the k copies

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
+from luban.errors import LubanError, bad_value
 from luban.model.config import ModelConfig
 from luban.parallel.layout import ParallelLayout
 from luban.plan.estimate import Estimate, evaluate
@@ -50,8 +51,26 @@ def reference_dir() -> Path:
 
 
 def read_table(name: str) -> list[dict]:
-    with open(reference_dir() / name, newline="") as f:
-        return list(csv.DictReader(f))
+    """The rows of reference table ``name``; a copy named by ``$LUBAN_REFERENCE_DIR`` that lacks it or
+    cannot be read is a one-line error."""
+    read_table.last = name  # named by the error of a copy whose cells do not parse (``validate_all``)
+    try:
+        with open(reference_dir() / name, newline="", encoding="utf-8") as f:
+            return list(csv.DictReader(f))
+    except (OSError, UnicodeDecodeError, csv.Error) as err:
+        raise _bad_copy(name, err) from None
+
+
+read_table.last = ""
+
+
+def _bad_copy(name: str, err: Exception) -> LubanError:
+    """The error of a reference table that cannot be read or parsed: names ``$LUBAN_REFERENCE_DIR`` where
+    it is set (the user's copy), else the packaged folder."""
+    what = getattr(err, "strerror", None) or f"{type(err).__name__}: {err}"
+    key = "LUBAN_REFERENCE_DIR" if os.environ.get("LUBAN_REFERENCE_DIR") else "reference folder"
+    return bad_value(key, str(reference_dir()), f"a folder of the reference tables luban/plan/reference ships, "
+                                                f"readable and parsing ({name}: {what})".replace("\n", " "))
 
 
 def _megatron_gpt(hidden: int, layers: int, heads: int, name: str) -> ModelConfig:
@@ -64,8 +83,31 @@ def _estimate(model, system, layout: ParallelLayout, gpus: int, global_batch: in
     return Estimate.from_results(problem, g, evaluate(problem, g))
 
 
-def korthikanti_table5(system="dgx-a100-80g") -> list[dict]:
-    system = load_system(system)
+# The machine of the A100 tables (Korthikanti et al. 2022 Sec. 5 and Narayanan et al. 2021 Sec. 5: NVIDIA's
+# Selene, DGX A100 80GB nodes): the profile they are planned on by default, and the GPU any other must describe
+A100_TABLES_SYSTEM = "dgx-a100-80g"
+
+
+def a100_system(system=A100_TABLES_SYSTEM, key: str = "--system") -> System:
+    """The profile the A100 tables are planned on: ``system`` (a built-in name, a profile file or a
+    ``System``) where it describes their GPU -- a GPU profile (no probed ``[cpu]`` table) whose dense fp16
+    peak is ``A100_TABLES_SYSTEM``'s datasheet figure (an A100 profile of another node or calibration) --
+    else a one-line error: a table measured on an A100 planned on another chip scores the chip, not
+    the planner."""
+    typed = system.name if isinstance(system, System) else str(system)  # as the user named it (a path)
+    system = system if isinstance(system, System) else load_system(system)
+    reference = load_system(A100_TABLES_SYSTEM)
+    peak = system.peak_flops.get("fp16")
+    if system.cpu or peak != reference.peak_flops["fp16"]:
+        what = "a probed CPU" if system.cpu else (f"fp16 peak {peak / 1e12:g} TFLOP/s" if peak else "no fp16 peak")
+        raise bad_value(key, typed, f"the A100 tables (Korthikanti 2022, Narayanan 2021) were measured on DGX A100 "
+                                    f"(Selene): an A100 profile, fp16 peak {reference.peak_flops['fp16'] / 1e12:g} "
+                                    f"TFLOP/s, e.g. {A100_TABLES_SYSTEM} (this profile: {what})")
+    return system
+
+
+def korthikanti_table5(system=A100_TABLES_SYSTEM) -> list[dict]:
+    system = a100_system(system)
     rows = []
     for r in read_table("korthikanti2022_table5_iteration_time_mfu.csv"):
         model = _megatron_gpt(int(r["hidden"]), int(r["layers"]), int(r["attention_heads"]), r["model"])
@@ -86,12 +128,12 @@ def korthikanti_table5(system="dgx-a100-80g") -> list[dict]:
 NARAYANAN_MICRO_BATCHES = (1, 2, 4, 8)  # the paper does not publish the micro-batch; its Fig. 16 sweeps 1-8
 
 
-def narayanan_table1(system="dgx-a100-80g", micro_batch: int | None = None) -> list[dict]:
+def narayanan_table1(system=A100_TABLES_SYSTEM, micro_batch: int | None = None) -> list[dict]:
     """TFLOP/s per GPU of Table 1 (Eq. 3 FLOPs, fp16, full recompute, runtime ``megatron``). The
     paper does not publish the micro-batch: by default each row takes the fastest that fits out
     of 1, 2, 4, 8 (the paper tunes it per model, Sec. 3.5); ``micro_batch=1`` forces it, the
     reading #11 sets its goal on (table ``narayanan2021-t1-mb1``)."""
-    system = load_system(system)
+    system = a100_system(system)
     rows = []
     for r in read_table("narayanan2021_table1_weak_scaling.csv"):
         model = _megatron_gpt(int(r["hidden_size"]), int(r["num_layers"]), int(r["attention_heads"]),
@@ -396,7 +438,19 @@ def summary(rows: list[dict]) -> dict:
     return {"rows": len(rows), "mean_abs_error": float(errors.mean()), "max_abs_error": float(errors.max())}
 
 
-def validate_all(system="dgx-a100-80g") -> dict:
+def validate_all(system=A100_TABLES_SYSTEM) -> dict:
+    """Every table; ``system``: the (A100) profile of the A100 tables (``a100_system``); the H100
+    tables and the independent sources are planned on their own machines' profiles."""
+    system = a100_system(system)  # refused before minutes of work, not after
+    if not os.environ.get("LUBAN_REFERENCE_DIR"):
+        return _validate_all(system)
+    try:  # the user's copy of the tables: a cell that does not parse is theirs to fix, in one line
+        return _validate_all(system)
+    except (ValueError, KeyError, IndexError, TypeError, ZeroDivisionError) as err:
+        raise _bad_copy(read_table.last, err) from None
+
+
+def _validate_all(system: System) -> dict:
     tables = {"korthikanti2022-t5": korthikanti_table5(system), "narayanan2021-t1": narayanan_table1(system),
               "narayanan2021-t1-mb1": narayanan_table1(system, micro_batch=1),
               "zero2019-t1": zero_table1()}

@@ -52,8 +52,11 @@ def test_leave_one_source_out_headline(small):
     pinned here (docs/planner.md gives the per-source table) so that a regression fails."""
     _, result = small
     # (2026-11-26, session 14: rings across nodes share the node's NICs, refitted: 6.81% on this grid,
-    # NeMo 6.3%, torchtitan 5.5%, MosaicML 7.7%, Trainy 1.8%, Megatron-LM 2.6%; 10.3% before)
-    assert result["headline"] <= 0.075, result
+    # NeMo 6.3%, torchtitan 5.5%, MosaicML 7.7%, Trainy 1.8%, Megatron-LM 2.6%; 10.3% before.
+    # 2026-11-28: the LM head charged to its own pipeline stage, Megatron's pipeline split for Megatron's
+    # runs, the H100 profile refitted: 8.01% on this grid, 8.25% on the full one -- OVER issue #25's 8% goal,
+    # reported (docs/planner.md "The LM head on its own stage"): BLOOM's one row went 1.2% -> 12.3%)
+    assert result["headline"] <= 0.081, result
     held = {s: v["held_out"] for s, v in result["sources"].items()}
     assert held["nvidia-megatron-lm"] <= 0.04 and held["nvidia-nemo-megatron-core"] <= 0.07
     assert held["torchtitan"] <= 0.07 and held["mosaicml-composer"] <= 0.09 and held["trainy-torchtitan"] <= 0.04
@@ -105,7 +108,10 @@ def test_torchtitan_tp_rows_run_sequence_parallel_and_async_tp_speeds_up_the_for
 def test_bloom_and_mt_nlg_rows():
     rows = {r["row"].split()[0]: r for r in validate.source_rows("megatron_deepspeed_a100.csv", "t")}
     bloom = rows["bloom-176b"]
-    assert bloom["estimate"].system == "jean-zay-a100-80g" and abs(bloom["error"]) < 0.05
+    # 2026-11-28: within 5% while its last rank was charged 6 layers + the LM head (worth 1.4 layers); it
+    # holds 5 + the head (DeepSpeed's type:transformer|embedding split, Megatron's split here): 15% too fast
+    # at the shipped knobs, reported (docs/planner.md "The LM head on its own stage"); guards a regression
+    assert bloom["estimate"].system == "jean-zay-a100-80g" and abs(bloom["error"]) < 0.16
     assert validate.source_system("jean-zay-a100-80g").internode_bandwidth == 6.25e9
 
 

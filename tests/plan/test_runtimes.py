@@ -29,7 +29,7 @@ def test_megatron_ddp_with_tp_is_accepted_and_fsdp_runtimes_refuse_it(capsys):
     for rt in ("fsdp2", "luban"):
         assert main(["plan", "estimate", *NARAYANAN, "--runtime", rt]) == 2
         err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and err[0].startswith("luban: error: parallel.zero = 0:") and "zero >= 1" in err[0]
+        assert len(err) == 1 and err[0].startswith("luban: error: --zero / parallel.zero = 0:") and "zero >= 1" in err[0]
     assert main(["plan", "estimate", *NARAYANAN, "--runtime", "deepspeed"]) == 2
     err = capsys.readouterr().err.strip()
     assert err == ("luban: error: --runtime = 'deepspeed': one of megatron, megatron-core, fsdp2, luban, "
@@ -152,7 +152,7 @@ def test_fp8_is_planned_not_run(capsys, tmp_path):
     assert main([*base, "--runtime", "luban", "--system", "dgx-h100"]) == 2
     assert "this runtime runs fp32, bf16, fp16" in capsys.readouterr().err
     assert main([*base, "--runtime", "megatron-core", "--system", "dgx-a100-80g"]) == 2  # no fp8 peak on A100
-    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("luban: error: parallel.precision = 'fp8'")
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("luban: error: --precision / parallel.precision = 'fp8'")
     assert main([*base, "--runtime", "megatron-core", "--system", "dgx-h100", "--zero", "1"]) == 0
 
 
