@@ -219,29 +219,50 @@ def to_hf(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> tuple[dict, dict[
     return hf_config(cfg, family), out
 
 
+# the names transformers 5 reads as one another's (each config class's ``attribute_map``; GPT-2's since 4.x):
+# luban reads a key under either, and refuses a file giving both with different values, since which one
+# transformers builds from then depends on the class and version (5.24: GPT-2 with n_layer = 2 and
+# num_hidden_layers = 1 built 1 layer; Qwen3-MoE took num_local_experts, Mixtral num_experts)
+ALIASES = {"gpt2": {"n_embd": "hidden_size", "n_positions": "max_position_embeddings", "n_head": "num_attention_heads",
+                    "n_layer": "num_hidden_layers"},
+           "mixtral": {"num_local_experts": "num_experts"}, "qwen3_moe": {"num_experts": "num_local_experts"}}
+
+
 class _Keys:
     """config.json's values, each with transformers' default where the file has none and checked for its
-    type; every problem is one line naming the file and the key."""
+    type; every problem is one line naming the file and the key (the name the file gives it: ``aliases``)."""
 
-    def __init__(self, raw: dict, src: str, defaults: dict):
+    def __init__(self, raw: dict, src: str, defaults: dict, aliases: dict | None = None):
         self.raw, self.src, self.defaults = raw, src, defaults
+        self.aliases = {**(aliases or {}), **{b: a for a, b in (aliases or {}).items()}}
+        for a, b in (aliases or {}).items():
+            if a in raw and b in raw and raw[a] != raw[b]:
+                raise LubanError(f"{src}: {a} = {raw[a]!r}, {b} = {raw[b]!r}: one value expected (transformers reads "
+                                 "each as the other; which one it builds from depends on the model class and its "
+                                 "version); keep one of the two")
+
+    def name(self, key: str) -> str:
+        """The name ``key`` has in the file: itself, or its alias where only that is there."""
+        other = self.aliases.get(key)
+        return other if key not in self.raw and other in self.raw else key
 
     def __contains__(self, key: str) -> bool:
-        return key in self.raw
+        return self.name(key) in self.raw
 
     def bad(self, key: str, value, allowed: str) -> LubanError:
         return bad_value(f"{self.src}: {key}", value, allowed)
 
     def get(self, key: str, kind: type | str, nullable: bool = False):
         """``kind``: a type, or ``"size"`` (an integer >= 1: a width, a count; 0 would be no model)."""
-        value = self.raw.get(key, self.defaults.get(key, _MISSING))
+        value = self.raw.get(self.name(key), self.defaults.get(key, _MISSING))
+        key = self.name(key)
         if value is _MISSING:
             raise LubanError(f"{self.src}: {key} missing: a {self.raw.get('model_type')} config needs it")
         if value is None and nullable:
             return None
         ok = {int: lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
               "size": lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
-              float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0,
+              float: lambda v: _finite_number(v) and v >= 0,
               bool: lambda v: isinstance(v, bool), str: lambda v: isinstance(v, str),
               list: lambda v: isinstance(v, list), dict: lambda v: isinstance(v, dict)}[kind]
         if not ok(value):
@@ -254,6 +275,14 @@ class _Keys:
 _MISSING = object()
 
 
+def _finite_number(v) -> bool:
+    """A JSON number that is a finite float (an integer of 400 digits is not one: float() overflows)."""
+    try:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    except OverflowError:
+        return False
+
+
 def read_config(raw, src: str = "config.json") -> tuple[ModelConfig, dict, list[str]]:
     """A config.json (any layout transformers 4.40 to 5.x writes) -> (ModelConfig, the keys luban accepted
     but does not model, to write back on export, warnings). What luban cannot represent exactly is refused
@@ -263,7 +292,8 @@ def read_config(raw, src: str = "config.json") -> tuple[ModelConfig, dict, list[
     kind = raw.get("model_type")
     if not isinstance(kind, str) or kind not in DEFAULTS:
         raise bad_value(f"{src}: model_type", kind, "one of 'gpt2', 'llama', 'mixtral', 'qwen3_moe'")
-    keys = _Keys(raw, src, DEFAULTS[kind] if kind == "gpt2" else {**LLAMA_DEFAULTS, **DEFAULTS[kind]})
+    keys = _Keys(raw, src, DEFAULTS[kind] if kind == "gpt2" else {**LLAMA_DEFAULTS, **DEFAULTS[kind]},
+                 ALIASES.get(kind))
     quant = raw.get("quantization_config")
     if quant is not None:  # its weights are integers with scales, or floats that a scale tensor multiplies
         method = quant.get("quant_method", quant) if isinstance(quant, dict) else quant
@@ -276,7 +306,7 @@ def read_config(raw, src: str = "config.json") -> tuple[ModelConfig, dict, list[
     try:
         return ModelConfig(name=f"hf-{kind}", **fields), extra, notes
     except LubanError as err:
-        names = {**CONFIG_KEYS[kind], **({} if "num_experts" in raw else {"experts": "num_local_experts"})}
+        names = {field: keys.name(key) for field, key in CONFIG_KEYS[kind].items()}
         raise LubanError(f"{src}: {_in_config_keys(str(err), names)}") from None
 
 
@@ -355,15 +385,15 @@ def _llama_fields(keys: _Keys, kind: str, notes: list[str], extra: dict) -> dict
     if sparse != list(range(dense, layers)):
         raise LubanError(f"{keys.src}: mlp_only_layers = {only}, decoder_sparse_step = {step}: luban keeps dense "
                          "layers only first (mlp_only_layers = [0, ..., k-1], decoder_sparse_step = 1)")
-    experts = "num_experts" if "num_experts" in keys else "num_local_experts"  # transformers 4.x, 5.x
-    return {**fields, "experts": keys.get(experts, "size"), "ffn_hidden": keys.get("intermediate_size", "size"),
+    return {**fields, "experts": keys.get("num_experts", "size"),
+            "ffn_hidden": keys.get("intermediate_size", "size"),
             "expert_ffn_hidden": keys.get("moe_intermediate_size", "size"), "dense_layers": dense, "qk_norm": True}
 
 
 def _rope_theta(keys: _Keys, seq: int, notes: list[str], extra: dict) -> float:
     """RoPE's base from ``rope_parameters`` (5.x) or ``rope_scaling`` with a top-level ``rope_theta``
     (4.x), in transformers' order; a frequency scaling luban does not have is refused, except NTK
-    'dynamic', which changes nothing up to its original length."""
+    'dynamic', which changes nothing up to its original length (``_ntk_factor``)."""
     scaling = keys.get("rope_scaling", dict, nullable=True)
     where = "rope_scaling" if scaling else "rope_parameters"
     rope = scaling or keys.get("rope_parameters", dict, nullable=True) or {}
@@ -379,6 +409,7 @@ def _rope_theta(keys: _Keys, seq: int, notes: list[str], extra: dict) -> float:
         where_factor = nested if "partial_rotary_factor" in rope else keys
         raise where_factor.bad("partial_rotary_factor", factor, "1.0 (luban rotates every dimension)")
     if kind == "dynamic" and nested.get("original_max_position_embeddings", int) >= seq:
+        _ntk_factor(nested, seq)
         notes.append(f"{where}.rope_type = 'dynamic': NTK scaling starts only beyond max_position_embeddings = {seq}, "
                      "the longest sequence luban runs, so the model is exact; written back on export")
         extra[where] = rope
@@ -386,6 +417,20 @@ def _rope_theta(keys: _Keys, seq: int, notes: list[str], extra: dict) -> float:
         raise nested.bad("rope_type", kind, "'default' (luban's RoPE has no frequency scaling; 'dynamic' is accepted "
                                             "where it starts beyond max_position_embeddings)")
     return theta
+
+
+def _ntk_factor(rope: _Keys, seq: int) -> None:
+    """NTK 'dynamic' RoPE's ``factor``, which transformers uses at every length: it computes the base as
+    ``rope_theta * (factor * s / m - (factor - 1)) ** (d / (d - 2))`` with s = m = max_position_embeddings
+    up to that length (modeling_rope_utils._compute_dynamic_ntk_parameters), rope_theta itself only where
+    that difference is 1 in double precision. A NaN factor, or one of 1e16 (difference 0: infinite
+    frequencies), gave NaN logits there; a missing or non-numeric one, no model at all."""
+    if "factor" not in rope:
+        raise LubanError(f"{rope.src}: factor missing: NTK 'dynamic' RoPE needs it")
+    factor = rope.raw["factor"]
+    if not _finite_number(factor) or factor * seq / seq - (factor - 1) != 1.0:
+        raise rope.bad("factor", factor, "a finite number from which transformers' NTK base is rope_theta within "
+                                         "max_position_embeddings")
 
 
 def _sliding_window(keys: _Keys, kind: str, seq: int, notes: list[str], extra: dict) -> None:

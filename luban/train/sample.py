@@ -85,7 +85,9 @@ def generate(model: Transformer, prompt: list[int], max_new_tokens: int, tempera
         if temperature <= 0:
             ids.append(int(logits.argmax()))
             continue
-        logits = logits / temperature
+        # shifted first: the likeliest token's logit is 0 and the others at most 0, so a low temperature
+        # cannot overflow them to inf (finite logits of 6e35 over 0.001 did: NaN probabilities, a crash)
+        logits = (logits - logits.max()) / temperature
         if top_k:
             kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
             logits = logits.masked_fill(logits < kth, float("-inf"))
