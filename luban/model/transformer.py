@@ -163,11 +163,17 @@ class Transformer(nn.Module):
         self.head_loss = chunked_head_loss  # (h, head weight, labels) -> loss; compiled: apply_compile
 
     def rope(self, positions: torch.Tensor | None, length: int, device: torch.device):
-        """cos/sin for ``positions`` (default ``0..length-1``) from a table of all ``seq_len``
-        positions built once per device, on that device (never on the host per forward)."""
+        """cos/sin for ``positions`` (default ``0..length-1``) from a table built on that device
+        (never on the host per forward) and kept per device: of the first ``length`` positions
+        rounded up to a power of two, grown when a longer length comes, or of all ``seq_len``
+        positions where ``positions`` are given (reading their largest would wait for the device).
+        A table of all ``seq_len`` positions at once cost 8·seq_len·head_dim bytes whatever was
+        run: 17 GB for an imported model with ``max_position_embeddings`` 2^24 sampled from a
+        short prompt (2026-11-28). Rows do not depend on the table's length (``rope_tables``)."""
+        rows = self.cfg.seq_len if positions is not None else min(self.cfg.seq_len, 1 << (max(length, 1) - 1).bit_length())
         table = self._rope_cache.get(device)
-        if table is None:
-            table = rope_tables(self.cfg, torch.arange(self.cfg.seq_len, device=device))
+        if table is None or table[0].shape[0] < rows:
+            table = rope_tables(self.cfg, torch.arange(rows, device=device))
             self._rope_cache[device] = table
         if positions is None:
             return table[0][:length], table[1][:length]

@@ -101,3 +101,26 @@ def test_a_number_too_large_for_a_float_is_one_line(key):
         read_config(dict(LLAMA, **{key: 10 ** 400}))
     with pytest.raises(LubanError, match=r"factor = 1000+(\.\.\.)?: a finite number"):
         read_config(dict(LLAMA, rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 10 ** 400}))
+
+
+def test_rope_table_grows_with_the_lengths_run_not_the_models_seq_len():
+    """An imported model with ``max_position_embeddings`` 2^24 sampled from a short prompt built a
+    table of every position first: 8 * 2^24 * head_dim bytes (17 GB at head_dim 128). The table now
+    covers the lengths run (rounded up to a power of two), and its rows are those of a full table."""
+    import dataclasses
+
+    import torch
+
+    from luban.model.presets import get_preset
+    from luban.model.transformer import Transformer, rope_tables
+
+    cfg = dataclasses.replace(get_preset("tiny-llama"), seq_len=1 << 24)
+    model = Transformer(cfg)
+    cpu = torch.device("cpu")
+    for length, rows in ((3, 4), (4, 4), (5, 8), (2, 8), (17, 32)):
+        cos, sin = model.rope(None, length, cpu)
+        assert model._rope_cache[cpu][0].shape[0] == rows
+        full_cos, full_sin = rope_tables(dataclasses.replace(cfg, seq_len=64), torch.arange(64))
+        assert torch.equal(cos, full_cos[:length]) and torch.equal(sin, full_sin[:length])
+    short = dataclasses.replace(cfg, seq_len=6)
+    assert Transformer(short).rope(None, 5, cpu)[0].shape[0] == 5  # capped at seq_len: 6 rows, 5 read
