@@ -20,7 +20,7 @@ from luban.cluster import joblog
 from luban.cluster import priority as prio
 from luban.cluster import trace as traces
 from luban.cluster.spec import JOBS_LIMIT, JOBS_LIMIT_MAX, MAX_TIME_LIMIT, NAME_RE  # (not client: httpx)
-from luban.errors import LubanError, bad_value, for_terminal_chunks
+from luban.errors import EXIT_USAGE, LubanError, bad_value, for_terminal_chunks
 
 # the flags' declarations (luban.schema); what the service checks again, the client checks first
 NAME = schema.text(NAME_RE.pattern, f"a name matching {NAME_RE.pattern}")
@@ -242,12 +242,29 @@ def cmd_usage(args) -> int:
     return 0
 
 
+# RFC 9110 status codes: the job's state does not allow the request (service.conflict); no such job of yours
+CONFLICT, NOT_FOUND = 409, 404
+
+
 def cmd_hold(args) -> int:
+    """Hold (or release) each job; one the service refuses (not queued, already held, not held) is one
+    line on stderr, changes nothing, and does not keep the others from being asked; exit 2 if any was."""
+    from luban.cli import error_line
+    from luban.cluster.client import ApiError
+
     client = _client(args)
+    refused = 0
     for job_id in args.jobs:
-        job = client.hold(job_id) if args.command_name == "hold" else client.release(job_id)
-        print(f"job {job['id']}: {job['reason']}")
-    return 0
+        try:
+            job = client.hold(job_id) if args.command_name == "hold" else client.release(job_id)
+        except ApiError as err:
+            if err.status not in (CONFLICT, NOT_FOUND):  # the service or the token, not this job: said once
+                raise
+            print(error_line(err), file=sys.stderr, flush=True)
+            refused += 1
+            continue
+        print(f"job {job['id']}: {job['reason']}", flush=True)
+    return EXIT_USAGE if refused else 0
 
 
 def cmd_logs(args) -> int:
@@ -532,11 +549,13 @@ def cmd_trace(args) -> int:
 def cmd_simulate(args) -> int:
     from luban.cluster import simulate, trace
 
-    _check_zones(args.zones, args.nodes)
+    # not given: SimConfig's zones, or one per node when fewer (`--nodes 4` alone was refused for --zones = 10)
+    zones = args.zones if args.zones is not None else min(simulate.SimConfig.zones, args.nodes)
+    _check_zones(zones, args.nodes)
     if not args.trace:
         simulate.check_synthetic(args.jobs, args.days, args.nodes, args.tick)
     jobs = trace.load(args.trace) if args.trace else trace.synthetic(_trace_config(args))
-    report = simulate.run(jobs, simulate.SimConfig(nodes=args.nodes, zones=args.zones, quantum=args.quantum,
+    report = simulate.run(jobs, simulate.SimConfig(nodes=args.nodes, zones=zones, quantum=args.quantum,
                                                    tick=args.tick, checkpoint_s=args.checkpoint_s))
     print(json.dumps(report, indent=1) if args.json else simulate.format_report(report))
     return 0
@@ -699,7 +718,8 @@ def register(subparsers) -> None:
     p = sub.add_parser("simulate", parents=[sim_args], help="replay a trace through the policy in virtual time")
     p.add_argument("--trace", type=schema.path("file"),
                    help="JSON-lines trace (default: a synthetic one from the options; make one with luban cluster trace)")
-    p.add_argument("--zones", type=NODES, default=10, help="network zones the nodes are split into (<= --nodes)")
+    p.add_argument("--zones", type=NODES, help="network zones the nodes are split into (<= --nodes; default 10, "
+                                               "or --nodes when fewer)")
     p.add_argument("--quantum", type=QUANTUM, default=4 * 3600.0, help="time-sharing quantum (inf: none)")
     p.add_argument("--tick", type=SECONDS, default=60.0, help="virtual seconds between ticks")
     p.add_argument("--checkpoint-s", type=SECONDS, default=120.0, help="virtual seconds a job needs to suspend")

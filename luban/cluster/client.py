@@ -1,7 +1,8 @@
 """``Client``: the Python SDK for the cluster API, used by the CLI and by scripts.
 
 ``Client()`` reads LUBAN_CLUSTER_URL and LUBAN_CLUSTER_TOKEN (a running job has both); an API
-error becomes a ``LubanError`` carrying the server's one-line explanation.
+error becomes an ``ApiError`` (a ``LubanError``) carrying the server's one-line explanation and
+its HTTP status (409: the job's state does not allow the request; nothing was changed).
 """
 
 from __future__ import annotations
@@ -22,6 +23,14 @@ TOTAL_HEADER = "X-Total-Count"      # GET /api/jobs: how many rows match in all 
 DEFAULT_URL = "http://127.0.0.1:8765"
 RETRY_STATUS = 503  # the service is up but its database is not (restarting): retried like an unreachable
                    # service, within retry_for (the request was rolled back: nothing was done)
+
+
+class ApiError(LubanError):
+    """The service's refusal of one call (HTTP ``status`` >= 400), carrying its one-line explanation."""
+
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
 
 
 class JobList(list):
@@ -81,7 +90,7 @@ class Client:
             if detail is None or not str(detail).strip():  # not luban's service (a web server's empty 404)
                 detail = f"{method} {path} answered without a message: is {self.url} a luban cluster service?"
             detail = escaped(" ".join(str(detail).split()))
-            raise LubanError(f"{detail[:2000]} (HTTP {response.status_code})")  # no terminal control codes
+            raise ApiError(f"{detail[:2000]} (HTTP {response.status_code})", response.status_code)  # no control codes
         if body is None or SERVICE_HEADER not in response.headers:  # another web server or API at the URL
             raise LubanError(f"{method} {path} answered HTTP {response.status_code} "
                              f"({response.headers.get('content-type') or 'no content type'}) without luban's mark: "

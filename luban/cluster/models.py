@@ -29,6 +29,8 @@ class StopReason(enum.IntFlag):
     LOST = 128             # the executor lost track of it (node or launcher gone)
     TIME_LIMIT = 256       # ran past its spec's time_limit: killed
     HOLD = 512             # (a request, not an end) held by its user: not scheduled until released
+    ADMIN_HOLD = 1024      # (with HOLD) held by an admin, not its user: only an admin releases it (as Slurm's
+                           # JobHeldAdmin, which its user's `scontrol release` cannot lift)
 
 
 class Node(Base):

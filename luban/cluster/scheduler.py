@@ -40,6 +40,7 @@ MAX_REPORTED = 1000  # distinct executor problems remembered (each logged once)
 # a queued attempt with any of these requested is not started: not in the policy's snapshot, and
 # refused by the claim (a hold or stop that lands between a tick's snapshot and its start)
 NOT_STARTED = int(StopReason.USER_STOP | StopReason.ADMIN_STOP | StopReason.HOLD)
+POSTPONED = "start postponed"  # the "wait" event of a start that met an outage (_unclaim): a copy may be left
 
 
 @dataclasses.dataclass
@@ -140,6 +141,9 @@ class Scheduler:
         self._next_node_sync: float | None = None  # when the ticks read the executor's nodes again (None: now)
         self._node_sync_delay = RETRY_MIN_S  # after a reading that failed: doubles up to NODE_SYNC_S
         self._node_problem: str | None = None  # the last reading's failure, said once
+        self._uncancelled: set[int] = set()  # queued attempts whose earlier try's copy could not be cancelled (said once)
+        # queued attempts whose start met an outage, their copy not cancelled yet (None: read from the events first)
+        self._tried: set[int] | None = None
 
     # -- nodes -------------------------------------------------------------------------------
     def sync_nodes(self) -> None:
@@ -345,6 +349,8 @@ class Scheduler:
             ids = s.scalars(select(Job.id).where(Job.state.in_(ACTIVE))).all()
             queued_stops = s.scalars(select(Job.id).where(Job.state == states.QUEUED, Job.requested.op("&")(
                 int(StopReason.USER_STOP | StopReason.ADMIN_STOP)) != 0)).all()
+            queued_held = s.scalars(select(Job.id).where(Job.state == states.QUEUED, Job.requested.op("&")(
+                int(StopReason.HOLD)) != 0)).all()
         before = self.unavailable_answers
         for job_id in queued_stops:
             if self.unavailable_answers > before:  # one Slurm timeout a tick, as for the polls below
@@ -355,6 +361,7 @@ class Scheduler:
                     if not self._cancel_earlier_try(s, job):
                         continue  # the executor cannot be asked now: stopped once it can
                     self._end(s, job, states.STOPPED, None, job.requested, "stopped while queued")
+        self._cancel_tries(queued_held, "held while queued")
         seen: set[str] = set()
         for n, job_id in enumerate(ids):
             if self.unavailable_answers > before:  # a hung slurmctld costs one TIMEOUT_S a tick, not one a job
@@ -424,12 +431,61 @@ class Scheduler:
             job.started_at = max(self._retried[job_id], min(job.started_at, self.clock.from_wall(began)))
         del self._retried[job_id]
 
+    def _cancel_tries(self, ids: list[int], why: str) -> None:
+        """Queued attempts among ``ids`` that are not starting now (held; or no longer admitted) whose
+        start met an outage, and whose copy is not cancelled yet: what that start may have submitted
+        after all (a timed-out ``sbatch``'s copy nothing could cancel) is cancelled once the executor
+        can be asked (``Executor.cancel_tries``; while starts wait for an outage, at their retries), and
+        a ``cancel`` event says so. Before, nothing asked until the attempt started again, which a held
+        one never did: the copy ran on in Slurm, outside the job's state (a held, then stopped job went
+        on running there), on nodes luban gave to others. The next start is a fresh one (a new token)
+        that waits for the copy to leave Slurm."""
+        if self._tried is None:  # after a start of the service: from the events, once
+            self._tried = self._tried_in_history()
+        wanted = sorted(self._tried.intersection(ids))
+        if not wanted or self._met_outage_this_tick() or self.starts_wait(self.clock.now()):
+            return
+        for job_id in wanted:
+            with self.sessions.begin() as s:
+                job = s.get(Job, job_id, with_for_update=True)
+                if job.state != states.QUEUED:
+                    self._tried.discard(job_id)
+                    continue
+                try:
+                    self.executor.cancel_tries(self._tagged(job))
+                except Unavailable as err:  # asked again once it answers; one timeout a tick
+                    self._executor_unavailable(err)
+                    return
+                except (RuntimeError, LubanError) as err:  # asked again next tick; said once
+                    if job_id not in self._uncancelled:
+                        self._uncancelled.add(job_id)
+                        log.warning("job %s: %s; what an earlier try submitted could not be cancelled: %s",
+                                    job_id, why, one_line(err))
+                    continue
+                self._uncancelled.discard(job_id)
+                self._tried.discard(job_id)
+                self._retry_tokens.pop(job_id, None)  # that try is over: its token runs nothing any more
+                record(s, "cancel", f"{why}: what its postponed start may have submitted is cancelled", job_id)
+
+    def _tried_in_history(self) -> set[int]:
+        """Queued attempts whose latest "start postponed" is later than their latest ``cancel``: what a
+        service that stopped before cancelling their copies leaves (``_cancel_tries``); one query, at
+        the first tick that asks."""
+        with self.sessions() as s:
+            queued = select(Job.id).where(Job.state == states.QUEUED)
+            latest = dict(s.execute(select(Event.job_id, func.max(Event.id)).where(
+                Event.job_id.in_(queued), Event.kind == "wait", Event.message.startswith(POSTPONED)).group_by(
+                Event.job_id)).all())
+            cancelled = dict(s.execute(select(Event.job_id, func.max(Event.id)).where(
+                Event.job_id.in_(queued), Event.kind == "cancel").group_by(Event.job_id)).all())
+        return {i for i, last in latest.items() if last > cancelled.get(i, 0)}
+
     def _cancel_earlier_try(self, s: Session, job: Job) -> bool:
         """A queued attempt being stopped whose start met an outage: what that try may have submitted
         (a timed-out sbatch that nothing could cancel) is found by its tag and killed, so nothing of
         a stopped job runs on. False while the executor cannot be asked (the stop waits)."""
         tried = s.scalar(select(Event.id).where(Event.job_id == job.id, Event.kind == "wait",
-                                                Event.message.startswith("start postponed")).limit(1))
+                                                Event.message.startswith(POSTPONED)).limit(1))
         if tried is None:
             return True
         try:
@@ -522,6 +578,8 @@ class Scheduler:
         self._retry_tokens.pop(job.id, None)
         self._retried.pop(job.id, None)
         self._deferred.pop(job.id, None)
+        if self._tried is not None:
+            self._tried.discard(job.id)
         s.execute(Allocation.__table__.delete().where(Allocation.job_id == job.id))
         record(s, state, message, job.id)
         if state == states.SUSPENDED:
@@ -608,6 +666,7 @@ class Scheduler:
                     if job.reason != waits[job.id]:
                         job.reason = waits[job.id]
                         record(s, "wait", job.reason, job.id, quiet=bool(held))
+            self._cancel_tries(sorted(set(result.waits) - result.admitted), "not admitted")
 
     def claim(self, job_id: int, nodes: tuple[str, ...], why: str, quiet: bool = False) -> tuple[Job, str] | None:
         """The start transaction: quota row locked and recounted, nodes inserted; None if refused. The
@@ -670,6 +729,8 @@ class Scheduler:
                           f"launch failed: {one_line(err, 500)}")
             return
         self._executor_reached(start=True)
+        if self._tried is not None:  # started (or its copy adopted): nothing left to cancel
+            self._tried.discard(job_id)
         retried = job_id in self._retry_tokens
         if retried:
             self._retried[job_id] = self._retry_tokens.pop(job_id)[1]
@@ -690,11 +751,13 @@ class Scheduler:
         states.move(job, states.QUEUED)
         s.execute(Allocation.__table__.delete().where(Allocation.job_id == job.id))
         job.nodes, job.started_at, job.token_hash, job.handle = [], None, None, None
+        if self._tried is not None:  # what this try submitted is cancelled if the attempt does not start again
+            self._tried.add(job.id)
         job.reason = reason or self._waiting_reason()
-        message = f"start postponed: {job.reason}"
-        last = s.scalar(select(Event.message).where(Event.job_id == job.id, Event.kind == "wait")
+        message = f"{POSTPONED}: {job.reason}"
+        last = s.scalar(select(Event.message).where(Event.job_id == job.id, Event.kind.in_(("wait", "cancel")))
                         .order_by(Event.id.desc()).limit(1))
-        if last != message:  # postponed again for the same reason: one event says it
+        if last != message:  # postponed again for the same reason: one event says it (after a cancel: again)
             record(s, "wait", message, job.id, quiet=quiet)
 
     def _tagged(self, job: Job) -> Launch:

@@ -40,7 +40,7 @@ from luban.cluster.client import TOTAL_HEADER  # GET /api/jobs: how many rows in
 from luban.cluster.spec import JOBS_LIMIT, JOBS_LIMIT_MAX  # GET /api/jobs: rows
 from luban.cluster.models import ACTIVE, LIVE, Event, Job, Node, Quota, Sample, StopReason, User, UserGroup
 from luban.cluster.scheduler import GONE, Scheduler, new_token, record, token_hash
-from luban.errors import LubanError, bad_value
+from luban.errors import LubanError, bad_value, shown
 from luban.schema import INT32  # the SQL Integer columns; the CLI checks ids against it too
 
 DASHBOARD = Path(__file__).with_name("dashboard")
@@ -370,6 +370,34 @@ def _read_json(path: Path, owner: str | None, lines: bool = False) -> list[dict]
     return out
 
 
+def conflict(job_id: int, why: str) -> HTTPException:
+    """A request the job's state does not allow now (a release of a job not held, a stop of an ended
+    one): 409, in the one-line form ``job = ID: <why>``; nothing was changed."""
+    return HTTPException(409, str(bad_value("job", job_id, why)))
+
+
+def hold_refusal(job: Job, hold: bool, admin: bool, over_user: bool) -> str | None:
+    """Why ``job`` (a chain's latest attempt) cannot be held (``hold``) or released now by a user
+    (``admin``: an admin; ``over_user``: an admin, on another user's job); None: it can. Only a queued
+    attempt is held or released (a started one is stopped or suspended instead: its next attempt can
+    be held), each only once, not while a stop of it is under way; a hold an admin put on another
+    user's job is released only by an admin, and an admin's hold on a job its user holds makes it one."""
+    action = "held" if hold else "released"
+    if job.state != states.QUEUED:
+        return f"is {job.state}; only a queued job can be {action}" + (
+            " (it is not held)" if not hold else "")
+    if job.requested & (StopReason.USER_STOP | StopReason.ADMIN_STOP):
+        return f"is being stopped; it cannot be {action}"
+    held = bool(job.requested & StopReason.HOLD)
+    if hold and held and not (over_user and not job.requested & StopReason.ADMIN_HOLD):
+        return f"is already held; luban release {job.id} lets it start"
+    if not hold and not held:
+        return "is queued and not held; only a held job can be released"
+    if not hold and job.requested & StopReason.ADMIN_HOLD and not admin:
+        return "is held by an admin; only an admin can release it"
+    return None
+
+
 def check_command(spec: specs.JobSpec, account: str) -> None:
     """Refuse, in one line, a job whose OS account could not start its command (``jobcheck``):
     the job's environment is the one the scheduler will give it (``Scheduler.job_env``)."""
@@ -600,7 +628,7 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
             job = get_job(s, p, job_id, latest=True, lock=True)
             allowed = (states.STARTING, states.RUNNING) if flag == StopReason.USER_SUSPEND else LIVE
             if job.state not in allowed:
-                raise bad_value("job", job_id, f"is {job.state}; this needs a job that is {' or '.join(allowed)}")
+                raise conflict(job_id, f"is {job.state}; this needs a job that is {' or '.join(allowed)}")
             job.requested |= flag
             record(s, "request", f"{flag.name} by {p.user.name}", job.id)
             return job_dict(job)
@@ -616,11 +644,19 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
         return request_flag(job_id, p, StopReason.USER_SUSPEND)
 
     def hold_flag(job_id: int, p: Principal, hold: bool) -> dict:
+        """Hold a queued job that is not held, release a held one; anything else is a one-line 409 that
+        changes nothing (``hold_refusal``: a release of a job that was not held answered "released;
+        queued" and rewrote its reason)."""
         with sessions.begin() as s:
             job = get_job(s, p, job_id, latest=True, lock=True)
-            if job.state != states.QUEUED:
-                raise bad_value("job", job_id, f"is {job.state}; only a queued job can be held or released")
-            job.requested = (job.requested | StopReason.HOLD) if hold else (job.requested & ~StopReason.HOLD)
+            over_user = p.user.is_admin and job.user != p.user.name
+            why = hold_refusal(job, hold, p.user.is_admin, over_user)
+            if why is not None:
+                raise conflict(job_id, why)
+            if hold:
+                job.requested = job.requested | StopReason.HOLD | (StopReason.ADMIN_HOLD if over_user else 0)
+            else:
+                job.requested = job.requested & ~(StopReason.HOLD | StopReason.ADMIN_HOLD)
             job.reason = f"held by {p.user.name} (luban release {job.id})" if hold else "released; queued"
             record(s, "hold" if hold else "release", f"by {p.user.name}", job.id)
             return job_dict(job)
@@ -736,6 +772,12 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
 
     @app.post("/api/jobs/{job_id}/go_suspend")
     def go_suspend(job_id: int, p: Principal = Depends(principal)):
+        """The job's acknowledgement that its checkpoint is saved: its own token only. A user's token (a
+        script, the SDK outside a job) marked the attempt acknowledged: at its next suspend it was
+        killed at once, before it had saved anything (a queued one: as soon as it started)."""
+        if p.job_id is None:
+            raise HTTPException(403, "only the job itself (its LUBAN_CLUSTER_TOKEN) acknowledges a suspend; "
+                                     f"luban suspend {job_id} asks for one")
         with sessions.begin() as s:
             job = get_job(s, p, job_id, lock=True)
             job.acked = True
@@ -772,7 +814,7 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
         with sessions.begin() as s:
             node = s.get(Node, name)
             if node is None:
-                raise HTTPException(404, f"node {name} not found")
+                raise HTTPException(404, f"node {shown(name)} not found")
             if node.state == GONE and state == "up":  # sbatch --nodelist would name a node Slurm does not know
                 raise HTTPException(409, f"node {name} is gone: the executor no longer reports it; it is up again "
                                          "by itself once it does")
@@ -808,12 +850,18 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
         level = prio.parse(body.get("priority"))
         if level == prio.AUTO:
             raise bad_value("priority", "AUTO", "a quota needs a concrete level")
-        with sessions.begin() as s:
-            table = {"user": User, "group": UserGroup}.get(kind)
-            if table is None or s.get(table, name) is None:
-                raise bad_value("owner", owner, "user:NAME or group:NAME of an existing user or group")
-            s.merge(Quota(owner=owner, node_group=group, priority=int(level), nodes=nodes))
-            record(s, "quota", f"{owner} {group} {level.name} = {nodes} node(s) by {p.user.name}")
+        for again in (True, False):  # two admins setting a new quota at once (PostgreSQL): both read no
+            try:                     # row, the second insert failed (a 409); it is the update it meant
+                with sessions.begin() as s:
+                    table = {"user": User, "group": UserGroup}.get(kind)
+                    if table is None or s.get(table, name) is None:
+                        raise bad_value("owner", owner, "user:NAME or group:NAME of an existing user or group")
+                    s.merge(Quota(owner=owner, node_group=group, priority=int(level), nodes=nodes))
+                    record(s, "quota", f"{owner} {group} {level.name} = {nodes} node(s) by {p.user.name}")
+                break
+            except IntegrityError:
+                if not again:
+                    raise
         return {"owner": owner, "node_group": group, "priority": int(level), "nodes": nodes}
 
     @app.get("/api/users")
@@ -863,7 +911,7 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
         with sessions.begin() as s:
             user = s.get(User, name)
             if user is None:
-                raise HTTPException(404, f"user {name} not found")
+                raise HTTPException(404, f"user {shown(name)} not found")
             if "group" in body:
                 if body["group"] is not None and (not isinstance(body["group"], str)
                                                   or s.get(UserGroup, body["group"]) is None):
@@ -888,7 +936,7 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
         with sessions.begin() as s:
             user = s.get(User, name)
             if user is None:
-                raise HTTPException(404, f"user {name} not found")
+                raise HTTPException(404, f"user {shown(name)} not found")
             user.token_hash = token_hash(token)
         return {"name": name, "token": token}
 

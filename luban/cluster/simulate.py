@@ -23,12 +23,23 @@ from luban.errors import bad_value
 # tick intervals from 0 to the trace's span (its latest submit + duration): 3650 days at the
 # default 60 s tick is 5.3 M; a 1 us tick over a day (8.6e10) would be refused
 MAX_GRID_TICKS = 10_000_000
-# what the policy looks at over the whole run, summed over ticks: nodes + jobs in the snapshot.
-# One visit costs ~0.4-0.9 us, so this is about 3 minutes at most; the default run (10,000 jobs,
-# 1000 nodes, 30 days) needs 2.4e7, ~14 s. It also ends a run that would not end: time-sharing can keep
-# displacing long non-checkpointable jobs, which lose their work each time
+# What the policy and the simulator look at over the whole run, summed over ticks (``tick_visits``):
+# a tick's own work counts TICK_VISITS, each node 1, each job log2 of the jobs in the snapshot. So
+# counted, one visit costs 0.1-0.3 us of CPU whatever the run's shape, and the bound is about 1.5
+# minutes at most (a few on a loaded machine); the default run (10,000 jobs, 1000 nodes, 30 days)
+# counts 5.8e7, ~8 s of CPU. Measured 2026-11-28, bench/results/cluster.md. (Until then a visit was
+# a node or a job, "~0.4-0.9 us": a tick over 1 node and 2 jobs costs 16-20 us, 5-7 us a visit, and a
+# queue of 1M jobs 3-7 us a visit, so the bound allowed 17-35 minutes.) It also ends a run that would
+# not end: time-sharing can keep displacing long non-checkpointable jobs, which lose their work each time
 MAX_PLAN_VISITS = 300_000_000
+TICK_VISITS = 64  # a tick's fixed work, 16-20 us of CPU (the snapshot, plan's set-up, the simulator's events)
 ADVICE = "fewer --jobs or --nodes, or a larger --tick or --quantum"
+
+
+def tick_visits(nodes: int, jobs: int) -> int:
+    """One tick's visits: ``TICK_VISITS``, a node 1, a job log2 of the snapshot's jobs (``bit_length``):
+    ordering the queue is n log n, and a deep queue's job costs ~20 node visits (1M jobs: 3-7 us)."""
+    return TICK_VISITS + nodes + jobs * max(1, jobs.bit_length())
 
 
 @dataclasses.dataclass
@@ -122,7 +133,7 @@ def run(trace: list[TraceJob], cfg: SimConfig) -> dict:
                 view.state, view.place = states.requeue(view.place, t, sim.time_share)
                 view.nodes, view.since = (), t
         snap = policy.Snapshot(t, nodes, [s.view for s in active.values()], quota, cfg.quantum)
-        visits += len(nodes) + len(snap.jobs)
+        visits += tick_visits(len(nodes), len(snap.jobs))
         if visits > MAX_PLAN_VISITS:
             unfinished = sum(s.done_at is None for s in jobs.values())
             raise _too_much(trace, cfg, f"reached after {len(plan_times):,} ticks, {t / 86400:.1f} simulated days, "
@@ -214,7 +225,8 @@ def _too_much(trace: list[TraceJob], cfg: SimConfig, why: str):
 
 def _visits_error(jobs: int, nodes: int, why: str):
     return bad_value("simulation", f"{jobs} jobs on {nodes} nodes",
-                     f"at most {MAX_PLAN_VISITS:,} node and job visits of the policy in all; {why}: use {ADVICE}")
+                     f"at most {MAX_PLAN_VISITS:,} node and job visits of the policy in all (a job counts log2 "
+                     f"of the queue, a tick {TICK_VISITS}); {why}: use {ADVICE}")
 
 
 def check_synthetic(jobs: int, days: float, nodes: int, tick: float) -> None:

@@ -98,7 +98,8 @@ def parse(data) -> JobSpec:
             raise bad_value(f"args[{i}]", a, "a string or an integer (quote other values in YAML: \"3e-4\", \"true\")")
         _no_nul(f"args[{i}]", str(a))
         _exec_size(f"args[{i}]", str(a))
-    env = data.get("env", {}) or {}
+    env = data.get("env")
+    env = {} if env is None else env  # YAML's empty `env:`; not 0, "", [] or false (a list of KEY=VALUE lost)
     if not isinstance(env, dict):
         raise bad_value("env", env, "a mapping of NAME: value")
     for k, v in env.items():

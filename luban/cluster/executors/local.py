@@ -59,6 +59,9 @@ class LocalExecutor:
         """A local start never adopts an earlier try's copy (nothing asks)."""
         return None
 
+    def cancel_tries(self, launch: Launch) -> None:
+        """A local start never meets an outage: no earlier try of it is left anywhere."""
+
     def discover(self) -> list[NodeInfo]:
         return [NodeInfo(f"{self.prefix}{i + 1}", self.node_group, self.gpus,
                          {"zone": f"zone{i * self.zones // self.nodes + 1}"})

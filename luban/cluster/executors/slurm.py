@@ -37,6 +37,7 @@ UNREACHABLE = ("unable to contact slurm controller", "socket timed out", "connec
 RUNNING = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING", "SIGNALING",
            "STAGE_OUT", "STOPPED", "REQUEUE_HOLD", "REQUEUE_FED", "RESV_DEL_HOLD"}
 CANCELLED = "sbatch.cancelled"  # in a run dir: a failed try's scancel --name was taken (its retry waits for it)
+SCRIPT = "job.sbatch"  # in a run dir: the batch script of the attempt's latest try (there: a try was made)
 ENDED = {"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL", "DEADLINE",
          "OUT_OF_MEMORY", "REVOKED", "SPECIAL_EXIT"}
 
@@ -117,7 +118,7 @@ class SlurmExecutor:
                 *[a for d in launch.hide for a in ("--hide", d)],
                 *(["--max-log", str(launch.max_log)] if launch.max_log else []),
                 "--", *launch.command]
-        script = run_dir / "job.sbatch"
+        script = run_dir / SCRIPT
         # what a copy of this try is: its nodes and its token (a hash); a retry adopts only its own copy
         token = hashlib.sha256(launch.env.get("LUBAN_CLUSTER_TOKEN", "").encode()).hexdigest()
         try_line = f"# luban try: nodes={','.join(launch.nodes)} token={token}"
@@ -178,6 +179,18 @@ class SlurmExecutor:
             launcher.pgid_file(run_dir, rank).unlink(missing_ok=True)
         (run_dir / CANCELLED).unlink(missing_ok=True)
         return None
+
+    def cancel_tries(self, launch: Launch) -> None:
+        """Cancel what earlier tries of this attempt submitted (``scancel --name``: a copy a timed-out
+        ``sbatch`` submitted after all, which nothing could cancel then), for a queued attempt that is
+        not starting now (held, or no longer admitted): nothing of it may run in Slurm meanwhile. Its
+        next start waits for the copy to leave Slurm and adopts nothing of it (``CANCELLED``). Nothing
+        to do where no try wrote a batch script; ``Unavailable`` while slurmctld cannot be reached."""
+        run_dir = Path(launch.run_dir)
+        if not (run_dir / SCRIPT).exists():
+            return
+        self._run("scancel", f"--name={launch.name}")
+        (run_dir / CANCELLED).touch()
 
     def _listed(self, name: str, fields: str = "%i") -> list[str]:
         """``squeue -n NAME``: the fields of the Slurm jobs of that name (an attempt's tag), in order."""
