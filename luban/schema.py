@@ -63,6 +63,12 @@ def _declared(parse, allowed: str):
     return parse
 
 
+# what an integer is on the command line: ASCII decimal digits, a sign; not int()'s surrounding spaces,
+# underscores or other scripts' digits (``luban stop ٣`` stopped job 3, 2026-11-28)
+DECIMAL = re.compile(r"[+-]?[0-9]+")
+FLOAT = re.compile(r"[+-]?(?:(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?|inf(?:inity)?|nan)", re.IGNORECASE)
+
+
 def integer(lo: int | None = None, hi: int | None = None):
     """A whole number in [lo, hi] (decimal text, or an integer; not a bool, not 1.0)."""
     allowed = f"an integer {_range(lo, hi)}".rstrip()
@@ -71,6 +77,8 @@ def integer(lo: int | None = None, hi: int | None = None):
         try:
             if isinstance(text, bool):
                 raise TypeError
+            if isinstance(text, str) and not DECIMAL.fullmatch(text):  # int() also takes " 7", "1_0", "٣"
+                raise ValueError
             value = int(text) if isinstance(text, str) else operator.index(text)
         except (TypeError, ValueError):
             raise Invalid(text, allowed) from None
@@ -93,6 +101,8 @@ def number(lo: float | None = None, hi: float | None = None, *, open_lo: bool = 
         try:
             if isinstance(text, bool) or not isinstance(text, (numbers.Real, str)):
                 raise TypeError
+            if isinstance(text, str) and not FLOAT.fullmatch(text):  # float() also takes " 7", "1_0", "٣"
+                raise ValueError
             value = float(text)
         except (TypeError, ValueError, OverflowError):
             raise Invalid(text, allowed) from None

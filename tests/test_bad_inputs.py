@@ -388,3 +388,17 @@ def test_a_huge_bad_value_is_shown_cut_short(capsys):
     """A megabyte value is still one short line (errors.shown: the first 200 characters of its repr)."""
     code, err = run(capsys, ["train", "--set", 'train.lr="' + "x" * 1_000_000 + '"'])
     assert code == 2 and err.startswith("luban: error: train.lr = 'xxx") and "...: " in err and len(err) < 400, err[:500]
+
+
+@pytest.mark.parametrize("text", ["٣", " 7", "7 ", "1_0", "0x10", "", "٣.5", "１"])
+def test_numbers_on_the_command_line_are_ascii_decimal(capsys, text):
+    """int()/float() take surrounding spaces, underscores and other scripts' digits: ``luban stop ٣``
+    stopped job 3 (2026-11-28). A flag's number is ASCII digits (and a sign, a point, an exponent)."""
+    from luban import schema
+
+    for parse in (schema.integer(0, None), schema.number(0, None)):
+        with pytest.raises(schema.Invalid):
+            parse(text)
+    assert main(["stop", text]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("luban: error: jobs = "), err
