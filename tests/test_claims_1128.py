@@ -3,6 +3,7 @@ unlucky user meets them (a hostile review, 2026-11-28). Each test names the clai
 
 from __future__ import annotations
 
+import errno
 import grp
 import os
 import selectors
@@ -285,6 +286,22 @@ def test_a_folder_name_too_long_for_the_stage_is_named_as_such(tmp_path):
                                                r"'\.NAME\.building-PID', here 2\d\d bytes"):
         build_dataset([text], tmp_path / ("d" * 250))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["text"]
+
+
+def test_a_refused_or_failed_build_removes_the_parent_folders_it_made(tmp_path, monkeypatch):
+    """``--out a/b/<250-byte name>`` was refused, but left the empty ``a/b/`` it had made (to 2026-11-28); a
+    build that fails while writing leaves none either. A folder that was there already is kept."""
+    text = write_docs(tmp_path / "text", n_docs=2)
+    with pytest.raises(build.LubanError, match="a shorter folder name"):
+        build_dataset([text], tmp_path / "a" / "b" / ("d" * 250))
+    (tmp_path / "kept").mkdir()
+    def fail(*args, **kwargs):  # the storage failing part-way (a disk error while shards are written)
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(build, "_build_into", fail)
+    with pytest.raises(build.OutputWriteError):
+        build_dataset([text], tmp_path / "kept" / "c" / "ds")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept", "text"] and not any((tmp_path / "kept").iterdir())
 
 
 @pytest.mark.parametrize("replace", ["folder", "pipe", "link to a device", "gone"])

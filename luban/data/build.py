@@ -220,6 +220,27 @@ def _inherit(stage: Path, out_dir: Path) -> None:
         pass
 
 
+def _make_parents(folder: Path) -> list[Path]:
+    """``folder.mkdir(parents=True, exist_ok=True)``; returns the folders it made, outermost first."""
+    missing = []
+    for f in (folder, *folder.parents):
+        if os.path.lexists(f):
+            break
+        missing.append(f)
+    folder.mkdir(parents=True, exist_ok=True)
+    return missing[::-1]
+
+
+def _unmake(made: list[Path]) -> None:
+    """Remove the parent folders a failed build made (``_make_parents``), innermost first, each only if
+    still empty: a refused or failed build leaves nothing behind (an empty ``a/b/`` stayed, to 2026-11-28)."""
+    for f in reversed(made):
+        try:
+            f.rmdir()
+        except OSError:  # something else was put there meanwhile: kept, as everything outside luban's
+            return
+
+
 def _staging(out_dir: Path) -> Path:
     return out_dir.parent / f".{out_dir.name}.building-{os.getpid()}"
 
@@ -409,11 +430,13 @@ def build_dataset(inputs=None, out_dir=".", *, tokenizer: str = "byte",
     source.update(files=len(files), bytes=sum(file_size(f) for f in files))
     recover(final_dir) if final_dir.parent.is_dir() else None  # luban's own copies only: checked or not
     out_dir = _staging(final_dir)  # everything is written here, then swapped in (_swap_in)
+    made: list[Path] = []  # the parent folders this build made: removed again if it fails
     try:  # root passes os.access everywhere: /proc/x is refused only here
-        final_dir.parent.mkdir(parents=True, exist_ok=True)
+        made = _make_parents(final_dir.parent)
         out_dir.mkdir()  # exists: a folder of that name recover() did not remove is not luban's
         _inherit(out_dir, final_dir)
     except OSError as err:
+        _unmake(made)
         if err.errno == errno.ENAMETOOLONG and len(os.fsencode(final_dir.name)) < len(os.fsencode(out_dir.name)):
             raise bad_value("--out", str(final_dir), "a shorter folder name: a build stages the dataset beside it as "
                                                       f"'.NAME.building-PID', here {len(os.fsencode(out_dir.name))} "
@@ -437,6 +460,7 @@ def build_dataset(inputs=None, out_dir=".", *, tokenizer: str = "byte",
                 _swap_in(out_dir, final_dir)
         except BaseException as err:
             _remove(out_dir)
+            _unmake(made)
             if isinstance(err, OSError) and err.errno in STORAGE_ERRNOS:
                 raise OutputWriteError(f"--out = {str(final_dir)!r}: the dataset could not be written "
                                        f"({err.strerror}); free space or choose another folder (a dataset already "
