@@ -8,8 +8,10 @@ epoch has ``(tokens - 1) // seq_len`` samples. The order is a pure function of
 samples ``[k*B, (k+1)*B)`` and dp rank ``r`` takes the contiguous slice
 ``[r*B/dp, (r+1)*B/dp)`` of it, so the global sequence does not depend on the number of ranks
 and a run resumed from ``consumed_samples`` with another dp degree continues it exactly
-(the Megatron-LM ``consumed_samples`` convention). Reading verifies each CRC chunk on first
-touch (see ``luban.data.shards``).
+(the Megatron-LM ``consumed_samples`` convention). Reading verifies each CRC chunk, and that its
+ids are below the manifest's vocabulary, on first touch (see ``luban.data.shards``). ``next()``
+returns the batch at ``consumed_samples`` whatever interrupted an earlier call, and never waits
+on a prefetch thread that is stopped or gone (``TokenLoader._next_prefetched``).
 """
 
 from __future__ import annotations
@@ -37,6 +39,11 @@ from luban.errors import bad_value
 # and checkpoints.
 MAX_OPEN_SHARDS = 1024
 FD_SHARE_PER_STREAM = 8
+# How long the prefetch thread waits on a full queue, and the caller on an empty one, before it looks again
+# at whether it should stop (the thread: ``close``; the caller: a loader closed by another thread or a
+# signal handler, or a thread that ended): a wait never outlives the loader. 50 ms: a stop is seen at once
+# on a human scale, and a wait that ends with a batch returns as soon as it is put (no polling delay).
+PREFETCH_POLL_S = 0.05
 
 
 def max_open_shards() -> int:
@@ -133,16 +140,18 @@ class _Failure:
 
 def _prefetch(make: _BatchMaker, start: int, step: int, out: queue.Queue,
               stop: threading.Event) -> None:
-    """Thread body: put batches for steps ``start, start+step, ...`` until ``stop`` is set."""
+    """Thread body: put ``(step_start, batch)`` for steps ``start, start+step, ...`` until ``stop`` is set.
+    Each batch goes with the sample it starts at, so the caller takes only the batch at its
+    ``consumed_samples`` (``TokenLoader._next_prefetched``)."""
     while not stop.is_set():
         try:
             item = make(start)
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
             item = _Failure(exc)
-        start += step
+        tagged, start = (start, item), start + step
         while not stop.is_set():
             try:
-                out.put(item, timeout=0.05)
+                out.put(tagged, timeout=PREFETCH_POLL_S)
                 break
             except queue.Full:
                 continue
@@ -209,27 +218,58 @@ class TokenLoader:
         return batch
 
     def _next_prefetched(self):
-        if self._thread is None:
-            self._stop = threading.Event()
-            self._queue = queue.Queue(maxsize=self.prefetch)
-            self._thread = threading.Thread(
-                target=_prefetch, name=f"luban-prefetch-{self.split}", daemon=True,
-                args=(self._make, self.consumed_samples, self.global_batch, self._queue,
-                      self._stop))
-            self._thread.start()
-            weakref.finalize(self, self._stop.set)  # a forgotten loader still ends its thread
-        item = self._queue.get()
-        if isinstance(item, _Failure):
-            self._stop_thread()  # the next call retries the same batch from a fresh thread
-            raise item.exc
-        return item
+        """The batch at ``consumed_samples`` from the thread (started here at that sample if none runs).
+
+        The wait is bounded: a loader closed meanwhile (by another thread, or a signal handler in this one)
+        raises instead of waiting for a batch that will never come, and so does a thread that ended without
+        putting one (an error outside the batch it makes). A batch that is not the one at ``consumed_samples``
+        (one taken from the queue but never returned: a ``KeyboardInterrupt`` landed after ``Queue.get`` took
+        it and before it was counted; or queued by a thread a ``load_state_dict`` interrupted in its join had
+        stopped) restarts the thread at ``consumed_samples``, so what ``next()`` returns always follows
+        ``state_dict()``."""
+        while True:
+            if self._closed:
+                raise RuntimeError("TokenLoader is closed")
+            if self._thread is None:
+                self._stop = threading.Event()
+                self._queue = queue.Queue(maxsize=self.prefetch)
+                self._thread = threading.Thread(
+                    target=_prefetch, name=f"luban-prefetch-{self.split}", daemon=True,
+                    args=(self._make, self.consumed_samples, self.global_batch, self._queue,
+                          self._stop))
+                self._thread.start()
+                weakref.finalize(self, self._stop.set)  # a forgotten loader still ends its thread
+            thread, waiting, stop = self._thread, self._queue, self._stop
+            try:
+                start, item = waiting.get(timeout=PREFETCH_POLL_S)
+            except queue.Empty:
+                if thread.is_alive() or not waiting.empty():
+                    continue
+                if self._thread is thread:
+                    self._thread = self._queue = None
+                # stopped (repositioned elsewhere, or a stop interrupted) or never started (``start()``
+                # interrupted): start one again at ``consumed_samples``
+                if stop.is_set() or thread.ident is None:
+                    continue
+                raise RuntimeError(f"the prefetch thread {thread.name} ended without a batch (its exception, "
+                                   "if any, is printed above); the next call starts another") from None
+            if start != self.consumed_samples:
+                self._stop_thread()
+                continue
+            if isinstance(item, _Failure):
+                self._stop_thread()  # the next call retries the same batch from a fresh thread
+                raise item.exc
+            return item
 
     def _stop_thread(self) -> None:
-        if self._thread is None:
+        thread, stop = self._thread, self._stop
+        if thread is None:
             return
-        self._stop.set()
-        self._thread.join()
-        self._thread = self._queue = None
+        stop.set()
+        if thread.ident is not None:  # (one never started, its ``start()`` interrupted, cannot be joined)
+            thread.join()
+        if self._thread is thread:  # (a waiting ``next()`` in another thread may have let it go already)
+            self._thread = self._queue = None
 
     def state_dict(self) -> dict:
         """What a checkpoint must store to resume the exact sample sequence."""
@@ -252,10 +292,11 @@ class TokenLoader:
         self.consumed_samples = consumed
 
     def close(self) -> None:
-        """Stop and join the prefetch thread and give back the shards' descriptors; idempotent."""
+        """Stop and join the prefetch thread and give back the shards' descriptors; idempotent. A ``next()``
+        waiting for a batch meanwhile (in another thread) raises ``RuntimeError``, as any after this."""
+        self._closed = True
         self._stop_thread()
         self._make.stream.close()
-        self._closed = True
 
     def __enter__(self) -> TokenLoader:
         return self

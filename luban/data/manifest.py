@@ -167,8 +167,9 @@ def load_manifest(dataset_dir: str | Path) -> dict:
 
 
 def open_split(dataset_dir: str | Path, manifest: dict, split: str) -> list[ShardReader]:
-    """Open a split's shards in order, checking each against the format version and the sizes the manifest
-    records."""
+    """Open a split's shards in order, checking each against the format version, the token dtype and the sizes
+    the manifest records; each reader refuses a chunk with an id outside the tokenizer's vocabulary when it
+    verifies it (``ShardReader.vocab_size``)."""
     if not isinstance(split, str) or split not in manifest["splits"]:
         raise bad_value("split", split, f"one of {sorted(manifest['splits'])}")
     readers = []
@@ -177,10 +178,13 @@ def open_split(dataset_dir: str | Path, manifest: dict, split: str) -> list[Shar
         if not path.is_file() or path.is_symlink():
             raise LubanError(f"{path}: {'missing' if not path.exists() else 'not a regular file'}, but "
                              f"{MANIFEST} names it; rebuild the dataset")
-        reader = ShardReader(path)
+        reader = ShardReader(path, vocab_size=manifest["tokenizer"]["vocab_size"])
         if reader.version != manifest["format_version"]:
             raise LubanError(f"{reader.path}: format version {reader.version}, but {MANIFEST} says "
                              f"{manifest['format_version']}; rebuild the dataset")
+        if reader.dtype.name != manifest["dtype"]:  # (``_check_header``: the manifest's is its vocabulary's)
+            raise LubanError(f"{reader.path}: {reader.dtype.name} tokens, but {MANIFEST} says {manifest['dtype']} "
+                             f"(a {manifest['tokenizer']['vocab_size']}-token vocabulary); rebuild the dataset")
         found = {"tokens": reader.tokens, "documents": reader.documents, "bytes": reader.size,
                  SHARD_CRC: reader.header_crc}
         wrong = {k: v for k, v in found.items() if k in entry and v != entry[k]}

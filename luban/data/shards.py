@@ -26,7 +26,8 @@ a document, ~120 GB for a 15-billion-document corpus, in every rank at start-up.
 
 CRC policy: opening a shard checks the size, the header CRC and the tail CRC (version 1: also that
 the document starts are in order within the tokens); a token chunk is verified the first time any
-of its tokens is read; ``document(i)`` checks its two index entries are in order within the tokens;
+of its tokens is read (its CRC, then, for a reader given the vocabulary's size, its ids below it);
+``document(i)`` checks its two index entries are in order within the tokens;
 ``verify()`` checks every chunk, that the padding is zero, and (version 2) the whole document index:
 its CRC, then its order. Any failure raises ``LubanError`` naming the file and the byte offset; so
 does a shard cut short or replaced since it was opened (``ShardReader._pread``, ``ShardReader._file``)
@@ -71,6 +72,11 @@ _CRC_DTYPE = np.dtype("<u4")
 def dtype_for_vocab(vocab_size: int) -> np.dtype:
     """uint16 when every id fits in 16 bits (vocab_size <= 65536), else uint32."""
     return DTYPES[1] if vocab_size <= 1 << 16 else DTYPES[2]
+
+
+def vocab_error(token: int, vocab_size: int) -> str:
+    """What is wrong with a token id at or above the vocabulary (a reader's chunk check, ``luban data verify``)."""
+    return f"token id {token} is outside the tokenizer's vocabulary ({vocab_size} ids)"
 
 
 def _dtype_code(dtype: np.dtype) -> int:
@@ -191,8 +197,11 @@ class ShardWriter:
 class ShardReader:
     """Checksummed random access to one shard by ``pread`` (see the module's CRC policy)."""
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, vocab_size: int | None = None):
+        """``vocab_size``: the dataset's vocabulary (``open_split`` passes the manifest's): a chunk holding an
+        id at or above it is refused when verified, as a CRC mismatch is (None: any id of the dtype)."""
         self.path = Path(path)
+        self.vocab_size = vocab_size
         self._fd: int | None = None  # open while a stream reads it (``_file``)
         try:
             fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
@@ -410,7 +419,25 @@ class ShardReader:
                 if zlib.crc32(chunk) != self._chunk_crcs[i]:
                     offset = HEADER_SIZE + i * step * self.dtype.itemsize
                     raise self._error(f"CRC mismatch in chunk {i}", offset)
+                bad = self._bad_id(i * step, chunk)
+                if bad:
+                    raise self._vocab_error(i, bad)
                 self._verified[i] = True
+
+    def _bad_id(self, first: int, tokens: np.ndarray) -> tuple[int, int] | None:
+        """``(token offset, id)`` of the first of ``tokens`` (``tokens[0]`` is token ``first``) at or above
+        ``vocab_size``, or None. A shard whose CRCs agree but whose ids do not fit the vocabulary (another
+        dataset's, a hand-made one, a uint32 shard under a uint16 manifest) would index past the model's
+        embedding: a device-side assert on a GPU."""
+        if self.vocab_size is None or not len(tokens) or int(tokens.max()) < self.vocab_size:
+            return None
+        at = int(np.argmax(tokens >= self.vocab_size))
+        return first + at, int(tokens[at])
+
+    def _vocab_error(self, i: int, bad: tuple[int, int]) -> LubanError:
+        at, token = bad
+        return self._error(f"{vocab_error(token, self.vocab_size)} in chunk {i} (rebuild the dataset with "
+                           "`luban data build`)", HEADER_SIZE + at * self.dtype.itemsize)
 
     def read(self, start: int, stop: int) -> np.ndarray:
         """Tokens ``[start, stop)`` as a fresh array, verifying the chunks they lie in: a chunk not yet
@@ -473,11 +500,14 @@ class ShardReader:
         if self._verified[i]:
             return
         begin, end = i * self.chunk_tokens, min((i + 1) * self.chunk_tokens, self.tokens)
-        crc = 0
+        crc, bad = 0, None
         for start in range(begin, end, piece):
-            crc = zlib.crc32(self._pread(start, min(start + piece, end)), crc)
+            part = self._pread(start, min(start + piece, end))
+            crc, bad = zlib.crc32(part, crc), bad or self._bad_id(start, part)
         if crc != self._chunk_crcs[i]:
             raise self._error(f"CRC mismatch in chunk {i}", HEADER_SIZE + begin * self.dtype.itemsize)
+        if bad:
+            raise self._vocab_error(i, bad)
         self._verified[i] = True
 
     def _verify_padding(self) -> None:
