@@ -7,11 +7,12 @@ The knobs and the leave-one-source-out procedure are ``luban.plan.loso`` (docs/p
   headline, the mean of those held-out errors over the dense sources;
 * the same table for the planner *before* the per-runtime kernel model (``--before``: every runtime
   plans fused elementwise kernels, FSDP gathers the stored fp32 weights, "selective" is
-  Korthikanti's for every runtime and luban's attention never skips the causal half — the
-  mechanisms of main 3457f4b), so a change shows as before -> after on the same rows and grid;
+  Korthikanti's for every runtime, luban's attention never skips the causal half and
+  Megatron-DeepSpeed computes at Megatron-LM's speed — the mechanisms of main 3457f4b), so a change shows as before -> after on the same rows and grid;
 * the objective over all sources along ``EAGER_TRAFFIC`` at the shipped GEMM/attention/fp8
   values (how ``luban.plan.runtimes.EAGER_TRAFFIC`` was chosen: the lowest mean of the sources'
-  mean |error|).
+  mean |error|), and the same along Megatron-DeepSpeed's ``compute_speed`` over ``loso.DS_GRID``
+  (how ``runtimes.MegatronDeepSpeed.compute_speed`` was chosen; only BLOOM and MT-NLG move).
 
     .venv/bin/python bench/plan_calibrate_sources.py [--before] [--small]
 """
@@ -63,13 +64,18 @@ def main() -> None:
     t = time.time()
     report(loso.fit(grid), "after")
     if args.before:
-        with before(), loso.eager_traffic(1.0):
-            report(loso.fit({**grid, "eager": (1.0,)}), "before")
+        with before(), loso.eager_traffic(1.0), loso.deepspeed_speed(1.0):
+            report(loso.fit({**grid, "eager": (1.0,), "ds": (1.0,)}), "before")
     sweep = {"mm": (1.0,), "attn": (1.0,), "fp8": (1.0,), "eager": (1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0)}
     candidates, errors = loso.score_grid(sweep)
     for i, cand in enumerate(candidates):
         per = [np.mean(v[i]) for v in errors.values()]
         print(f"EAGER_TRAFFIC {cand['eager']:.1f}: mean over sources {np.mean(per):.2%}")
+    candidates, errors = loso.score_grid({**sweep, "eager": (runtimes.EAGER_TRAFFIC,), "ds": loso.DS_GRID})
+    for i, cand in enumerate(candidates):
+        per = {s: np.mean(v[i]) for s, v in errors.items()}
+        print(f"MegatronDeepSpeed.compute_speed {cand['ds']:.2f}: mean over sources {np.mean(list(per.values())):.2%}"
+              f" (BLOOM {per['bigscience-megatron-deepspeed']:.2%}, MT-NLG {per['msft-nvidia-megatron-deepspeed']:.2%})")
     print(f"({time.time() - t:.0f} s)")
 
 

@@ -56,9 +56,9 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.nn.parallel import DistributedDataParallel
 
 from luban.parallel.expert_parallel import expert_params
-from luban.parallel.layout import ParallelLayout
+from luban.parallel.layout import ParallelLayout, fsdp_casts
 from luban.parallel.mesh import LayoutMesh
-from luban.parallel.precision import FSDP_PARAM_DTYPE, fsdp_casts
+from luban.parallel.precision import FSDP_PARAM_DTYPE
 
 # DDP's flag for syncing buffers in every forward: torch 2.13 renamed ``broadcast_buffers`` (deprecated
 # there) to ``forward_sync_buffers``; torch 2.11 and 2.12 have only the old name

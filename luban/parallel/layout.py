@@ -29,6 +29,16 @@ RECOMPUTES = ("none", "selective", "full")
 OFFLOADS = ("none", "optimizer", "params", "activations", "blocks")
 HOST_STATE_OFFLOADS = ("optimizer", "params")  # model states kept on the host by luban's runtime
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")  # fp8: the planner only (RuntimeRules.precisions)
+# the precision FSDP2 all-gathers the weights in (``MixedPrecisionPolicy.param_dtype``; None: the stored
+# fp32 weights, with autocast around the forward as in one process). Why bf16 and not fp16:
+# ``luban.parallel.precision.FSDP_PARAM_DTYPE``, its torch dtypes. Here by name, without torch: the
+# planner (``luban.plan.runtimes.luban_fsdp_casts``) reads it too.
+FSDP_PARAM_PRECISION = {"fp32": None, "bf16": "bf16", "fp16": None}
+
+
+def fsdp_casts(precision: str) -> bool:
+    """Whether FSDP2 casts the weights to the compute dtype (``FSDP_PARAM_PRECISION``) instead of autocast."""
+    return FSDP_PARAM_PRECISION.get(precision) is not None
 LOSS_SCALES = ("dynamic", "none")
 MESH_DIMS = ("pp", "dp", "cp", "tp")
 # any integer key (a degree, micro_batch, bucket_mb in MiB): beyond every cluster, and small enough that

@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from luban.parallel.layout import ParallelLayout
+from luban.parallel.layout import FSDP_PARAM_PRECISION, ParallelLayout
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -33,12 +33,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 #   fp32 all-gather (2x the bytes of fp16, and fp32 gathered weights under zero 1/2), plus autocast's
 #   fp16 copies of the weights, which backward keeps as one process does (unsharded, even under zero 3,
 #   unless recompute redoes the casts; docs/parallelism.md).
-FSDP_PARAM_DTYPE = {"fp32": None, "bf16": torch.bfloat16, "fp16": None}
-
-
-def fsdp_casts(precision: str) -> bool:
-    """Whether FSDP2 casts the weights to the compute dtype (``FSDP_PARAM_DTYPE``) instead of autocast."""
-    return FSDP_PARAM_DTYPE[precision] is not None
+# (the choice, by name: ``layout.FSDP_PARAM_PRECISION``, which the planner reads without torch)
+FSDP_PARAM_DTYPE = {p: None if name is None else DTYPES[name] for p, name in FSDP_PARAM_PRECISION.items()}
 
 
 def autocast(layout: ParallelLayout, device: torch.device):

@@ -124,8 +124,8 @@ def register(sub) -> None:
                           "planned on; another GPU's profile is refused (the H100 tables and the sources use their own machines')")
     val.add_argument("--json", action="store_true")
     val.add_argument("--grid", choices=("full", "small", "fine", "none"), default="full",
-                     help="leave-one-source-out refit grid (luban.plan.loso): full (default, 81 combinations), "
-                          "small, fine (1,050 combinations, minutes: how much the headline depends on the grid), "
+                     help="leave-one-source-out refit grid (luban.plan.loso): full (default, 729 combinations), "
+                          "small, fine (9,450 combinations, minutes: how much the headline depends on the grid), "
                           "or none to skip it (and the MoE refit of moe_host)")
     val.set_defaults(func=cmd_validate)
 

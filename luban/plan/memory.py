@@ -42,8 +42,9 @@ def model_state_bytes(params, weight_b, grad_b, optim_b, zero, shards, fsdp: boo
 
 def fsdp_transients(params, weight_b, grad_b, zero, shards):
     """luban ZeRO-1/2 (FSDP2, ``reshard_after_forward=False``): the gathered weights stay
-    unsharded from forward to backward; ZeRO-1 also accumulates full gradients until the one
-    reduce-scatter of the step (luban/parallel/data_parallel.py)."""
+    unsharded from forward to backward, in the dtype they were gathered in (``weight_b``: the
+    runtime's ``gather_bytes``, bf16 under ``param_dtype=bf16``); ZeRO-1 also accumulates full
+    gradients until the one reduce-scatter of the step (luban/parallel/data_parallel.py)."""
     rest = params * (1 - 1 / shards)
     return np.where((zero == 1) | (zero == 2), rest * weight_b, 0.0) + np.where(zero == 1, rest * grad_b, 0.0)
 
@@ -302,13 +303,15 @@ def memory(problem: Problem, g: Grid) -> dict:
         weights_gpu = np.where(tier_blocks, 2 * full_layer, weights_gpu)
         grads = np.where(tier_blocks, 2 * full_layer * gb / wb, grads)
         optim_gpu = np.where(tier_blocks, 0.0, optim_gpu)
-        prefetch = np.where((g.zero >= 3) & ~tier_blocks, 2 * full_layer, 0.0)  # gathered layer + the next one
+        # the gathered copies are in the dtype the all-gather moves (``Runtime.gather_bytes``: FSDP's param_dtype)
+        gathered_b = problem.runtime_model.gather_bytes(wb, g.precision, problem)
+        prefetch = np.where((g.zero >= 3) & ~tier_blocks, 2 * full_layer * gathered_b / wb, 0.0)  # gathered layer + the next one
         msg = tokens * problem.model.hidden * act["e"]
         buffers = prefetch + np.where(g.tp > 1, msg, 0.0) + np.where(g.pp > 1, 2 * msg / g.tp, 0.0)
         buffers = buffers + problem.runtime_model.fp8_state_bytes(problem, g, layers)
         buffers = buffers + 2 * tokens * all_to_all_bytes(problem, g, act["e"])  # send + receive
         if fsdp:  # FSDP2's units: everything but expert-parallel experts
-            buffers = buffers + fsdp_transients(params - np.where(g.ep > 1, experts, 0.0), wb, gb, g.zero, shards)
+            buffers = buffers + fsdp_transients(params - np.where(g.ep > 1, experts, 0.0), gathered_b, gb, g.zero, shards)
         other = system.framework_overhead_bytes + buffers
         total = weights_gpu + grads + optim_gpu + activations + other
         ranks[name] = dict(params=params, weights=weights_gpu, gradients=grads, optimizer=optim_gpu,

@@ -43,20 +43,25 @@ Eight models (``RUNTIMES``): the four below, and ``megatron-deepspeed``, ``compo
     used only without TP (torchtitan's ``apply_ddp`` is 1-D only).
 ``luban``
     luban's own runtime as measured (``tests/plan/test_runtime_match.py``,
-    ``test_runtime_multirank.py``): fp32 weights and gradients at every precision (autocast),
+    ``test_runtime_multirank.py``): fp32 weights and gradients at every precision (autocast; under
+    FSDP2 in bf16 FSDP2's cast to bf16, ``luban_fsdp_casts``, and bf16 all-gathers, ``gather_bytes``),
     exactly the tensors PyTorch saves for ``luban.model.transformer.Block``, FSDP2 groups per
     block, three scalar all-reduces per step, CPU framework overheads; only ZeRO-3 gathers hide
     behind compute (no measured overlap elsewhere).
 
 Kernel efficiency is a property of the runtime too (docs/planner.md "Kernel efficiency per
 runtime"): eager or fused elementwise kernels (``eager_kernels``, ``compiled``,
-``traffic_scale``), 16-bit FSDP gathers (``gather_half``), what "selective" recomputes
-(``selective_redo``) and whether attention skips the causal half (``skips_causal``).
+``traffic_scale``), 16-bit FSDP gathers (``gather_half``, ``gather_bytes``), what "selective" recomputes
+(``selective_redo``), whether attention skips the causal half (``skips_causal``), and a compute
+speed relative to Megatron-LM's, fitted to published measurements where no mechanism explains the
+difference (``compute_speed``: Megatron-DeepSpeed's).
 
 Equations and sources are written out in docs/planner.md.
 """
 
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 
@@ -129,6 +134,12 @@ class Runtime:
     # writes of [tokens, ffn] tensors, forward + backward) beyond ATen's one fused kernel and its
     # backward (``activation_extra_bytes``); ATen's F.gelu / F.silu are the baseline EAGER_TRAFFIC covers
     activation_passes: dict = {}
+    # the runtime's compute speed (GEMMs, attention, elementwise kernels, the head) as a share of the
+    # speed the profiles' efficiency curves were fitted on (Megatron-LM's, Korthikanti et al. 2022 Table 5
+    # and Narayanan et al. 2021 Table 1): a per-runtime efficiency fitted to published measurements where no
+    # mechanism of the model explains them (``MegatronDeepSpeed``); every compute term of ``time.step_time`` is
+    # divided by it
+    compute_speed = 1.0
 
     def tp_overlap(self, problem) -> bool:
         """``Problem.tp_overlap`` (``--tp-overlap``), or the runtime's default (``tp_overlap_default``)."""
@@ -425,13 +436,19 @@ class Luban(FSDP2):
         return not problem.system.cpu
     pads_vocab_default = True  # luban.model.head_loss.VOCAB_MULTIPLE (since issue #22; 3457f4b did not)
     compiled_default = True  # ``[train] compile = "auto"``: on for CUDA (CPU profiles: traffic_scale is 1)
-    gather_half = False  # luban's FSDP2 groups gather the fp32 weights (as measured)
+    # not every half precision: FSDP2 gathers in ``luban.parallel.layout.FSDP_PARAM_PRECISION``, bf16 only
+    # (``gather_bytes`` below); fp16 gathers the fp32 weights
+    gather_half = False
     fp8_gather = False  # no fp8 (check_layout rejects it)
     causal_skip = False  # as measured on CPU (math path) and as the planner's CPU terms were fitted
     precisions = LUBAN_RULES.precisions  # no fp8 GEMMs yet (check_layout rejects it)
     offloads = LUBAN_RULES.offloads  # what luban's runtime runs
     fp8_cast_passes = 0
-    scalar_allreduces = 3  # loss, gradient norm and suspend flag (luban.parallel.engine)
+    # every step (luban.train.trainer): the loss (over dp·cp) and the gradient norm (over every rank), on the
+    # device (luban.parallel.engine; read on the host only on logging steps), and the suspend flag, a CPU
+    # tensor over a gloo group (luban.train.preempt.any_rank; ``checkpoint_every_minutes`` adds one more
+    # such flag); each charged as one latency-bound all-reduce of a scalar over every rank
+    scalar_allreduces = 3
     cpu_overheads = True
     head_grad_view = True  # measured: tests/plan/test_runtime_multirank.py
     offload_host_shards = True  # luban.parallel.data_parallel's CPU optimizer step
@@ -482,6 +499,14 @@ class Luban(FSDP2):
 
     dp_hidden = Runtime.dp_hidden  # as measured: DDP and ZeRO 1-2 reductions are not hidden
 
+    def gather_bytes(self, wb, precision, problem=None):
+        """2 bytes where FSDP2 casts the parameters (``MixedPrecisionPolicy(param_dtype=bf16)``: the
+        precisions of ``luban_fsdp_casts``), else the stored fp32 weights. Measured 2026-11-28 on 2 gloo
+        ranks (tests/plan/test_fsdp_gather_measured.py: FSDP2's all-gathers of luban's Engine): bf16
+        gathers bf16, 2.0 bytes per parameter; fp16 and fp32 gather fp32, 4.0 (until then the planner
+        charged 4 in bf16 too, measured before luban cast bf16 with FSDP2 on 2026-11-21)."""
+        return np.where(np.isin(precision, _fsdp_cast_codes()), 2.0, wb)
+
 
 class PlainPyTorch(FSDP2):
     """One process, no sharding: a plain PyTorch training loop (nanoGPT-style scripts; Hugging Face
@@ -521,6 +546,20 @@ class MegatronDeepSpeed(Megatron):
     Megatron-LM's layers and fused kernels (``megatron``'s accounting, no overlap), DeepSpeed's
     pipeline engine and ZeRO-1 optimizer."""
     name = "megatron-deepspeed"
+    # The share of Megatron-LM's compute speed this runtime reached (``Runtime.compute_speed``). Evidence:
+    # on the same 530B model, layout (tp 8, pp 35, full recompute) and machine (Selene), Megatron-LM ran
+    # 163 TFLOP/s per GPU (Narayanan et al. 2021, arXiv 2104.04473, Table 1; planned within 1.5%) and
+    # MT-NLG's Megatron-DeepSpeed 113-126 (Smith et al. 2022, arXiv 2201.11990, Sec. 2.4): 0.69-0.77 of it.
+    # No mechanism of the model explains the gap: DeepSpeed's PipelineEngine reduces the gradients
+    # (ReduceGrads, ReduceTiedGrads) after the pipeline flush, unhidden, which ``megatron``'s accounting
+    # already charges (no data-parallel overlap; the tied embedding's all-reduce is < 0.1% of these steps),
+    # and its pipeline sends are split over the tp ranks as Megatron's scatter-gather is
+    # (``PipelineEngine.is_pipe_partitioned``). Fitted, not measured: the value of ``loso.DS_GRID`` with the
+    # lowest mean over every source of its mean |error| (``bench/plan_calibrate_sources.py``; only the
+    # BLOOM and MT-NLG rows depend on it, and ``luban plan validate`` scores each of the two with the value
+    # the other alone implies): 0.80 (mean of the sources' means 5.51%; 0.75 5.62%, 0.85 5.78%, 1.0 8.62%).
+    # 2026-11-28; 1.0 (Megatron-LM's speed) before
+    compute_speed = 0.80
 
 
 class ComposerFSDP(FSDP2):
@@ -581,18 +620,31 @@ def korthikanti_layer(problem, g, rt: Runtime) -> dict:
             "full": e * h / rep_div, "fixed_none": np.zeros_like(e), "e": e}
 
 
+@functools.cache
+def _fsdp_cast_codes() -> tuple:
+    """The grid's precision codes in which luban's FSDP2 casts the parameters
+    (``luban.parallel.layout.FSDP_PARAM_PRECISION``, by name: no torch)."""
+    from luban.parallel.layout import FSDP_PARAM_PRECISION, fsdp_casts
+
+    return tuple(PRECISIONS.index(p) for p in FSDP_PARAM_PRECISION if fsdp_casts(p))
+
+
 def luban_fsdp_casts(g):
-    """Layouts where luban's FSDP2 casts the parameters to the half-precision compute dtype
-    (``MixedPrecisionPolicy``, zero >= 1 with dp·cp > 1, or ``offload = params`` on any dp·cp;
-    ``luban.parallel.data_parallel.uses_fsdp``) instead of autocast: the whole forward runs in that
-    dtype (residual stream and norms too) and no per-micro-batch weight copies are saved (the cast
-    weights are FSDP2's parameters)."""
-    return (g.precision != FP32) & (g.zero >= 1) & ((g.dp * g.cp > 1) | (g.offload == PARAMS_OFFLOAD))
+    """Layouts where luban's FSDP2 casts the parameters to the compute dtype
+    (``MixedPrecisionPolicy(param_dtype=...)``: the precisions with a
+    ``luban.parallel.layout.FSDP_PARAM_PRECISION``, bf16 only since 2026-11-28) instead of autocast,
+    on the layouts that use FSDP2 (zero >= 1 with dp·cp > 1, or ``offload = params`` on any dp·cp;
+    ``luban.parallel.data_parallel.uses_fsdp``): the whole forward runs in that dtype (residual stream
+    and norms too) and no per-micro-batch weight copies are saved (the cast weights are FSDP2's
+    parameters). fp16 under FSDP2 gathers the fp32 weights and runs autocast, as one process does."""
+    casts = np.isin(g.precision, _fsdp_cast_codes())
+    return casts & (g.zero >= 1) & ((g.dp * g.cp > 1) | (g.offload == PARAMS_OFFLOAD))
 
 
 def luban_residual_bytes(g):
     """Bytes per element of luban's residual stream and norms: fp32 (the weights are fp32) under
-    autocast, the compute dtype where FSDP2 casts the parameters (``luban_fsdp_casts``)."""
+    autocast (fp32, and bf16/fp16 without FSDP2's cast), 2 where FSDP2 casts the parameters to bf16
+    (``luban_fsdp_casts``)."""
     return np.where(luban_fsdp_casts(g), 2.0, 4.0)
 
 

@@ -250,30 +250,31 @@ def step_time(problem: Problem, g: Grid, mem: dict) -> dict:
     _, last_n, most_n = rank_layers(problem, g)  # layers on the last stage's rank and on the busiest rank
     cpu = cpu_terms(problem)
     slow, contend = cpu["slow"], cpu["contend"]
+    kernels = slow / rt.compute_speed  # the compute terms below: the rank's share of the cores, the runtime's speed
 
     # one layer, one micro-batch, forward (backward = 2x: input and weight gradients); on a CPU
     # the rank's share of the cores slows everything, and a third of the fwd+bwd framework
     # overhead is counted here (the backward's 2x carries the rest)
     mm_flops = tokens * d["layer_matmul_flops"] / t
-    mm = slow * compute_seconds(problem, mm_flops, mm_flops / 4, gemm_peak)
+    mm = kernels * compute_seconds(problem, mm_flops, mm_flops / 4, gemm_peak)
     if rt.skips_causal(problem):  # a fused kernel skips the masked half, at its own share of the GEMM curve;
         # handed an explicit mask tensor (``Runtime.masks_attention``) it computes every block
         attn_flops = tokens * d["attention_flops" if rt.masks_attention(problem) else "causal_attention_flops"] / t
-        attn = slow * compute_seconds(problem, attn_flops, attn_flops / 2, peak * attention_share(problem))
+        attn = kernels * compute_seconds(problem, attn_flops, attn_flops / 2, peak * attention_share(problem))
     else:
         attn_flops = tokens * d["attention_flops"] / t
-        attn = slow * compute_seconds(problem, attn_flops, attn_flops / 2, peak)
-    elementwise = slow * (traffic * act["none"] + rt.fp8_cast_bytes(problem, g) + rt.activation_extra_bytes(problem, g, act["e"])
+        attn = kernels * compute_seconds(problem, attn_flops, attn_flops / 2, peak)
+    elementwise = kernels * (traffic * act["none"] + rt.fp8_cast_bytes(problem, g) + rt.activation_extra_bytes(problem, g, act["e"])
                           ) * tokens / hbm
     # folded (Megatron-Core ``ep_folding``), each rank routes only its sequence-parallel shard of the tokens
     folded = rt.ep_folding
     ep_tokens = tokens / t if folded else tokens
-    experts = slow * (expert_gemm_seconds(problem, g, tokens, gemm_peak)
+    experts = kernels * (expert_gemm_seconds(problem, g, tokens, gemm_peak)
                       + moe_permutation_bytes(problem, act["e"]) * ep_tokens / hbm)
     layer_fwd = mm + experts + attn + elementwise + contend * np.where(t > 1, cpu["tp_layer"], cpu["layer"]) / 3
     head_flops = tokens * d["head_flops"] / t
     head_traffic = s.efficiency["elementwise_traffic"] * rt.traffic_scale(problem, head=True)
-    head_fwd = (slow * (compute_seconds(problem, head_flops, head_flops, peak) + head_traffic * 4.0 * cfg.vocab / t * tokens / hbm)
+    head_fwd = (kernels * (compute_seconds(problem, head_flops, head_flops, peak) + head_traffic * 4.0 * cfg.vocab / t * tokens / hbm)
                 + contend * np.where(t > 1, cpu["tp_rest"], cpu["rest"]) / 3)
 
     # tensor (+ sequence) parallel: 2 all-reduces (or all-gather + reduce-scatter pairs) each way

@@ -15,11 +15,11 @@ from luban.plan.system import load_system
 
 
 def _step(runtime="fsdp2", compiled=None, system="dgx-h100", model="llama-1b", gpus=1, zero=0, recompute="none",
-          **kw):
+          precision="bf16", **kw):
     cfg = get_preset(model) if isinstance(model, str) else model
     problem = Problem(cfg, load_system(system), gpus, 1024, 8 * gpus, runtime=runtime,
                       compiled=compiled, **kw)
-    g = Grid.from_layout(ParallelLayout(dp=gpus, zero=zero, precision="bf16", micro_batch=8, recompute=recompute))
+    g = Grid.from_layout(ParallelLayout(dp=gpus, zero=zero, precision=precision, micro_batch=8, recompute=recompute))
     return Estimate.from_results(problem, g, evaluate(problem, g))
 
 
@@ -44,15 +44,33 @@ def test_luban_is_compiled_by_default_on_a_gpu_and_eager_when_off():
         Problem(get_preset("tiny"), load_system("dgx-h100"), 1, 64, 1, runtime="luban", compiled="sometimes")
 
 
-def test_fsdp_gathers_16_bit_weights_but_luban_gathers_fp32():
+def test_fsdp_gathers_16_bit_weights_and_luban_only_in_bf16():
+    """torchtitan's FSDP2 gathers bf16 weights; luban's gathers what its FSDP2 casts to, bf16 only
+    (``luban.parallel.precision.FSDP_PARAM_DTYPE``), measured 2026-11-28 on 2 gloo ranks
+    (tests/plan/test_fsdp_gather_measured.py: bf16 2.0 bytes per parameter, fp16 and fp32 4.0); the
+    planner had charged luban 4 bytes in bf16 (``gather_half = False``, measured before 2026-11-21)."""
     fsdp2, luban = runtimes.get("fsdp2"), runtimes.get("luban")
-    from luban.plan.grid import BF16, FP32
+    from luban.plan.grid import BF16, FP16, FP32
     assert float(fsdp2.gather_bytes(4.0, np.array(BF16))) == 2.0 and float(fsdp2.gather_bytes(4.0, np.array(FP32))) == 4.0
-    assert float(luban.gather_bytes(4.0, np.array(BF16))) == 4.0
-    # across nodes, zero 3: the gathers of the 16-bit runtime are cheaper
-    a = _step("fsdp2", True, gpus=64, zero=3, model="llama-8b")
-    b = _step("luban", True, gpus=64, zero=3, model="llama-8b")
-    assert a.time_breakdown_s["dp_comm"] + a.dp_hidden_s < b.time_breakdown_s["dp_comm"] + b.dp_hidden_s
+    assert float(luban.gather_bytes(4.0, np.array(BF16))) == 2.0
+    assert float(luban.gather_bytes(4.0, np.array(FP16))) == 4.0 and float(luban.gather_bytes(4.0, np.array(FP32))) == 4.0
+    # across nodes, zero 3: luban's bf16 gathers are cheaper than its fp16 ones (fp32 weights)
+    bf16, fp16 = (_step("luban", True, gpus=64, zero=3, model="llama-8b", precision=p) for p in ("bf16", "fp16"))
+    assert bf16.time_breakdown_s["dp_comm"] + bf16.dp_hidden_s < fp16.time_breakdown_s["dp_comm"] + fp16.dp_hidden_s
+
+
+def test_fsdp_gathered_copies_are_in_the_gathered_dtype():
+    """luban zero 2 over dp 2 keeps the gathered weights unsharded from forward to backward
+    (``memory.fsdp_transients``): bf16 copies (2 bytes, what FSDP2 gathered) where fp16 keeps fp32 ones:
+    half the parameters x 2 bytes more per rank (the planner had 4 bytes for both)."""
+    from luban.plan.memory import memory
+
+    problem = Problem(get_preset("llama-1b"), load_system("dgx-h100"), 2, 1024, 16, runtime="luban")
+    other = {p: float(memory(problem, Grid.from_layout(ParallelLayout(dp=2, zero=2, precision=p, micro_batch=8)))["first"]["other"])
+             for p in ("bf16", "fp16")}
+    from luban.model import flops
+
+    assert other["fp16"] - other["bf16"] == pytest.approx(flops.param_count(problem.model) / 2 * (4.0 - 2.0), rel=1e-6)
 
 
 def test_torchtitan_fp8_gathers_the_linear_weights_in_fp8():

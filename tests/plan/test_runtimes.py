@@ -187,7 +187,9 @@ def test_fp8_transformer_engine_accounting():
 def test_fp8_torchao_keeps_bf16_activations_and_pays_the_casts(monkeypatch):
     _, out = _fp8_vs_bf16("fsdp2")
     (m16, t16, a16), (m8, t8, a8) = out["bf16"], out["fp8"]
-    assert float(a8["none"]) == float(a16["none"]) and float(m8["total"]) == float(m16["total"])
+    # the same activations; the gathered weights (``memory.fsdp_transients``, prefetch) are in the dtype
+    # FSDP2 gathered (2026-11-28: ``gather_bytes``), fp8 for the linear layers with torchao's fp8 all-gather
+    assert float(a8["none"]) == float(a16["none"]) and float(m8["total"]) < float(m16["total"])
     problem = make_problem("llama-70b", gpus=64, seq=8192, batch=128, runtime="fsdp2", system="dgx-h100")
     g8 = _grid(dp=2, tp=4, pp=8, sp=True, precision="fp8")
     cast = float(runtimes.get("fsdp2").fp8_cast_bytes(problem, g8))
@@ -312,16 +314,24 @@ def test_gelu_new_passes_are_counted_from_transformers_code():
 
 
 def test_the_planner_knows_where_luban_casts_with_fsdp2():
-    """``luban_fsdp_casts`` (arrays) is ``uses_fsdp`` (one layout) in a half precision: 2026-11-27
-    ``offload = params`` became FSDP2 on any dp·cp (it did nothing without data parallel)."""
+    """``luban_fsdp_casts`` (arrays) is ``uses_fsdp`` (one layout) in a precision whose FSDP2 casts the
+    parameters (``luban.parallel.precision.fsdp_casts``): 2026-11-27 ``offload = params`` became FSDP2 on
+    any dp·cp (it did nothing without data parallel); 2026-11-28 fp16 under FSDP2 gathers the fp32
+    weights and runs autocast (``FSDP_PARAM_DTYPE``), so only bf16 casts: fp16's residual stream is fp32
+    again and its autocast weight copies are saved."""
     import itertools
 
     from luban.parallel.data_parallel import uses_fsdp
     from luban.parallel.layout import ParallelLayout
+    from luban.parallel.layout import fsdp_casts
     from luban.plan.grid import Grid
-    from luban.plan.runtimes import luban_fsdp_casts
+    from luban.plan.runtimes import luban_fsdp_casts, luban_residual_bytes
 
     for dp, cp, zero, offload, precision in itertools.product((1, 2), (1, 2), (0, 1, 3), ("none", "params"),
-                                                              ("bf16", "fp32")):
+                                                              ("bf16", "fp16", "fp32")):
         layout = ParallelLayout(dp=dp, cp=cp, zero=zero, offload=offload, precision=precision)
-        assert bool(luban_fsdp_casts(Grid.from_layout(layout))) == (uses_fsdp(layout) and precision != "fp32"), layout
+        expected = uses_fsdp(layout) and fsdp_casts(layout.precision)
+        g = Grid.from_layout(layout)
+        assert bool(luban_fsdp_casts(g)) == expected, layout
+        assert float(luban_residual_bytes(g)) == (2.0 if expected else 4.0), layout
+    assert not fsdp_casts("fp16") and fsdp_casts("bf16")  # fp16 sharded by FSDP2 is one of the cases above
