@@ -7,8 +7,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from luban.model.flops import param_count
 from luban.plan import study
 
