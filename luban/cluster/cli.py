@@ -19,7 +19,7 @@ from luban import schema
 from luban.cluster import joblog
 from luban.cluster import priority as prio
 from luban.cluster import trace as traces
-from luban.cluster.spec import JOBS_LIMIT, JOBS_LIMIT_MAX, MAX_TIME_LIMIT, NAME_RE  # (not client: httpx)
+from luban.cluster.spec import JOBS_LIMIT, JOBS_LIMIT_MAX, MAX_TIME_LIMIT, NAME_RE, SUBMIT_KEY_RE  # (not client: httpx)
 from luban.errors import EXIT_USAGE, LubanError, bad_value, for_terminal_chunks
 
 # the flags' declarations (luban.schema); what the service checks again, the client checks first
@@ -106,7 +106,11 @@ def cmd_submit(args) -> int:
     if "name" not in data and data.get("command"):  # the command's file name, made a valid job name
         data["name"] = re.sub(r"[^A-Za-z0-9_.-]", "_", Path(str(data["command"])).name).lstrip("_.-")[:64] or "job"
     spec = specs.parse(data)  # one-line error before anything is sent
-    job = _client(args).submit(spec.to_dict())
+    job = _client(args).submit(spec.to_dict(), key=args.key)
+    if job.get("repeated") and args.key:  # the user's own key again (not this run's retry of an unanswered POST)
+        print(f"job {job['id']} was submitted with --key {args.key} before (it is {job['state']}); "
+              "nothing new submitted")
+        return 0
     print(f"submitted job {job['id']} ({job['name']}, {job['nnodes']} node(s), {job['priority_name']})")
     return 0
 
@@ -201,7 +205,7 @@ def _check_states(value: str | None) -> None:
     from luban.cluster.states import JobState
 
     allowed = [s.value for s in JobState]
-    for name in (value.split(",") if value else []):
+    for name in (value.split(",") if value is not None else []):  # `--state ''` was no filter at all: all jobs
         if name not in allowed:
             raise bad_value("--state", name, "one of " + ", ".join(allowed) + " (comma-separated)")
 
@@ -567,7 +571,31 @@ def _trace_config(args):
     return trace.TraceConfig(**{key: getattr(args, key) for key in ("jobs", "days", "nodes", "users", "load", "seed")})
 
 
+# what argparse takes for a negative number (a flag's value, not an option): its own matcher takes only
+# -1 and -1.5 (argparse.ArgumentParser._negative_number_matcher), so `--quantum -inf` or `--days -1e3` was
+# "(missing)" instead of the flag's own one-line error; these are what float() reads with a minus sign
+NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$|^-(inf|infinity|nan)$", re.IGNORECASE)
+
+
+def _numbers_are_values(parser: argparse.ArgumentParser) -> None:
+    """``parser`` and its sub-parsers read ``NEGATIVE_NUMBER`` as a value (argparse asks its own
+    ``_negative_number_matcher``, which has no public setting)."""
+    parser._negative_number_matcher = NEGATIVE_NUMBER
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                _numbers_are_values(sub)
+
+
 def register(subparsers) -> None:
+    ours = set(subparsers.choices)  # the parsers before ours: other modules' (train, data, plan)
+    _register(subparsers)
+    for name, parser in subparsers.choices.items():
+        if name not in ours:
+            _numbers_are_values(parser)
+
+
+def _register(subparsers) -> None:
     conn = argparse.ArgumentParser(add_help=False)
     conn.add_argument("--url", type=schema.text(), help="service URL (default $LUBAN_CLUSTER_URL or http://127.0.0.1:8765)")
     conn.add_argument("--token", type=schema.text(), help="API token (default $LUBAN_CLUSTER_TOKEN)")
@@ -585,6 +613,9 @@ def register(subparsers) -> None:
     p.add_argument("--export", default="ALL", metavar="ALL|NONE|NAME,...", type=schema.text(),
                    help="environment for the job, as Slurm's --export: ALL (default) = yours, less tokens and "
                         "rank variables; NONE or NAME,... = exactly those (plus --env and luban's variables)")
+    p.add_argument("--key", type=schema.text(SUBMIT_KEY_RE.pattern, f"a key matching {SUBMIT_KEY_RE.pattern}"),
+                   help="idempotency key (default: a new one): a submission repeated with the same key and spec "
+                        "makes no second job (say it again with the key an 'unreachable' error printed)")
     p.add_argument("rest", nargs=argparse.REMAINDER, metavar="JOB.yaml | -- COMMAND ARGS...",
                    help="a job spec YAML (name, command, args, env, workdir, nodes, priority, group, node_group) "
                         "and/or a command after --")

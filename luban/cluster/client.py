@@ -9,16 +9,22 @@ from __future__ import annotations
 
 import os
 import time
+import uuid
 from collections.abc import Iterator
 from urllib.parse import quote
 
 import httpx
 
 from luban.cluster.spec import JOBS_LIMIT_MAX  # rows one GET /api/jobs answers at most
+from luban.cluster.spec import SUBMIT_KEY_RE  # a submission's Idempotency-Key, as the service checks it
 from luban.errors import LubanError, bad_value, escaped
 
 SERVICE_HEADER = "x-luban-cluster"  # luban.cluster.service marks every answer with it
 TOTAL_HEADER = "X-Total-Count"      # GET /api/jobs: how many rows match in all (the answer has at most limit)
+
+SUBMIT_KEY_HEADER = "Idempotency-Key"  # POST /api/jobs: one submission per user and key (the IETF draft's header)
+SUBMIT_RETRY_S = 20.0  # seconds submit() retries a POST sent but not answered (the service died, or restarts),
+                       # with the same key: the service makes the job at most once
 
 DEFAULT_URL = "http://127.0.0.1:8765"
 RETRY_STATUS = 503  # the service is up but its database is not (restarting): retried like an unreachable
@@ -69,17 +75,24 @@ class Client:
     def call(self, method: str, path: str, **kwargs):
         return self.request(method, path, **kwargs)[0]
 
-    def request(self, method: str, path: str, **kwargs) -> tuple:
-        """``call``'s answer and the response's headers."""
-        deadline = time.monotonic() + self.retry_for
+    def request(self, method: str, path: str, unanswered_retry_for: float = 0.0, unanswered_hint: str = "",
+                **kwargs) -> tuple:
+        """``call``'s answer and the response's headers. ``unanswered_retry_for``: seconds to retry
+        (at least) once a request was sent and got no answer — only for a request that may be repeated
+        (a submission with its key); ``unanswered_hint`` ends the "unreachable" line in that case."""
+        start = time.monotonic()
+        deadline, sent = start + self.retry_for, False
         while True:
             try:
                 response = self.http.request(method, "/api" + path, **kwargs)
                 if response.status_code != RETRY_STATUS or time.monotonic() >= deadline:
                     break
             except httpx.TransportError as err:
+                if not isinstance(err, (httpx.ConnectError, httpx.ConnectTimeout)) and not sent:  # sent: it may be done
+                    sent, deadline = True, max(deadline, time.monotonic() + unanswered_retry_for)
                 if time.monotonic() >= deadline:
-                    raise LubanError(f"cluster service at {self.url} is unreachable: {err}") from None
+                    hint = unanswered_hint if sent else ""
+                    raise LubanError(f"cluster service at {self.url} is unreachable: {err}{hint}") from None
             time.sleep(1.0)
         try:
             body = response.json()
@@ -98,9 +111,18 @@ class Client:
         return body, response.headers
 
     # jobs
-    def submit(self, spec: dict | str) -> dict:
-        """Submit a spec mapping or YAML text; returns the new job."""
-        return self.call("POST", "/jobs", json={"yaml": spec} if isinstance(spec, str) else {"spec": spec})
+    def submit(self, spec: dict | str, key: str | None = None) -> dict:
+        """Submit a spec mapping or YAML text; returns the new job. ``key`` (default: a new uuid4) makes
+        the submission idempotent: a POST sent but not answered is retried with it for
+        ``SUBMIT_RETRY_S`` (or ``retry_for``), and the service answers a repeat with the job the key
+        made, never a second one; the same key with another spec is refused (409)."""
+        key = uuid.uuid4().hex if key is None else key
+        if not isinstance(key, str) or not SUBMIT_KEY_RE.fullmatch(key):  # as the service checks it (a header
+            raise bad_value("key", key, f"a key matching {SUBMIT_KEY_RE.pattern}")  # httpx cannot send is a traceback)
+        return self.request("POST", "/jobs", json={"yaml": spec} if isinstance(spec, str) else {"spec": spec},
+                            headers={SUBMIT_KEY_HEADER: key}, unanswered_retry_for=SUBMIT_RETRY_S,
+                            unanswered_hint=f"; the job may have been submitted: submit it again with "
+                                            f"--key {key} (SDK: key=) to make it at most once")[0]
 
     def jobs(self, all_attempts: bool = False, state: str | None = None, limit: int | None = None) -> JobList:
         """The newest ``limit`` jobs (None: the service's default, ``JOBS_LIMIT``), oldest first: the

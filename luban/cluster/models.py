@@ -103,6 +103,11 @@ class Job(Base):
     nodes: Mapped[list] = mapped_column(JSON, default=list)
     handle: Mapped[str | None] = mapped_column(Text, nullable=True)
     token_hash: Mapped[str | None] = mapped_column(String(64), unique=True, nullable=True)
+    # the client's Idempotency-Key of the submission that made this chain (its first attempt only): a
+    # submission repeated with it (a retry after an unanswered POST) answers this job instead of a new one
+    submit_key: Mapped[str | None] = mapped_column(String(64), nullable=True)
+
+    __table_args__ = (Index("ux_jobs_user_submit_key", "user", "submit_key", unique=True),)
 
 
 class Allocation(Base):

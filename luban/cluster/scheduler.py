@@ -525,6 +525,8 @@ class Scheduler:
             job.stop_reason |= stop
             self.executor.kill(job.handle)
             record(s, "kill", f"stop requested ({StopReason(stop).name})", job.id)
+        elif job.state == states.STARTING and status.held:
+            self._held_by_executor(s, job, status.held, status.held_by_admin)
         elif (job.state == states.RUNNING and job.spec.get("time_limit") and not job.stop_reason & StopReason.TIME_LIMIT
               and now - job.started_at > job.spec["time_limit"]):
             job.stop_reason |= StopReason.TIME_LIMIT
@@ -542,6 +544,21 @@ class Scheduler:
             job.suspend_deadline = None
             self.executor.kill(job.handle)
             record(s, "kill", f"no acknowledgement within {self.settings.suspend_timeout:g}s: killed", job.id)
+
+    def _held_by_executor(self, s: Session, job: Job, reason: str, by_admin: bool) -> None:
+        """An attempt whose copy the executor holds before it started (Slurm: ``scontrol hold``, Reason
+        ``JobHeldAdmin``/``JobHeldUser``) would hold its nodes in ``starting`` for as long as the hold
+        lasts. The hold is taken as meant — this job is not to start now — and moved to luban, which
+        decides where jobs run: the copy is cancelled there, the attempt ends (charged nothing: it never
+        ran; its nodes freed) and its requeued attempt is held as by ``luban hold`` (an admin's hold
+        for an admin's there, ``JobHeldAdmin``: only an admin releases it), so ``luban release`` lets it
+        start again."""
+        self.executor.kill(job.handle)  # a pending copy: cancelled before it ran anything
+        hold = StopReason.HOLD | (StopReason.ADMIN_HOLD if by_admin else 0)
+        why = (f"held in the executor before it started (Reason={reason}): cancelled there and requeued held; "
+               f"`luban release` ({'an admin' if by_admin else 'its user or an admin'}) lets it start")
+        self._end(s, job, states.SUSPENDED, None, 0, why, ended_at=job.started_at, on_service_clock=True,
+                  hold=int(hold))
 
     def _finish(self, s: Session, job: Job, code: int | None, lost: bool, ended_at: float | None = None,
                 problem: str | None = None) -> None:
@@ -563,10 +580,10 @@ class Scheduler:
             end(s, job, states.FAILED, code, job.stop_reason | StopReason.NONZERO_EXIT, f"exit code {code}")
 
     def _end(self, s: Session, job: Job, state: str, code: int | None, reasons: int, message: str,
-             ended_at: float | None = None, on_service_clock: bool = False) -> None:
+             ended_at: float | None = None, on_service_clock: bool = False, hold: int = 0) -> None:
         """Close an attempt, free its nodes; a suspended attempt is requeued as the next one.
         ``ended_at``: when it ended as the executor reports it (None: now), a wall-clock time
-        unless ``on_service_clock``."""
+        unless ``on_service_clock``. ``hold``: the requeued attempt's hold requests (HOLD, ADMIN_HOLD)."""
         why = job.reason if job.state == states.SUSPENDING else None  # the suspend's cause (_suspend)
         states.move(job, state)
         job.exit_code, job.stop_reason = code, int(reasons)
@@ -589,10 +606,12 @@ class Scheduler:
                       name=job.name, spec=job.spec, priority=job.priority, node_group=job.node_group,
                       nnodes=job.nnodes, state=next_state, chain_submitted_at=job.chain_submitted_at,
                       place=place,
-                      queued_at=now, nodes=[], requested=0, stop_reason=0, reason=f"requeued: {job.reason}")
+                      queued_at=now, nodes=[], requested=hold, stop_reason=0, reason=f"requeued: {job.reason}")
             s.add(nxt)
             s.flush()
             record(s, "requeue", f"attempt {nxt.restart_count} of chain {job.chain_id} (was job {job.id})", nxt.id)
+            if hold:
+                record(s, "hold", f"as its previous attempt's was in the executor ({message})", nxt.id)
 
     def _suspend(self, s: Session, job: Job, why: StopReason, message: str, now: float) -> None:
         states.move(job, states.SUSPENDING)

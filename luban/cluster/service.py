@@ -22,7 +22,7 @@ import secrets
 import time
 from pathlib import Path
 
-from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi import Depends, FastAPI, Header, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response
 from sqlalchemy import and_, exists, func, or_, select
@@ -37,6 +37,7 @@ from luban.cluster import spec as specs
 from luban.cluster import states
 from luban.cluster.client import SERVICE_HEADER  # on every answer: clients know they reach luban
 from luban.cluster.client import TOTAL_HEADER  # GET /api/jobs: how many rows in all
+from luban.cluster.client import SUBMIT_KEY_HEADER  # POST /api/jobs: a submission made at most once
 from luban.cluster.spec import JOBS_LIMIT, JOBS_LIMIT_MAX  # GET /api/jobs: rows
 from luban.cluster.models import ACTIVE, LIVE, Event, Job, Node, Quota, Sample, StopReason, User, UserGroup
 from luban.cluster.scheduler import GONE, Scheduler, new_token, record, token_hash
@@ -520,8 +521,14 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
         return {"user": p.user.name, "admin": p.user.is_admin, "group": p.user.group, "job_id": p.job_id}
 
     @app.post("/api/jobs", status_code=201)
-    def submit(p: Principal = Depends(person), body: dict = Depends(json_body)):
+    def submit(p: Principal = Depends(person), body: dict = Depends(json_body),
+               key: str | None = Header(None, alias=SUBMIT_KEY_HEADER)):
+        """A new job (201); with an ``Idempotency-Key`` the submission is made at most once per user and
+        key: a repeat (the client's retry of a POST it got no answer to) answers the job that key made
+        (200, ``repeated``: true), and the key with another spec is a one-line 409."""
         body = object_body(body)
+        if key is not None and not specs.SUBMIT_KEY_RE.fullmatch(key):
+            raise bad_value(SUBMIT_KEY_HEADER, key[:80], f"a key matching {specs.SUBMIT_KEY_RE.pattern} (a uuid4)")
         if "yaml" in body:
             spec = specs.parse_yaml(str_field(body, "yaml", limit=specs.MAX_YAML))
         else:
@@ -532,6 +539,19 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
             # the user's row locked: one submission of a user at a time, so the queued count below holds
             # under concurrent submissions (PostgreSQL; SQLite serialises every write transaction anyway)
             user = s.get(User, p.user.name, with_for_update={"key_share": True})  # FOR NO KEY UPDATE
+            known = sorted(set(s.scalars(select(Node.node_group))))
+            if spec.node_group is None:
+                spec.node_group = known[0] if len(known) == 1 else "default"
+            if key is not None:  # before the limits: the job this key made counts against them already
+                made = s.scalar(select(Job).where(Job.user == user.name, Job.submit_key == key))
+                if made is not None:
+                    differ = sorted(k for k in set(made.spec) | set(spec.to_dict())
+                                    if made.spec.get(k) != spec.to_dict().get(k))
+                    if differ:  # (`luban submit` sends the submitter's environment: another shell's differs)
+                        raise HTTPException(409, str(bad_value(
+                            SUBMIT_KEY_HEADER, key, f"already submitted job {made.id} with another spec ("
+                                                    f"{', '.join(differ)} differ); a new submission needs a new key")))
+                    return JSONResponse(status_code=200, content=job_dict(made) | {"repeated": True})
             queued = s.scalar(select(func.count()).select_from(Job).where(Job.user == user.name,
                                                                            Job.state == states.QUEUED))
             if queued >= max_queued:
@@ -540,9 +560,6 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
             if spec.group is not None and spec.group != user.group:
                 raise bad_value("group", spec.group, "you are not a member (" + (
                     f"your group: {user.group})" if user.group else "you are in no group)"))
-            known = sorted(set(s.scalars(select(Node.node_group))))
-            if spec.node_group is None:
-                spec.node_group = known[0] if len(known) == 1 else "default"
             size = s.scalar(select(func.count()).select_from(Node).where(Node.node_group == spec.node_group))
             if not size:
                 raise bad_value("node_group", spec.node_group, f"unknown; node groups: {', '.join(known)}")
@@ -570,7 +587,7 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
                       user=user.name, group=spec.group, owner=owner, name=spec.name, spec=spec.to_dict(),
                       priority=int(level), node_group=spec.node_group, nnodes=spec.nodes, state=states.QUEUED,
                       chain_submitted_at=now, place=now, queued_at=now, nodes=[], requested=0, stop_reason=0,
-                      reason="queued")
+                      reason="queued", submit_key=key)
             s.add(job)
             s.flush()
             job.first_id = job.id

@@ -20,6 +20,8 @@ MAX_SPEC = 256 << 10       # bytes of a job spec as JSON (args + env + the rest)
 MAX_ARG = (128 << 10) - 1  # bytes of one argument or one NAME=value environment entry: execve refuses a
                            # longer string (Linux MAX_ARG_STRLEN, with its NUL) — the job could never start
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+# a submission's Idempotency-Key (client.SUBMIT_KEY_HEADER; a uuid4 by default): 64 characters fit jobs.submit_key
+SUBMIT_KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}$")
 ENV_RE = jobenv.NAME_RE
 
 

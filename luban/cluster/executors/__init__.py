@@ -55,6 +55,9 @@ class Status:
     ended_at: float | None = None
     unavailable: str | None = None  # the executor could not ask (Slurm's controller unreachable): why, in one line
     problem: str | None = None  # what it could not read (a missing command, output it cannot parse), in one line
+    held: str | None = None  # not started, and held where it runs (Slurm's Reason=JobHeldAdmin/JobHeldUser):
+                             # that reason; it would never start (the scheduler cancels it there and holds the job)
+    held_by_admin: bool = False  # that hold is an admin's (only an admin releases it), not the job's user's
 
 
 class Unavailable(RuntimeError):

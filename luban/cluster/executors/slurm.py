@@ -6,7 +6,9 @@ script ``srun``s one launcher per node (rank = SLURM_NODEID); suspend is
 ``scancel --signal=USR1`` (srun hands it to the launchers, which forward it to the job), kill is
 ``scancel``, whose SIGTERM makes each launcher kill every process of the job (``luban.procs``)
 before it exits; the state is read back with ``scontrol show job``, and the launchers' exit files
-(when the state directory is shared) give each rank's exit code.
+(when the state directory is shared) give each rank's exit code. A job Slurm holds before it started
+(``scontrol hold``: Reason ``JobHeldAdmin``/``JobHeldUser``) is reported ``held`` (the scheduler
+cancels it and holds the attempt in luban instead).
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ RUNNING = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQU
            "STAGE_OUT", "STOPPED", "REQUEUE_HOLD", "REQUEUE_FED", "RESV_DEL_HOLD"}
 CANCELLED = "sbatch.cancelled"  # in a run dir: a failed try's scancel --name was taken (its retry waits for it)
 SCRIPT = "job.sbatch"  # in a run dir: the batch script of the attempt's latest try (there: a try was made)
+# a pending job's Reason when it is held (`scontrol hold` by an admin / `scontrol hold` or `sbatch -H` by its
+# user; slurm/src/common/slurm_protocol_defs.c, job_state_reason_string): it will not start until released
+HELD = {"JobHeldAdmin": "admin", "JobHeldUser": "user"}
 ENDED = {"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL", "DEADLINE",
          "OUT_OF_MEMORY", "REVOKED", "SPECIAL_EXIT"}
 
@@ -228,7 +233,9 @@ class SlurmExecutor:
             f = {}  # forgotten by slurmctld (MinJobAge): fall back to the launchers' exit files
         state = f.get("JobState", "")
         if state in RUNNING:
-            return Status(done=False, started=state not in ("PENDING", "CONFIGURING"))
+            held = f.get("Reason") if state == "PENDING" and f.get("Reason") in HELD else None
+            return Status(done=False, started=state not in ("PENDING", "CONFIGURING"), held=held,
+                          held_by_admin=HELD.get(held) == "admin")
         if all(p.exists() for p in files):
             return Status(done=True, exit_code=combine([int(p.read_text()) for p in files]),
                           ended_at=launcher.ended_at(run_dir, len(files)), unavailable=unavailable)
