@@ -32,7 +32,7 @@ import argparse  # noqa: E402
 import importlib  # noqa: E402
 import re  # noqa: E402
 
-from luban import interrupt  # noqa: E402
+from luban import interrupt, schema  # noqa: E402
 from luban.errors import EXIT_INTERRUPTED, LubanError, for_terminal
 
 SUBCOMMAND_MODULES = [
@@ -55,6 +55,10 @@ class Parser(argparse.ArgumentParser):
     the whole usage first). A bad value reads ``luban: error: --key = 'value': <what is allowed>``,
     whether a ``luban.schema`` type refused it, it is not among the choices, or it is missing.
     Sub-parsers inherit the class."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = schema.NEGATIVE_NUMBER  # no public setting: argparse asks this attribute
 
     def error(self, message: str):
         print(error_line(self.render(message)), file=sys.stderr)

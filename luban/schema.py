@@ -66,7 +66,12 @@ def _declared(parse, allowed: str):
 # what an integer is on the command line: ASCII decimal digits, a sign; not int()'s surrounding spaces,
 # underscores or other scripts' digits (``luban stop ٣`` stopped job 3, 2026-11-28)
 DECIMAL = re.compile(r"[+-]?[0-9]+")
-FLOAT = re.compile(r"[+-]?(?:(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?|inf(?:inity)?|nan)", re.IGNORECASE)
+_NUMBER = r"(?:(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?|inf(?:inity)?|nan)"
+FLOAT = re.compile(r"[+-]?" + _NUMBER, re.IGNORECASE)
+# what argparse takes for a negative number (a flag's value, not an option): its own matcher takes only
+# -1 and -1.5 (argparse.ArgumentParser._negative_number_matcher), so `--quantum -inf` or `--gpus -1e3` was
+# "(missing)" instead of the flag's own one-line error (luban.cli.Parser sets this one)
+NEGATIVE_NUMBER = re.compile("^-" + _NUMBER + "$", re.IGNORECASE)
 
 
 def integer(lo: int | None = None, hi: int | None = None):

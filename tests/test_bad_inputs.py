@@ -402,3 +402,14 @@ def test_numbers_on_the_command_line_are_ascii_decimal(capsys, text):
     assert main(["stop", text]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("luban: error: jobs = "), err
+
+
+@pytest.mark.parametrize("argv, key", [(["plan", "estimate", "--gpus", "-1e3"], "--gpus = '-1e3'"),
+                                       (["plan", "estimate", "--global-batch", "-inf"], "--global-batch = '-inf'"),
+                                       (["data", "build", "--val-fraction", "-1E-2"], "--val-fraction = ")])
+def test_a_negative_number_reaches_every_commands_flag_check(capsys, argv, key):
+    """argparse takes ``-1e3`` or ``-inf`` for an option, not a value: every command but the cluster's
+    said ``--gpus = (missing)`` (2026-11-28); ``luban.cli.Parser`` now reads them as values."""
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and key in err[0] and "(missing)" not in err[0], err

@@ -571,31 +571,7 @@ def _trace_config(args):
     return trace.TraceConfig(**{key: getattr(args, key) for key in ("jobs", "days", "nodes", "users", "load", "seed")})
 
 
-# what argparse takes for a negative number (a flag's value, not an option): its own matcher takes only
-# -1 and -1.5 (argparse.ArgumentParser._negative_number_matcher), so `--quantum -inf` or `--days -1e3` was
-# "(missing)" instead of the flag's own one-line error; these are what float() reads with a minus sign
-NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$|^-(inf|infinity|nan)$", re.IGNORECASE)
-
-
-def _numbers_are_values(parser: argparse.ArgumentParser) -> None:
-    """``parser`` and its sub-parsers read ``NEGATIVE_NUMBER`` as a value (argparse asks its own
-    ``_negative_number_matcher``, which has no public setting)."""
-    parser._negative_number_matcher = NEGATIVE_NUMBER
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for sub in action.choices.values():
-                _numbers_are_values(sub)
-
-
 def register(subparsers) -> None:
-    ours = set(subparsers.choices)  # the parsers before ours: other modules' (train, data, plan)
-    _register(subparsers)
-    for name, parser in subparsers.choices.items():
-        if name not in ours:
-            _numbers_are_values(parser)
-
-
-def _register(subparsers) -> None:
     conn = argparse.ArgumentParser(add_help=False)
     conn.add_argument("--url", type=schema.text(), help="service URL (default $LUBAN_CLUSTER_URL or http://127.0.0.1:8765)")
     conn.add_argument("--token", type=schema.text(), help="API token (default $LUBAN_CLUSTER_TOKEN)")
