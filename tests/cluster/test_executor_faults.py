@@ -121,3 +121,21 @@ def test_a_local_start_that_fails_part_way_leaves_nothing_running(tmp_path, monk
         for pid in _launchers(tmp_path):
             os.killpg(pid, 9)
         procs.kill_job(launcher.node_tag(launch.name, 0))
+
+
+def test_a_launcher_that_writes_its_exit_file_and_ends_between_two_looks_is_not_lost(tmp_path, monkeypatch):
+    """``poll`` looked for the exit file, then for the launcher: one that wrote its file and ended in
+    between read as "lost: launcher gone, no exit code", and a job that succeeded failed (four
+    schedulers under load, tests/cluster/test_quota_concurrency.py, 1 run in 6; 2026-11-28)."""
+    executor = LocalExecutor()
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    handle = json.dumps({"pids": [2 ** 22 + 1], "run_dir": str(run_dir), "tag": "none"})
+
+    def ends_now(handle, pid):  # the launcher's last act, then it is gone
+        launcher.exit_file(run_dir, 0).write_text("0")
+        return False
+
+    monkeypatch.setattr(executor, "_live", ends_now)
+    status = executor.poll(handle)
+    assert (status.done, status.exit_code, status.lost) == (True, 0, False), status
