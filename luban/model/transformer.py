@@ -143,6 +143,9 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, rope=None) -> torch.Tensor:
         if self.recompute and torch.is_grad_enabled():
+            if self.checkpoint_context is noop_context_fn:  # full recompute: checkpoint's default, not passed
+                # (torch 2.13's Dynamo refuses any context_fn given, even this one: a compiled block stopped)
+                return checkpoint(self._forward, x, rope, use_reentrant=False)
             return checkpoint(self._forward, x, rope, use_reentrant=False, context_fn=self.checkpoint_context)
         return self._forward(x, rope)
 

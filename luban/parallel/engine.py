@@ -14,7 +14,9 @@ The trainer only ever calls this API; everything about how the model is split ac
   layout loads under any other;
 * ``memory_report()`` gives this rank's exact bytes of parameters, gradients, optimizer state
   and saved activations per micro-batch;
-* ``any_rank(flag)`` / ``barrier()`` let the trainer agree across ranks (e.g. on suspending);
+* ``any_rank(flag)`` / ``barrier()`` let the trainer agree across ranks on the device's group (e.g.
+  on a checkpoint one rank could not read; the per-step agreements run on the host instead:
+  ``luban.train.preempt.any_rank``);
 * ``before_update``, if set, is called before anything in ``state_dict()`` changes (the
   optimizer step and router-bias update in ``step``, ``load_state_dict``): an asynchronous
   checkpoint still copying the state waits there. Forward and backward change no part of
@@ -102,17 +104,33 @@ def apply_ep(module: Transformer, layout: ParallelLayout, mesh: LayoutMesh | Non
         apply_expert_parallel(module, mesh["ep"])
 
 
-def apply_compile(module: Transformer, compile: bool) -> None:
+def apply_compile(module: Transformer, compile: bool, tp: int = 1) -> None:
     """``torch.compile`` each block in place (torchtitan's per-block compile: one graph per
     distinct block, reused by every layer; names and state dicts unchanged) and the fused head
     + loss as one graph. After recompute, TP, CP and EP (their hooks and collectives are traced
-    or break the graph where they must), before data parallel (FSDP2 wraps compiled blocks)."""
+    or break the graph where they must), before data parallel (FSDP2 wraps compiled blocks).
+    ``tp``: the layout's; under tensor parallel the blocks are compiled for static shapes (below)."""
     if not compile:
         return
+    if module.tok_emb is not None and isinstance(module.tok_emb.weight, DTensor):  # vocab-parallel (TP)
+        module.tok_emb.register_forward_hook(_own_storage)
     for block in module.layers.values():
-        block.compile()
+        # tp > 1: static shapes. A block's code seeing a second input shape (sequence parallel: the first
+        # block takes the whole sequence, the others their tp-th) is recompiled with symbolic sizes by
+        # default, which DTensor's sharding propagation cannot hash ("unhashable type: non-nested SymInt":
+        # tiny-llama, tp 2, sp, the first step); one graph per shape instead (a few: train, eval)
+        block.compile(dynamic=False if tp > 1 else None)
     if module.lm_head is not None:
         module.head_loss = compiled_head_loss
+
+
+def _own_storage(_module, _args, output: torch.Tensor) -> torch.Tensor:
+    """The vocab-parallel embedding's output as a tensor of its own. Under TP it is a view of a DTensor's
+    local tensor (``to_local``); where it reaches a compiled block unchanged (a rope model: no position
+    embedding is added), torch 2.13's compiled backward routed its gradient around ``to_local``'s, and
+    the embedding's redistribute got a plain tensor ("'Tensor' object has no attribute '_local_tensor'":
+    tiny-llama, tp 2, every step). A copy of b·s·hidden, saved by nothing."""
+    return output.clone()
 
 
 def apply_dp(module: Transformer, layout: ParallelLayout, mesh: LayoutMesh | None, device: torch.device) -> nn.Module:
@@ -127,7 +145,7 @@ def parallelize(module: Transformer, layout: ParallelLayout, mesh: LayoutMesh | 
     apply_tp(module, layout, mesh)
     apply_cp(module, layout, mesh)
     apply_ep(module, layout, mesh)
-    apply_compile(module, compile)
+    apply_compile(module, compile, layout.tp)
     return apply_dp(module, layout, mesh, device)
 
 

@@ -37,6 +37,7 @@ class StepWindow:
 
     def __init__(self, device):
         self.cuda = device.type == "cuda"
+        self.span_s, self.span_steps = 0.0, 0  # ``span``: the steps since the device was last drained
         self.reset()
 
     def reset(self) -> None:
@@ -62,8 +63,17 @@ class StepWindow:
         self.fwd_bwd_s += t2 - t1
         self.optimizer_s += t3 - t2
         self.step_s += t3 - t0
+        self.span_s += t3 - t0
+        self.span_steps += 1
         if self.cuda:
             self.marks.append(marks)
+
+    def span(self) -> list[float]:
+        """Once the device drained (at a logged step, or elsewhere: the end of the warm-up that
+        ``plan_check`` leaves out): the mean seconds per step since the last call, once per step."""
+        times = [self.span_s / self.span_steps] * self.span_steps if self.span_steps else []
+        self.span_s, self.span_steps = 0.0, 0
+        return times
 
     def means(self) -> dict:
         """The window's mean seconds per step (once the device drained); a new window begins."""

@@ -5,7 +5,8 @@ fits for the world size and system profile; the prediction is written to
 ``<run>/plan.json``. When the run ends, rank 0 gathers every rank's measured bytes and writes
 ``<run>/plan_vs_measured.json``: predicted vs measured parameter, gradient and optimizer
 bytes and activation bytes per micro-batch (on the fullest rank, as the planner predicts),
-and the median step time.
+and the median step time of the steps after the warm-up (``Trainer``: the device is drained at
+its end, so a log window that holds warm-up steps does not mix them into the later steps' mean).
 """
 
 from __future__ import annotations
@@ -51,10 +52,16 @@ def describe(prediction: dict) -> str:
             f"per rank GiB: {mem} (activations per micro-batch)")
 
 
+def planned(run_dir: Path) -> bool:
+    """Whether ``--parallel auto`` planned this run (``write_plan``): ``compare`` will compare with the plan."""
+    return (run_dir / "plan.json").is_file()
+
+
 def compare(run_dir: Path, memory_by_rank: list[dict], step_times: list[float]) -> dict | None:
-    """Write plan_vs_measured.json if this run was planned; returns the comparison."""
+    """Write plan_vs_measured.json if this run was planned; returns the comparison. ``step_times``: the
+    seconds of each step after the warm-up (``Trainer``'s ``PLAN_WARMUP_STEPS``)."""
     plan_file = run_dir / "plan.json"
-    if not plan_file.is_file() or not memory_by_rank or not step_times:
+    if not planned(run_dir) or not memory_by_rank or not step_times:
         return None
     try:  # luban's own file, but in a folder a user can edit: an unreadable one skips the comparison
         prediction = json.loads(plan_file.read_text())

@@ -30,7 +30,7 @@ from luban.parallel.engine import Engine, OptimizerConfig, build_engine, resolve
 from luban.parallel.launch import check_rank_env
 from luban.parallel.layout import check_layout
 from luban.parallel.recompute import recomputed_flops_mode
-from luban.train import checkpoint
+from luban.train import checkpoint, plan_check
 from luban.train.metrics import MetricsLogger, StepWindow
 from luban.train.peak import run_peak
 from luban.train import preempt
@@ -42,6 +42,9 @@ from luban.train.schedule import lr_at
 # cuBLAS needs a fixed workspace to be deterministic (NVIDIA cuBLAS docs, "Results
 # reproducibility"; PyTorch's randomness notes): set before the first cuBLAS call
 CUBLAS_WORKSPACE = ":4096:8"
+# this process's first steps, left out of plan_check's measured step time: compiling, the allocator's
+# and the optimizer's first states (the trainer's own choice, ``step_times[3:]`` since plan_check began)
+PLAN_WARMUP_STEPS = 3
 
 
 def set_deterministic(on: bool, device: torch.device) -> None:
@@ -340,6 +343,9 @@ class Trainer:
         implausible = False  # MFU/HFU above 100%: reported as not measured, with one warning
         loss, saved, step_times, memory = None, None, [], {}
         window = StepWindow(self.device)  # the timing figures since the last logged step
+        # --parallel auto: its plan's step time is compared with the steps after the warm-up, whose end is
+        # drained once for that (a log window may hold warm-up and later steps: its mean mixes them)
+        timed, run_steps = plan_check.planned(self.run_dir), 0
         try:
             if suspend.agreed():  # signalled during start-up: nothing new to save
                 log.message(f"suspended on {suspend.reason or 'a peer rank signal'} before the first step "
@@ -359,18 +365,23 @@ class Trainer:
                 grad_norm = self.engine.step(lr, t.grad_clip, host=False)
                 marks.append(window.mark())
                 self.step += 1
+                run_steps += 1
                 evaluating = bool(t.eval_every) and self.step % t.eval_every == 0
                 logging = self.step % t.log_every == 0 or self.step == t.steps or evaluating
-                timing_compile = self.engine.compiled and not step_times and window.steps == 0  # the first step
-                if logging or timing_compile:
+                timing_compile = self.engine.compiled and run_steps == 1  # the first step
+                drained = logging or timing_compile or (timed and run_steps == PLAN_WARMUP_STEPS)
+                if drained:
                     drain(self.device)
                 t3 = time.perf_counter()
                 window.add(t0, t1, t2, t3, tuple(marks))
+                if drained:
+                    span = window.span()
+                    if run_steps > PLAN_WARMUP_STEPS:
+                        step_times += span
                 if timing_compile:
                     log.message(f"first step {t3 - t0:.1f} s, compiling included (train.compile = {t.compile!r})")
                 if logging:
-                    n, times = window.steps, window.means()
-                    step_times += [times["time_step_s"]] * n  # each step of the window: its mean
+                    times = window.means()
                     # after the step: a fresh optimizer makes its state there (step 1 read 0 optimizer bytes before)
                     memory = self.engine.memory_report()
                     time_s = times["time_step_s"]
@@ -402,7 +413,7 @@ class Trainer:
                     log.message(f"suspended on {suspend.reason or 'a peer rank signal'} at step {self.step}; "
                                 f"checkpoint {saved}; exit {EXIT_SUSPENDED} (resume with --resume auto)")
                     return TrainResult(self.step, True, saved, float(loss))
-            self._report_plan(memory, step_times[3:], log)
+            self._report_plan(memory, step_times, log)
         finally:
             if self.writer is not None:
                 self.writer.close()
@@ -424,8 +435,6 @@ class Trainer:
     def _report_plan(self, memory: dict, step_times: list[float], log: MetricsLogger) -> None:
         """Predicted vs measured, when ``--parallel auto`` planned this run (``plan_check``)."""
         import torch.distributed as dist
-
-        from luban.train import plan_check
 
         memory_by_rank = [memory]
         if dist.is_available() and dist.is_initialized():
