@@ -126,6 +126,13 @@ class Trainer:
         self.loader = TokenLoader(data_dir, split="train", seq_len=cfg.seq_len, global_batch=t.global_batch,
                                   seed=t.seed, dp_rank=self.engine.dp_rank, dp_size=self.engine.dp_size,
                                   prefetch=cfg.data.prefetch)
+        if t.eval_every:  # a val split too small to evaluate is refused now, not at the first eval step
+            try:
+                TokenLoader(data_dir, split="val", seq_len=cfg.seq_len, global_batch=t.global_batch,
+                            dp_rank=self.engine.dp_rank, dp_size=self.engine.dp_size, prefetch=0).close()
+            except LubanError as err:
+                raise bad_value("train.eval_every", t.eval_every, f"0 for this dataset, whose validation split "
+                                f"cannot be read ({err})") from None
         self.step = 0
         self.saves: list[checkpoint.SaveRecord] = []
         self._last_save_time = time.monotonic()

@@ -146,3 +146,22 @@ if __name__ == "__main__":
     import sys
 
     sys.exit(main(*sys.argv[1:]))
+
+
+def test_a_val_split_that_cannot_be_evaluated_is_refused_before_the_first_step(tmp_path):
+    """A dataset built with ``--val-fraction 0`` trained ``eval_every`` steps, then died at its first
+    evaluation with nothing saved (2026-11-28); it is refused at start-up, naming ``train.eval_every``."""
+    from luban.data.build import build_dataset
+    from luban.errors import LubanError
+
+    (tmp_path / "text").mkdir()
+    for i in range(8):
+        (tmp_path / "text" / f"{i}.txt").write_text(f"document {i} " * 200)
+    build_dataset([tmp_path / "text"], tmp_path / "ds", val_fraction=0.0)
+    overrides = [f'data.path="{tmp_path / "ds"}"', 'model.preset="tiny"', "model.seq_len=32", "model.layers=1",
+                 "train.steps=4", "train.global_batch=2", "train.eval_every=2", "train.checkpoint_every=0",
+                 f'run.dir="{tmp_path / "run"}"', "run.tensorboard=false", 'run.progress="none"']
+    with pytest.raises(LubanError, match=r"^train\.eval_every = 2: 0 for this dataset, whose validation split "
+                                         r"cannot be read \(split = 'val': has 0 tokens"):
+        Trainer(load_config(None, overrides)).train()
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
