@@ -20,6 +20,7 @@ import pytest
 from luban.data import build
 from luban.data.build import build_dataset
 from luban.data.manifest import load_manifest, open_dataset
+from tests import nobody
 from tests.data.conftest import write_docs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -246,13 +247,15 @@ def test_a_rebuild_keeps_the_folders_mode_and_group(tmp_path):
 
 
 def _luban_as(uid: int, *args):
-    """``luban ARGS`` run as ``uid`` (group too, no supplementary groups), by setpriv(1)."""
-    return subprocess.run(["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", sys.executable, "-m",
-                           "luban", *map(str, args)], capture_output=True, text=True, cwd=ROOT, timeout=CHILD_TIMEOUT_S)
+    """``luban ARGS`` run as ``uid`` (group too, no supplementary groups), by setpriv(1), with code that user
+    can read (``tests/nobody.py``: CI's clone is in a mode-700 folder)."""
+    code, site = nobody.code_paths()
+    return subprocess.run(["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "env",
+                           f"PYTHONPATH={code}:{site}", str(nobody.SYSTEM_PYTHON), "-m", "luban", *map(str, args)],
+                          capture_output=True, text=True, cwd="/", timeout=CHILD_TIMEOUT_S)
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root and setpriv, to run builds "
-                    "as two other users")
+@pytest.mark.skipif(nobody.UNAVAILABLE is not None, reason=f"to run builds as two other users: {nobody.UNAVAILABLE}")
 def test_another_users_dataset_in_a_sticky_folder_is_refused_before_the_build(tmp_path):
     """Alice's dataset in a sticky folder (/tmp, a cluster's /scratch), shared writable: Bob's rebuild passed every
     check, built, then the swap's rename was refused (the sticky bit: only the owner may rename). Was (to

@@ -1,22 +1,16 @@
 """The threat model for a NON-root service (docs/platform.md, luban/cluster/jobguard.py): the real
 service runs as ``nobody`` with ``--run-jobs-as namespace``; real jobs attack its state and fail:
 the admin token, the database, the state directory, the service's /proc entries (environ, root),
-another job's environment. A normal job still runs, and ``luban train`` works inside one.
-
-The venv's interpreter lives under /root (mode 700), which ``nobody`` cannot open: the service
-runs the system's interpreter of the same version (/usr/bin/python3.11 under a 3.11 venv: the venv's
-compiled packages are built for it) with this checkout and the venv's site-packages on PYTHONPATH. Where
-``nobody`` cannot reach those either (a clone in a mode-700 temporary folder, as CI makes), they are
-mirrored by hard links (``cp -al``: no data copied, file modes kept) into a folder it can read."""
+another job's environment. A normal job still runs, and ``luban train`` works inside one. How the
+service runs as ``nobody`` at all (the system's interpreter, the code mirrored where needed):
+tests/nobody.py."""
 
 from __future__ import annotations
 
-import atexit
-import os
+import tempfile
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -24,35 +18,10 @@ import pytest
 from luban.cluster.client import Client
 from tests.cluster.conftest import LUBAN, ROOT, Service, wait_for
 from tests.conftest import tiny_toml
+from tests.nobody import NOBODY, SYSTEM_PYTHON, UNAVAILABLE, VENV_SITE, code_paths
 
-SYSTEM_PYTHON = Path(f"/usr/bin/python{sys.version_info.major}.{sys.version_info.minor}")
-SITE = next(p for p in sys.path if p.endswith("site-packages"))
-pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not SYSTEM_PYTHON.exists() or shutil.which("setpriv") is None,
-                                reason=f"needs root to drop to nobody (setpriv) and {SYSTEM_PYTHON}")
-NOBODY = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups"]
-
-
-def nobody_can_read(path: Path) -> bool:
-    return subprocess.run([*NOBODY, "test", "-r", str(path)], capture_output=True, timeout=300).returncode == 0
-
-
-def nobody_paths(root: Path, site: Path) -> tuple[Path, Path]:
-    """``root`` (the checkout holding ``luban``) and ``site``, or hard-linked mirrors nobody can read."""
-    if nobody_can_read(root / "luban" / "__init__.py") and nobody_can_read(site):
-        return root, site
-    mirror = Path(tempfile.mkdtemp(prefix="luban-nonroot-code-"))
-    mirror.chmod(0o755)
-    atexit.register(shutil.rmtree, mirror, ignore_errors=True)
-    (mirror / "src").mkdir()
-    subprocess.run(["cp", "-al", str(root / "luban"), str(mirror / "src" / "luban")], check=True, timeout=300)
-    subprocess.run(["cp", "-al", str(site), str(mirror / "site")], check=True, timeout=300)
-    return mirror / "src", mirror / "site"
-
-
-if os.geteuid() == 0 and SYSTEM_PYTHON.exists() and shutil.which("setpriv"):
-    CODE, SITE = nobody_paths(Path(ROOT), Path(SITE))
-else:
-    CODE = ROOT
+pytestmark = pytest.mark.skipif(UNAVAILABLE is not None, reason=str(UNAVAILABLE))
+CODE, SITE = code_paths() if UNAVAILABLE is None else (ROOT, VENV_SITE)
 JOB_ENV = {"PYTHONPATH": f"{CODE}:{SITE}", "PATH": "/usr/bin:/bin", "HOME": "/tmp"}
 
 

@@ -270,28 +270,19 @@ def test_cancel_tries_takes_a_copy_out_of_a_real_slurms_queue(tmp_path):
     """Against the real daemons (.ci/services.sh): what `cancel_tries` asks of Slurm takes a copy
     that is queued there (PENDING behind another job on its node) out of Slurm's queue, and the
     attempt's next start submits afresh instead of adopting it."""
-    import os
     import secrets
     import shutil
     import subprocess
 
-    from luban.cluster.executors import Launch
     from luban.cluster.executors.slurm import CANCELLED, SlurmExecutor
     from tests.cluster.conftest import require, wait_for
-    from tests.cluster.test_slurm import slurm_nodes
+    from tests.cluster.test_slurm import sleeping_launch, slurm_nodes, squeue_listed
 
     require(bool(shutil.which("sinfo")) and "node1" in slurm_nodes(), "a Slurm cluster with node1 idle")
     executor = SlurmExecutor(state_dir=str(tmp_path))
     tag = secrets.token_hex(4)
 
-    def launch(i: int) -> Launch:
-        return Launch(job_id=i, name=f"luban-{i}-c{tag}", nodes=["node1"], command=["sleep", "300"],
-                      env={"PATH": os.environ["PATH"], "LUBAN_CLUSTER_TOKEN": f"t{i}"},
-                      run_dir=str(tmp_path / "runs" / str(i)), log_pattern=str(tmp_path / f"{i}-rank{{rank}}.log"))
-
-    def listed(name: str) -> list[str]:
-        return subprocess.run(["squeue", "-h", "-n", name, "-o", "%i %T"], capture_output=True, text=True,
-                              timeout=60).stdout.split()
+    launch, listed = (lambda i: sleeping_launch(tmp_path, tag, i)), squeue_listed
 
     first, queued = launch(1), launch(2)
     try:

@@ -24,6 +24,23 @@ def slurm_nodes() -> list[str]:
     return sorted(line.split()[0] for line in result.stdout.splitlines() if line.split()[1:2] == ["idle"])
 
 
+def sleeping_launch(tmp_path: Path, tag: str, i: int):
+    """Job ``i`` of a test's own Slurm jobs (``tag``): ``sleep 300`` on node1, exclusive."""
+    import os
+
+    from luban.cluster.executors import Launch
+
+    return Launch(job_id=i, name=f"luban-{i}-c{tag}", nodes=["node1"], command=["sleep", "300"],
+                  env={"PATH": os.environ["PATH"], "LUBAN_CLUSTER_TOKEN": f"t{i}"},
+                  run_dir=str(tmp_path / "runs" / str(i)), log_pattern=str(tmp_path / f"{i}-rank{{rank}}.log"))
+
+
+def squeue_listed(name: str) -> list[str]:
+    """``squeue``'s job id and state of the job called ``name`` (empty: not in Slurm's queue)."""
+    return subprocess.run(["squeue", "-h", "-n", name, "-o", "%i %T"], capture_output=True, text=True,
+                          timeout=60).stdout.split()
+
+
 @pytest.fixture
 def slurm(service):
     require(bool(shutil.which("sinfo")) and bool(slurm_nodes()), "a Slurm cluster (sinfo lists idle nodes)")

@@ -55,7 +55,7 @@ def test_planner_rank_params_equal_the_built_stages(cfg):
         if schedules.get(schedule).stages(pp, v) > cfg.layers:
             continue
         layout = ParallelLayout(pp=pp, schedule=schedule, virtual_stages=v, zero=1)
-        problem = Problem(cfg, system, pp, cfg.seq_len, 64)
+        problem = Problem(cfg, system, pp, cfg.seq_len, 64, runtime="luban")  # the split luban builds
         g = Grid.from_layout(layout)
         first, last = (int(x) for x in rank_params(problem, g))
         l_first, l_last, l_most = (int(x) for x in rank_layers(problem, g))
@@ -72,7 +72,7 @@ def test_issue_example_tiny_llama_pp2_v2():
     """Issue #11: the runtime builds 402,048 and 402,176 parameters; the planner said 435,072 on each."""
     params, _ = built_rank_params(TINY_LLAMA, "zero-bubble", 2, 2)
     assert params == [402_048, 402_176]
-    problem = Problem(TINY_LLAMA, load_system("dgx-a100-80g"), 2, 128, 64)
+    problem = Problem(TINY_LLAMA, load_system("dgx-a100-80g"), 2, 128, 64, runtime="luban")
     g = Grid.from_layout(ParallelLayout(pp=2, schedule="zero-bubble", virtual_stages=2, zero=1))
     assert [int(x) for x in rank_params(problem, g)] == params
 
