@@ -249,7 +249,7 @@ def test_ctrl_c_while_runpy_loads_luban_cli_is_one_line(tmp_path):
     assert (proc.returncode, proc.stderr) == (130, "luban: interrupted\n"), (proc.returncode, proc.stderr[-3000:])
 
 
-@pytest.mark.parametrize("delay", [0.0, 0.05, 0.2, 1.0])
+@pytest.mark.parametrize("delay", [0.05, 0.2, 1.0])  # at 0 s the signal lands before any code of luban: always skipped
 def test_ctrl_c_at_delays_after_spawning_luban_train(delay, tmp_path):
     """The real command, Ctrl-C (SIGINT to its process group) ``delay`` s after spawn: one line and 75
     (0 if it finished first), never a traceback of luban's. Before any code of luban runs, the
