@@ -165,15 +165,20 @@ class Transformer(nn.Module):
         self._rope_cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self.head_loss = chunked_head_loss  # (h, head weight, labels) -> loss; compiled: apply_compile
 
-    def rope(self, positions: torch.Tensor | None, length: int, device: torch.device):
+    def rope(self, positions: torch.Tensor | None, length: int, device: torch.device,
+             span: int | None = None):
         """cos/sin for ``positions`` (default ``0..length-1``) from a table built on that device
         (never on the host per forward) and kept per device: of the first ``length`` positions
-        rounded up to a power of two, grown when a longer length comes, or of all ``seq_len``
-        positions where ``positions`` are given (reading their largest would wait for the device).
-        A table of all ``seq_len`` positions at once cost 8·seq_len·head_dim bytes whatever was
-        run: 17 GB for an imported model with ``max_position_embeddings`` 2^24 sampled from a
-        short prompt (2026-11-28). Rows do not depend on the table's length (``rope_tables``)."""
-        rows = self.cfg.seq_len if positions is not None else min(self.cfg.seq_len, 1 << (max(length, 1) - 1).bit_length())
+        (``span`` where ``positions`` are given: the bound the caller knows they lie below, e.g.
+        context parallel's whole sequence) rounded up to a power of two, grown when a longer one
+        comes; of all ``seq_len`` positions where ``positions`` come without ``span`` (reading their
+        largest would wait for the device). A table of all ``seq_len`` positions at once cost
+        8·seq_len·head_dim bytes whatever was run: 17 GB for an imported model with
+        ``max_position_embeddings`` 2^24 sampled from a short prompt (2026-11-28), and under cp
+        whatever the sequence (until 2026-12-02). Rows do not depend on the table's length
+        (``rope_tables``)."""
+        needed = length if positions is None else span
+        rows = self.cfg.seq_len if needed is None else min(self.cfg.seq_len, 1 << (max(needed, 1) - 1).bit_length())
         table = self._rope_cache.get(device)
         if table is None or table[0].shape[0] < rows:
             table = rope_tables(self.cfg, torch.arange(rows, device=device))
@@ -183,9 +188,10 @@ class Transformer(nn.Module):
         return table[0][positions], table[1][positions]
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None) -> torch.Tensor:
+                labels: torch.Tensor | None = None, *, span: int | None = None) -> torch.Tensor:
         """Token ids [b, s] (or hidden states on a non-first pipeline stage) -> logits [b, s, V]
-        (or hidden states on a non-last stage). ``positions`` default to 0..s-1. With ``labels``
+        (or hidden states on a non-last stage). ``positions`` default to 0..s-1; ``span``, where
+        given, is a bound they lie below (it sizes the rope table: ``rope``). With ``labels``
         the part holding the head returns the mean loss instead, the head and the loss fused
         (``luban.model.head_loss``: no logits tensor, no fp32 copy of it)."""
         length = x.shape[1]
@@ -194,7 +200,7 @@ class Transformer(nn.Module):
             if self.pos_emb is not None:
                 h = h + self.pos_emb(torch.arange(length, device=x.device) if positions is None else positions)
             x = self.drop(h)
-        rope = self.rope(positions, length, x.device) if self.cfg.position == "rope" else None
+        rope = self.rope(positions, length, x.device, span) if self.cfg.position == "rope" else None
         for block in self.layers.values():
             x = block(x, rope)
         if self.norm is not None:

@@ -105,11 +105,13 @@ def apply_context_parallel(model: Transformer, cp_mesh: DeviceMesh) -> None:
 def feed_positions(model: Transformer, cp: int, cp_rank: int, seq_factor: int) -> None:
     """Make ``model`` (a stage) use this rank's global token positions: its input holds
     s / ``seq_factor`` tokens (cp chunks, and tp shards for a sequence-parallel stage input).
-    A forward pre-hook, so pipeline stages need no extra input."""
+    A forward pre-hook, so pipeline stages need no extra input; it passes the whole sequence's
+    length as ``span``, so the rope table covers that sequence, not every ``seq_len`` position."""
     def add_positions(_module, args, kwargs):
         if kwargs.get("positions") is None and (len(args) < 2 or args[1] is None):
             x = args[0]
-            kwargs = {**kwargs, "positions": chunk_positions(x.shape[1] * seq_factor, cp, cp_rank, x.device)}
+            seq = x.shape[1] * seq_factor
+            kwargs = {**kwargs, "positions": chunk_positions(seq, cp, cp_rank, x.device), "span": seq}
         return args[:1], kwargs
 
     model.register_forward_pre_hook(add_positions, with_kwargs=True)
