@@ -49,17 +49,65 @@ def fsdp_transients(params, weight_b, grad_b, zero, shards):
     return np.where((zero == 1) | (zero == 2), rest * weight_b, 0.0) + np.where(zero == 1, rest * grad_b, 0.0)
 
 
+# How a runtime splits the layers over pipeline stages (``Runtime.pipeline_split``): luban's own split
+# (``luban.parallel.schedules``), Megatron's (``even_rank_layers``), torchtitan's (``torchtitan_rank_layers``)
+PIPELINE_SPLITS = ("luban", "megatron", "torchtitan")
+
+
 def rank_layers(problem: Problem, g: Grid) -> tuple:
     """Transformer layers on (pipeline rank 0, the last stage's rank, the busiest rank): the explicit
-    ``pp_split``, else luban's split and placement (``luban.parallel.schedules``), or Megatron's split
-    (``even_rank_layers``) for a runtime model that splits so (``Runtime.even_pipeline_split``)."""
+    ``pp_split``, else the runtime's split (``Runtime.pipeline_split``): luban's split and placement
+    (``luban.parallel.schedules``), Megatron's (``even_rank_layers``) or torchtitan's
+    (``torchtitan_rank_layers``), each falling back to luban's where it cannot split so."""
     if g.stage_layers is not None:
         return g.stage_layers
     balanced = schedules.rank_layers(problem.model.layers, g.pp, g.virtual_stages, problem.derived["head_layers"],
                                      g.schedule)
-    if not problem.runtime_model.even_pipeline_split:
+    split = problem.runtime_model.pipeline_split
+    if split == "luban":
         return balanced
-    return even_rank_layers(problem.model.layers, g.pp, g.virtual_stages, g.schedule, balanced)
+    if split == "megatron":
+        return even_rank_layers(problem.model.layers, g.pp, g.virtual_stages, g.schedule, balanced)
+    if split == "torchtitan":
+        return torchtitan_rank_layers(problem.model.layers, g.pp, g.virtual_stages, g.schedule, balanced)
+    raise ValueError(f"pipeline_split {split!r}: one of {PIPELINE_SPLITS}")
+
+
+# torchtitan's ``parallelism.pipeline_parallel_first_stage_less_layers`` and ``..._last_stage_less_layers``
+# (torchtitan/config/job_config.py, both default 1): the embedding and the norm + output each count as a layer
+TORCHTITAN_END_WEIGHT = 1
+
+
+def torchtitan_rank_layers(layers: int, pp, v, code, otherwise: tuple) -> tuple:
+    """(rank 0, last-stage rank, busiest rank) layers under torchtitan's split
+    (``generate_llm_fqn_per_model_part``, torchtitan/distributed/pipeline_parallel.py @02ef790): the
+    embedding and the output count as ``TORCHTITAN_END_WEIGHT`` layers each, the ``layers + 2`` effective
+    layers go ``e // S`` to each of the S stages and one more to each of the first ``e % S``, and the first
+    and the last stage hold their share less one; placed by ``pipeline_module_split`` (loop: rank r holds
+    r, r + pp, ...; V: r and 2pp − 1 − r). ``otherwise`` (luban's split) where torchtitan refuses the
+    layout (fewer than one effective layer per stage)."""
+    pp = np.asarray(pp)
+    vshape = schedules.is_v(code)
+    v = np.where(vshape, 2, np.asarray(v))
+    stages = pp * v
+    effective = layers + 2 * TORCHTITAN_END_WEIGHT
+    per, extra = effective // stages, effective % stages
+    w = TORCHTITAN_END_WEIGHT
+    # loop: rank r holds stages r + k·pp, k < v, of which those below ``extra`` hold one more
+    def extras(r):
+        return np.clip(-(-(extra - r) // pp), 0, v)
+    loop_first = v * per + extras(0) - w
+    loop_last = v * per + extras(pp - 1) - w
+    loop_middle = np.where(pp > 2, v * per + extras(1), 0)  # rank 1 holds the most among the middle ranks
+    # V: rank 0 holds stage 0 and the last stage (never among the first ``extra``: extra < stages)
+    v_first = 2 * per + (extra > 0) - 2 * w
+    both = np.maximum(1, 2 * pp - extra) <= np.minimum(pp - 1, extra - 1)
+    v_other = np.where(pp > 1, 2 * per + np.where(both, 2, np.where(extra > 1, 1, 0)), 0)
+    first = np.where(vshape, v_first, loop_first)
+    last = np.where(vshape, v_first, loop_last)
+    most = np.maximum(np.maximum(first, last), np.where(vshape, v_other, loop_middle))
+    split = (per >= w) & (pp > 1)
+    return tuple(np.where(split, x, other) for x, other in zip((first, last, most), otherwise))
 
 
 def even_rank_layers(layers: int, pp, v, code, otherwise: tuple) -> tuple:

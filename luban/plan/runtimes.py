@@ -121,9 +121,10 @@ class Runtime:
     # --make-vocab-size-divisible-by 128, luban.model.head_loss.VOCAB_MULTIPLE); otherwise an odd
     # vocabulary (GPT-2's 50,257) meets the profile's ``unaligned_gemm`` (time.unaligned_head_seconds)
     pads_vocab_default = False
-    # layers per pipeline stage (``memory.rank_layers``): False, luban's split (``luban.parallel.schedules``:
-    # the LM head's cost counted on the last stage); True, Megatron's (``even_rank_layers``)
-    even_pipeline_split = False
+    # layers per pipeline stage (``memory.rank_layers``, one of ``memory.PIPELINE_SPLITS``): "luban", luban's split
+    # (``luban.parallel.schedules``: the LM head's cost counted on the last stage); "megatron", Megatron's
+    # (``memory.even_rank_layers``); "torchtitan", torchtitan's (``memory.torchtitan_rank_layers``)
+    pipeline_split = "luban"
     # tensor-parallel all-gathers/reduce-scatters split into chunks pipelined with the adjacent GEMMs
     # (``tp_exposed``): Megatron-Core's ``--tp-comm-overlap`` (TransformerEngine userbuffers), torchtitan's
     # async TP (``parallelism.enable_async_tensor_parallel``, off by default); both need sequence parallel
@@ -296,7 +297,7 @@ class Runtime:
 
 class Megatron(Runtime):
     name = "megatron"
-    even_pipeline_split = True  # Megatron-Core ``get_num_layers_to_build``; DeepSpeed's "type:transformer|embedding"
+    pipeline_split = "megatron"  # Megatron-Core ``get_num_layers_to_build``; DeepSpeed's "type:transformer|embedding"
     ddp_with_tp = True
     ddp_with_split_backward = True
     flash_attention = False
@@ -370,6 +371,7 @@ class MegatronCore(Megatron):
 class FSDP2(Runtime):
     name = "fsdp2"
     fsdp = True
+    pipeline_split = "torchtitan"  # ``generate_llm_fqn_per_model_part`` (memory.torchtitan_rank_layers); luban's own below
     eager_kernels = True  # torchtitan's model is plain PyTorch; ``--training.compile`` compiles each block
     # (``apply_compile``: ``torch.compile(transformer_block, fullgraph=True)`` per layer; the output
     # layer and the loss stay eager): planned with ``Problem.compiled = "blocks"``
@@ -418,6 +420,7 @@ class FSDP2(Runtime):
 
 class Luban(FSDP2):
     name = "luban"
+    pipeline_split = "luban"  # luban.parallel.pipeline builds the stages the closed form counts
     def selective_redo(self, problem, g, mm, attn, elementwise, korthikanti):
         """luban's op-level selective checkpointing (``luban.parallel.recompute``) saves every GEMM
         and the fused attention: only the elementwise kernels run again; under context parallel
