@@ -376,7 +376,10 @@ class Trainer:
                 evaluating = bool(t.eval_every) and self.step % t.eval_every == 0
                 logging = self.step % t.log_every == 0 or self.step == t.steps or evaluating
                 timing_compile = self.engine.compiled and run_steps == 1  # the first step
-                drained = logging or timing_compile or (timed and run_steps == PLAN_WARMUP_STEPS)
+                # a periodic save reads the device (its state dict); drained first, the steps queued since the
+                # last drain end inside the window, not in the save's time (a GPU's mean read low before)
+                periodic = bool(t.checkpoint_every and self.step % t.checkpoint_every == 0) or self._checkpoint_due()
+                drained = logging or periodic or timing_compile or (timed and run_steps == PLAN_WARMUP_STEPS)
                 if drained:
                     drain(self.device)
                 t3 = time.perf_counter()
@@ -413,7 +416,7 @@ class Trainer:
                     log.log(record)
                 stop = suspend.agreed()
                 final = stop or self.step == t.steps
-                if final or (t.checkpoint_every and self.step % t.checkpoint_every == 0) or self._checkpoint_due():
+                if final or periodic:
                     saved = self.save(blocking=final)
                 self.log_saves(log)
                 if stop and self.step < t.steps:
