@@ -24,6 +24,12 @@ One ``MoE`` replaces the ``MLP`` of every block from ``dense_layers`` on:
   per projection, so every expert has a gradient every step and DDP/FSDP need no
   unused-parameter handling) and runs each expert on the rows sorted to it: the grouped GEMM
   interface that expert parallel reuses after its all-to-all (``luban.parallel.expert_parallel``).
+  Where ``torch._grouped_mm`` has its fused kernel (``grouped_gemm_ok``: bf16 on a Hopper or
+  Blackwell GPU) the three projections are three grouped GEMMs whose group boundaries stay on
+  the device; elsewhere a loop over the experts, which reads the counts on the host (one device
+  wait per MoE layer and micro-batch on a GPU). Without expert parallel and a capacity cut the
+  layer's forward then reads nothing on the host (the counts are an ``index_add_``, not
+  ``bincount``, which reads its input's maximum on a GPU).
 * Dropless by default: every token reaches all its k experts. ``capacity_factor`` c > 0
   caps an expert at ceil(c * T * k / E) of the T tokens of a micro-batch (GShard, Lepikhin
   et al. 2020); later tokens in the micro-batch are dropped for that expert (their other
@@ -88,6 +94,30 @@ class Router(nn.Module):
         return weights / weights.sum(-1, keepdim=True), ids, probs
 
 
+# torch._grouped_mm runs its CUTLASS kernel for bf16 inputs and output on compute capability 9.x and 10.x
+# (aten/src/ATen/native/cuda/GroupedBlas.cpp, torch 2.10-2.13: ``_scaled_mm_allowed_device(sm90_only,
+# sm100_only)``); elsewhere ATen's ``_grouped_mm_fallback`` copies the offsets to the host and loops over
+# the groups, no better than ``Experts``' own loop. Its operands' strides must be 16-byte multiples.
+GROUPED_MM_CAPABILITIES = (9, 10)
+GROUPED_MM_ALIGN_BYTES = 16
+
+
+def grouped_gemm_ok(device: torch.device, dtype: torch.dtype, widths: tuple[int, ...]) -> bool:
+    """Whether ``Experts`` runs ``torch._grouped_mm`` (device-side group offsets, no host read) for
+    operands of ``dtype`` on ``device`` whose inner dimensions are ``widths``."""
+    if device.type != "cuda" or dtype != torch.bfloat16 or not hasattr(torch, "_grouped_mm"):
+        return False
+    if any(w * dtype.itemsize % GROUPED_MM_ALIGN_BYTES for w in widths):
+        return False
+    return torch.cuda.get_device_capability(device)[0] in GROUPED_MM_CAPABILITIES
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a matmul of ``x`` runs in: autocast's where it is on for x's device, else x's."""
+    kind = x.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
+
+
 class Experts(nn.Module):
     """E feed-forward networks (SwiGLU or GELU, no biases) as stacked weights."""
 
@@ -101,8 +131,32 @@ class Experts(nn.Module):
         self.w_up = nn.Parameter(torch.empty(n, f, h))
         self.w_down = nn.Parameter(torch.empty(n, h, f))
 
-    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """x [sum(counts), h]: rows sorted by (local) expert, ``counts[e]`` rows for expert e."""
+    def forward(self, x: torch.Tensor, counts: torch.Tensor | list[int]) -> torch.Tensor:
+        """x [sum(counts), h]: rows sorted by (local) expert, ``counts[e]`` rows for expert e (a
+        tensor on x's device, or a list where the caller has them on the host already)."""
+        dtype = compute_dtype(x)
+        if isinstance(counts, torch.Tensor) and grouped_gemm_ok(x.device, dtype, tuple(self.w_up.shape[1:])):
+            return self.grouped(x, counts, dtype)
+        return self.loop(x, counts.tolist() if isinstance(counts, torch.Tensor) else counts)
+
+    def grouped(self, x: torch.Tensor, counts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The three projections as grouped GEMMs over all experts at once (``torch._grouped_mm``;
+        group ends ``cumsum(counts)`` computed on the device) in ``dtype``. Each GEMM casts its own
+        operands, as autocast does for the loop's: the gate's and the up projection's gradients of
+        x meet in x's dtype, not rounded to ``dtype`` first."""
+        offs = counts.cumsum(0).to(torch.int32)
+
+        def mm(rows, w):  # rows [n, in] x expert e's w [out, in]^T for the rows of group e
+            return torch._grouped_mm(rows.to(dtype), _local(w, dtype).transpose(-2, -1), offs=offs)
+
+        if self.swiglu:
+            hidden = F.silu(mm(x, self.w_gate)) * mm(x, self.w_up)
+        else:
+            hidden = F.gelu(mm(x, self.w_up), approximate="tanh")
+        return mm(hidden, self.w_down)
+
+    def loop(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """One GEMM per expert on its rows (host counts)."""
         # expert parallel holds DTensor shards: compute with the local experts, in x's dtype
         up = _local(self.w_up, x.dtype)
         gate = _local(self.w_gate, x.dtype) if self.swiglu else None
@@ -139,13 +193,19 @@ def aux_loss(probs: torch.Tensor, ids: torch.Tensor, num_experts: int, group=Non
     ``group`` (context parallel: the other sequence shards of the same samples) f counts the
     whole sequence; P stays this shard's mean, whose average over the group (the gradient
     averaging of dp x cp) is the whole sequence's."""
-    counts = torch.bincount(ids.flatten(), minlength=num_experts).float()
+    counts = expert_counts(ids.flatten(), num_experts).float()
     total = torch.tensor(float(ids.numel()), device=ids.device)
     if group is not None:
         both = torch.cat([counts, total[None]])
         dist.all_reduce(both, group=group)
         counts, total = both[:-1], both[-1]
     return num_experts * (counts / total * probs.mean(0)).sum()
+
+
+def expert_counts(flat: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Assignments per expert [E] (int64) of flat expert ids, without a host read: ``bincount``
+    reads its input's maximum on a GPU to size its output; ``index_add_`` into E zeros does not."""
+    return torch.zeros(num_experts, dtype=torch.long, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
 
 
 def sort_by_expert(ids: torch.Tensor, num_experts: int, capacity: int | None = None
@@ -155,7 +215,7 @@ def sort_by_expert(ids: torch.Tensor, num_experts: int, capacity: int | None = N
     expert [E] before it (the same tensor when dropless))."""
     flat = ids.flatten()
     order = flat.argsort(stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
+    counts = expert_counts(flat, num_experts)
     if capacity is None:
         return order, counts, counts
     starts = counts.cumsum(0) - counts
@@ -199,7 +259,7 @@ class MoE(nn.Module):
         token = order // self.k
         rows = x[token]
         if self.dispatch is None:
-            out = self.experts(rows, counts.tolist())
+            out = self.experts(rows, counts)
         else:
             out = self.dispatch(self.experts, rows, counts)
         out = out * weights.flatten()[order, None].to(out.dtype)
@@ -254,25 +314,43 @@ def set_aux_grad_scale(parts, scale: float) -> None:
 
 
 @torch.no_grad()
-def collect_stats(parts, all_reduce=None) -> dict:
-    """Per-layer metrics of the last step's training forwards: tokens routed to each expert and
-    their max/mean (the routing's balance), the same for the tokens kept after the capacity
-    cut (what the experts computed; equal when dropless), mean aux loss (over micro-batches,
-    before the coefficient) and dropped tokens (routed - kept), all summed over the
-    data-parallel ranks by ``all_reduce`` (sums a tensor in place). Leaves the summed routed
-    load in each layer's ``load`` for ``update_router_bias``. Layers are keyed by global
-    index, so the dicts of several pipeline stages merge with ``merge_stats``."""
+def sum_stats(parts, all_reduce=None) -> torch.Tensor | None:
+    """On the device, no host read: every layer's counters of the last step's training forwards
+    (routed and kept tokens per expert, aux-loss sum, forwards) in one tensor, summed over the
+    data-parallel ranks by ``all_reduce`` (sums a tensor in place) and written back, so each
+    layer's ``load`` is the global routed load ``update_router_bias`` needs. Returns that tensor
+    (its own storage: ``reset_stats`` leaves it) for ``read_stats``; None without MoE layers."""
     layers = moe_layers(parts)
     if not layers:
-        return {}
+        return None
     flat = torch.cat([torch.cat([layer.load, layer.kept, layer.stats]) for _, layer in layers])
     if all_reduce is not None:
         all_reduce(flat)
+    for (_, layer), chunk in zip(layers, flat.split([2 * layer.num_experts + 2 for _, layer in layers])):
+        layer.load.copy_(chunk[:layer.num_experts])
+        layer.kept.copy_(chunk[layer.num_experts:-2])
+    return flat
+
+
+def collect_stats(parts, all_reduce=None) -> dict:
+    """``sum_stats`` then ``read_stats``: the last step's per-layer metrics, summed over dp."""
+    return read_stats(parts, sum_stats(parts, all_reduce))
+
+
+@torch.no_grad()
+def read_stats(parts, flat: torch.Tensor | None) -> dict:
+    """Per-layer metrics (read on the host) from ``sum_stats``' tensor: tokens routed to each expert
+    and their max/mean (the routing's balance), the same for the tokens kept after the capacity
+    cut (what the experts computed; equal when dropless), mean aux loss (over micro-batches,
+    before the coefficient) and dropped tokens (routed - kept). Layers are keyed by global
+    index, so the dicts of several pipeline stages merge with ``merge_stats``."""
+    layers = moe_layers(parts)
+    if flat is None or not layers:
+        return {}
+    flat = flat.cpu()  # one read for every layer
     metrics: dict = {key: {} for key in STAT_KEYS}
     for (name, layer), chunk in zip(layers, flat.split([2 * layer.num_experts + 2 for _, layer in layers])):
         load, kept, (aux_sum, forwards) = chunk[:layer.num_experts], chunk[layer.num_experts:-2], chunk[-2:].tolist()
-        layer.load.copy_(load)
-        layer.kept.copy_(kept)
         metrics["moe_tokens_per_expert"][name] = [int(v) for v in load.tolist()]
         metrics["moe_load_max_over_mean"][name] = _max_over_mean(load)
         metrics["moe_kept_tokens_per_expert"][name] = [int(v) for v in kept.tolist()]

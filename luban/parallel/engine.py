@@ -180,7 +180,7 @@ class Engine:
         self.optimizers = [build_optimizer(part.parameters(), optim_cfg, device, offload=layout.offload == "optimizer")
                            for part in self.parts]
         self._grad_bytes = 0
-        self.moe_metrics: dict = {}  # per-layer expert load and aux loss of the last forward_backward
+        self._moe_stats = None  # the last forward_backward's MoE counters, summed over dp (device): moe_metrics
         self._activation_bytes: int | None = None  # measured on the first step (``_recording``)
         self._host_activation_bytes = 0  # of those, moved to host memory (offload = activations)
         self.offload = ActivationOffload(self.parts, device) if layout.offload == "activations" else None
@@ -228,14 +228,17 @@ class Engine:
             if self.offload is not None:
                 self._host_activation_bytes = self.offload.host_bytes // self.schedule.recorded_microbatches
         self._grad_bytes = tensor_bytes(p.grad for p in self._params())
-        self.moe_metrics = self._moe_metrics()
+        if self.model_cfg.moe:  # summed on the device every step (the router bias needs it); read when logged
+            self._moe_stats = moe.sum_stats(self.parts, self._sum_over_data)
         return self._global_mean(total, host)
 
-    def _moe_metrics(self) -> dict:
-        """MoE load and aux loss per layer, over the global batch and every pipeline stage."""
+    def moe_metrics(self) -> dict:
+        """MoE load and aux loss per layer of the last forward_backward, over the global batch and
+        every pipeline stage: read from the device here, not every step (collective under pp:
+        every rank calls it at the same steps, as the trainer's logged ones)."""
         if not self.model_cfg.moe:  # a dense model: no layer to walk, no collective
             return {}
-        metrics = moe.collect_stats(self.parts, self._sum_over_data)
+        metrics = moe.read_stats(self.parts, self._moe_stats)
         if self.layout.pp > 1:
             stages: list = [None] * self.layout.pp
             dist.all_gather_object(stages, metrics, group=self.mesh["pp"].get_group())

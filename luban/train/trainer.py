@@ -401,7 +401,7 @@ class Trainer:
                               "mfu": tokens_per_step * self.model_flops / time_s / peak,
                               "hfu": tokens_per_step * self.hw_flops / time_s / peak,
                               **times, "peak_memory_bytes": peak_memory_bytes(self.device), **memory,
-                              **self.engine.moe_metrics}
+                              **self.engine.moe_metrics()}
                     if record["hfu"] > 1 or record["mfu"] > 1:
                         if not implausible:
                             log.message(f"MFU {100 * record['mfu']:.0f}% / HFU {100 * record['hfu']:.0f}% is above "

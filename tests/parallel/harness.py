@@ -119,7 +119,7 @@ def run_job(job: dict) -> dict:
         norms.append(engine.step(LR, job.get("max_norm", MAX_NORM)))
     tokens, labels = batch(0, gb, cfg)
     eval_loss = engine.eval_loss(tokens[rows], labels[rows])
-    moe_metrics = engine.moe_metrics
+    moe_metrics = engine.moe_metrics()
     from luban.model.moe import moe_layers
 
     local_experts = [getattr(m.experts.w_up, "_local_tensor", m.experts.w_up).shape[0]
