@@ -3,8 +3,12 @@
 Sample ``i`` of an epoch is the window of ``seq_len + 1`` tokens starting at token
 ``i * seq_len`` of the split's token stream (its shards concatenated in manifest order), so an
 epoch has ``(tokens - 1) // seq_len`` samples. The order is a pure function of
-``(seed, global sample index g)``: epoch ``e = g // N`` is shuffled by
-``numpy.random.default_rng([seed, e]).permutation(N)``. Global step ``k`` consumes global
+``(order version, seed, global sample index g)``: position ``g % N`` of epoch ``e = g // N`` holds sample
+``ORDER_RULES[version](seed, e, N)(g % N)`` (``luban.data.order``). Version 2, that of a new run, is a keyed
+Feistel permutation cycle-walked into ``[0, N)``, computed per position: O(1) memory and time a sample
+whatever ``N``. Version 1, ``default_rng([seed, e]).permutation(N)`` built whole (8 bytes a sample: 29 GB a
+rank at 3.66e9 samples), is kept for the runs that started on it: ``state_dict()`` records the version, and
+``load_state_dict`` continues the one it names. Global step ``k`` consumes global
 samples ``[k*B, (k+1)*B)`` and dp rank ``r`` takes the contiguous slice
 ``[r*B/dp, (r+1)*B/dp)`` of it, so the global sequence does not depend on the number of ranks
 and a run resumed from ``consumed_samples`` with another dp degree continues it exactly
@@ -28,6 +32,8 @@ import numpy as np
 import torch
 
 from luban.data.manifest import load_manifest, open_split
+from luban.data.order import ORDER_ALLOWED, ORDER_RULES, ORDER_VERSION, known_order
+from luban.data.order import epoch_order  # noqa: F401 - documented here too (docs/data.md)
 from luban.data.shards import ShardReader
 from luban.errors import bad_value
 
@@ -91,29 +97,30 @@ class TokenStream:
         return self.readers[shard]
 
 
-def epoch_order(seed: int, epoch: int, samples_per_epoch: int) -> np.ndarray:
-    """The permutation of sample indices used in ``epoch`` (the whole sample-order rule)."""
-    return np.random.default_rng([seed, epoch]).permutation(samples_per_epoch)
-
-
 class _BatchMaker:
-    """Builds one dp rank's batch for a global step; shared by the caller and the thread."""
+    """Builds one dp rank's batch for a global step; shared by the caller and the thread. Its settings are
+    fixed: a loader that changes its order version makes another (a thread still running keeps its own)."""
 
-    def __init__(self, stream: TokenStream, seq_len: int, seed: int, rank_slice: slice):
+    def __init__(self, stream: TokenStream, seq_len: int, seed: int, rank_slice: slice, order_version: int):
         self.stream, self.seq_len, self.seed, self.rank_slice = stream, seq_len, seed, rank_slice
+        self.order_version = order_version
         self.samples_per_epoch = (stream.tokens - 1) // seq_len
-        self._order: tuple[int, np.ndarray] | None = None
+        self._order = None  # (epoch, its order): version 1 builds the epoch's permutation once
 
     def sample_ids(self, first: int, count: int) -> np.ndarray:
-        """Dataset sample indices of global samples ``[first, first + count)``."""
-        n = self.samples_per_epoch
-        out = []
-        for g in range(first, first + count):
+        """Dataset sample indices of global samples ``[first, first + count)``, one call of the order rule
+        per epoch they span."""
+        n, out = self.samples_per_epoch, np.empty(count, dtype=np.int64)
+        g, end = first, first + count
+        while g < end:
             epoch = g // n
-            if self._order is None or self._order[0] != epoch:
-                self._order = (epoch, epoch_order(self.seed, epoch, n))
-            out.append(self._order[1][g % n])
-        return np.asarray(out, dtype=np.int64)
+            stop = min(end, (epoch + 1) * n)
+            cached = self._order  # (read once: the caller and a thread may both be here)
+            if cached is None or cached[0] != epoch:
+                cached = self._order = (epoch, ORDER_RULES[self.order_version](self.seed, epoch, n))
+            out[g - first : stop - first] = cached[1](np.arange(g - epoch * n, stop - epoch * n))
+            g = stop
+        return out
 
     def __call__(self, step_start: int) -> tuple[torch.Tensor, torch.Tensor]:
         r = self.rank_slice
@@ -164,15 +171,19 @@ class TokenLoader:
 
     ``prefetch`` batches are prepared ahead in a background thread (0: synchronous). Call
     ``close()`` (or use ``with``) to stop the thread. An exception in the thread (e.g. a CRC
-    mismatch) is raised by the ``next()`` that would have returned that batch.
+    mismatch) is raised by the ``next()`` that would have returned that batch. ``order_version``: the
+    sample-order rule (``luban.data.order.ORDER_RULES``; None: ``ORDER_VERSION``, that of a new run).
     """
 
     def __init__(self, dataset_dir, split: str = "train", seq_len: int = 1024,
                  global_batch: int = 8, seed: int = 0, dp_rank: int = 0, dp_size: int = 1,
-                 prefetch: int = 2):
+                 prefetch: int = 2, order_version: int | None = None):
         seq_len, global_batch, dp_size = (_integer(k, v, 1) for k, v in (
             ("seq_len", seq_len), ("global_batch", global_batch), ("dp_size", dp_size)))
         seed, prefetch = _integer("seed", seed, 0), _integer("prefetch", prefetch, 0)
+        order_version = ORDER_VERSION if order_version is None else order_version
+        if not known_order(order_version):
+            raise bad_value("order_version", order_version, ORDER_ALLOWED)
         if global_batch % dp_size:
             raise bad_value("global_batch", global_batch,
                             f"a multiple of dp_size = {dp_size} (each rank takes an equal slice)")
@@ -191,14 +202,19 @@ class TokenLoader:
                             f"at most {stream.tokens - 1}: split {split!r} of {self.dataset_dir} "
                             f"has only {stream.tokens} tokens")
         local = global_batch // dp_size
-        self._make = _BatchMaker(stream, seq_len, seed,
-                                 slice(dp_rank * local, (dp_rank + 1) * local))
+        self._make = _BatchMaker(stream, seq_len, seed, slice(dp_rank * local, (dp_rank + 1) * local),
+                                 int(order_version))
         self.samples_per_epoch = self._make.samples_per_epoch
         self.consumed_samples = 0
         self._thread: threading.Thread | None = None
         self._queue: queue.Queue | None = None
         self._stop = threading.Event()
         self._closed = False
+
+    @property
+    def order_version(self) -> int:
+        """The sample-order rule this loader follows (``luban.data.order.ORDER_RULES``)."""
+        return self._make.order_version
 
     @property
     def epoch(self) -> int:
@@ -275,10 +291,13 @@ class TokenLoader:
         """What a checkpoint must store to resume the exact sample sequence."""
         return {"consumed_samples": self.consumed_samples, "seed": self.seed,
                 "seq_len": self.seq_len, "split": self.split,
-                "samples_per_epoch": self.samples_per_epoch}
+                "samples_per_epoch": self.samples_per_epoch, "order_version": self.order_version}
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue after ``state["consumed_samples"]`` (any dp degree or global batch)."""
+        """Continue after ``state["consumed_samples"]`` (any dp degree or global batch), in the order
+        ``state["order_version"]`` names; without that key (a bare position) in this loader's order. A state
+        saved before order versions is version 1 (``UNVERSIONED_ORDER``): the checkpoint reader says so
+        (``Trainer.resume``)."""
         if not isinstance(state, dict):  # a checkpoint's meta.json "loader", damaged or hand-edited
             raise bad_value("loader state_dict", state, "a table with consumed_samples (a checkpoint's loader position)")
         for key in ("seed", "seq_len", "split", "samples_per_epoch"):
@@ -288,7 +307,13 @@ class TokenLoader:
                                 "the same sample sequence")
         consumed = _integer("loader state_dict['consumed_samples']",
                             state.get("consumed_samples"), 0)
+        version = state.get("order_version", self.order_version)
+        if not known_order(version):
+            raise bad_value("loader state_dict['order_version']", version, ORDER_ALLOWED)
         self._stop_thread()
+        if int(version) != self.order_version:
+            m = self._make
+            self._make = _BatchMaker(m.stream, m.seq_len, m.seed, m.rank_slice, int(version))
         self.consumed_samples = consumed
 
     def close(self) -> None:
@@ -306,14 +331,17 @@ class TokenLoader:
 
 
 def val_batches(dataset_dir, seq_len: int, global_batch: int, num_batches: int,
-                dp_rank: int = 0, dp_size: int = 1) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """The same ``num_batches`` validation batches on every call (seed 0, from the start).
+                dp_rank: int = 0, dp_size: int = 1,
+                order_version: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The same ``num_batches`` validation batches on every call (seed 0, from the start), in the
+    order ``order_version`` (a run's: its training loader's; None: ``ORDER_VERSION``).
 
     If the val split has fewer than ``num_batches * global_batch`` samples, the sequence
     wraps into the next (differently shuffled) epoch.
     """
     num_batches = _integer("num_batches", num_batches, 0)
     with TokenLoader(dataset_dir, split="val", seq_len=seq_len, global_batch=global_batch,
-                     seed=0, dp_rank=dp_rank, dp_size=dp_size, prefetch=0) as loader:
+                     seed=0, dp_rank=dp_rank, dp_size=dp_size, prefetch=0,
+                     order_version=order_version) as loader:
         for _ in range(num_batches):
             yield next(loader)

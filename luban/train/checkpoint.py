@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from luban.data.order import ORDER_ALLOWED, known_order
 from luban.errors import CheckpointWriteError, LubanError, shown
 from luban.owned import step_dirs  # the checkpoint folders, newest first (torch-free: the launcher reads them too)
 
@@ -241,9 +242,11 @@ def meta_problem(meta, training: bool = False) -> str | None:
                or field("train", table, "a table (the [train] settings)", training, config, "config."))
     if problem:
         return problem
-    if "loader" in meta:
-        return field("consumed_samples", lambda v: _whole(v, 0), "a whole number >= 0", True, meta["loader"],
-                     "loader.")
+    if "loader" in meta:  # order_version: absent before order versions (version 1); resuming needs a known one
+        return (field("consumed_samples", lambda v: _whole(v, 0), "a whole number >= 0", True, meta["loader"],
+                      "loader.")
+                or (field("order_version", known_order, ORDER_ALLOWED, False, meta["loader"], "loader.")
+                    if training else None))
     return None
 
 

@@ -22,6 +22,7 @@ import torch
 
 from luban import procs
 from luban.config import RunConfig
+from luban.data.order import UNVERSIONED_ORDER
 from luban.errors import EXIT_SUSPENDED, LubanError, bad_value, escaped
 from luban.model import flops
 from luban.model.config import ModelConfig
@@ -249,7 +250,8 @@ class Trainer:
         else:
             self.step = meta["step"]
             self.resumed_peak = meta.get("peak")  # the run's MFU peak (run_peak), if its folder lost peak.json
-            self.loader.load_state_dict(meta["loader"])
+            # a loader position saved before order versions is in the order it had then (UNVERSIONED_ORDER)
+            self.loader.load_state_dict({"order_version": UNVERSIONED_ORDER, **meta["loader"]})
             self.resume_notes = [f"[train] {k} = {meta['config']['train'].get(k)!r} in the checkpoint, {v!r} now"
                                  for k, v in self.cfg.to_dict()["train"].items()
                                  if meta["config"].get("train", {}).get(k) != v]
@@ -310,7 +312,8 @@ class Trainer:
 
         losses = [self.engine.eval_loss(x, y) for x, y in
                   val_batches(self.data_dir, self.cfg.seq_len, self.cfg.train.global_batch,
-                              self.cfg.data.eval_batches, self.engine.dp_rank, self.engine.dp_size)]
+                              self.cfg.data.eval_batches, self.engine.dp_rank, self.engine.dp_size,
+                              order_version=self.loader.order_version)]  # the run's order (a resumed one's too)
         return sum(losses) / max(1, len(losses))
 
     def train(self, resume: str | None = None) -> TrainResult:
