@@ -74,6 +74,7 @@ from torch import nn  # noqa: E402
 from luban.config import config_from_dict  # noqa: E402
 from luban.model import flops  # noqa: E402
 from luban.model.config import ModelConfig  # noqa: E402
+from luban.model.moe import grouped_gemm_ok  # noqa: E402
 from luban.model.presets import get_preset  # noqa: E402
 
 # dense bf16 peak FLOP/s of the devices this is run on (NVIDIA H100/H200 SXM datasheets:
@@ -375,6 +376,10 @@ def peers(setup: Setup, root: Path) -> tuple[list, list]:
         if LUBAN_LOG_10 in result and "reference loop" in result:
             ratio = result["reference loop"]["step_s"] / result[LUBAN_LOG_10]["step_s"]
             rows.append([name, f"luban (log_every {LOG_EVERY}) / reference (tokens/s)", f"{ratio:.2f}x", "", "", ""])
+        if cfg.moe:  # which expert path luban's MoE took here (docs/training.md "What a step waits for")
+            grouped = grouped_gemm_ok(setup.device, torch.bfloat16, (cfg.expert_ffn_hidden, cfg.hidden))
+            rows.append([name, "luban's experts (bf16)", "torch._grouped_mm, device-side offsets" if grouped
+                         else "per-expert loop (a host read of the counts per MoE layer)", "", "", ""])
         if "luban train" in result and "Hugging Face" in result:
             ratio = result["Hugging Face"]["step_s"] / result["luban train"]["step_s"]
             rows.append([name, "luban / Hugging Face (tokens/s)", f"{ratio:.2f}x", "", "", ""])
