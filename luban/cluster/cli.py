@@ -11,6 +11,7 @@ import json
 import math
 import os
 import re
+import shlex
 import shutil
 import sys
 from pathlib import Path
@@ -31,6 +32,9 @@ QUANTUM = schema.number(0, MAX_TIME_LIMIT, open_lo=True, also=(math.inf,))  # in
 LEVELS = ", ".join(p.name for p in prio.LEVELS)
 DB_URL = "a file path, or a database URL whose driver is installed (sqlite:///FILE, postgresql://USER@HOST/DB)"
 PUBLIC_URL = "the URL jobs reach this service at: http(s)://HOST[:PORT]"
+# luban submit's flags that set a spec field as given (field, flag): cmd_submit reads them, _submit_again writes them
+SPEC_FLAGS = (("nodes", "-n"), ("priority", "-p"), ("name", "--name"), ("group", "--group"),
+              ("node_group", "--node-group"), ("workdir", "--workdir"))
 TIME_FORMS = f"MINUTES, MM:SS, H:MM:SS, D-H, D-H:MM or D-H:MM:SS (as Slurm's --time), from 1 s to {MAX_TIME_LIMIT} s"
 
 
@@ -89,10 +93,9 @@ def cmd_submit(args) -> int:
             raise bad_value("job file", file, "a YAML mapping (name, command, args, ...)")
     if command:
         data["command"], data["args"] = command[0], command[1:]
-    for key, value in (("nodes", args.nodes), ("priority", args.priority), ("name", args.name),
-                       ("group", args.group), ("node_group", args.node_group), ("workdir", args.workdir)):
-        if value is not None:
-            data[key] = value
+    for key, _ in SPEC_FLAGS:
+        if getattr(args, key) is not None:
+            data[key] = getattr(args, key)
     if "workdir" not in data and command:
         data["workdir"] = os.getcwd()
     if args.time is not None:
@@ -106,13 +109,34 @@ def cmd_submit(args) -> int:
     if "name" not in data and data.get("command"):  # the command's file name, made a valid job name
         data["name"] = re.sub(r"[^A-Za-z0-9_.-]", "_", Path(str(data["command"])).name).lstrip("_.-")[:64] or "job"
     spec = specs.parse(data)  # one-line error before anything is sent
-    job = _client(args).submit(spec.to_dict(), key=args.key)
+    from luban.cluster.client import new_key
+
+    key = args.key or new_key()
+    job = _client(args).submit(spec.to_dict(), key=key, again="run: " + _submit_again(args, key))
     if job.get("repeated") and args.key:  # the user's own key again (not this run's retry of an unanswered POST)
         print(f"job {job['id']} was submitted with --key {args.key} before (it is {job['state']}); "
               "nothing new submitted")
         return 0
     print(f"submitted job {job['id']} ({job['name']}, {job['nnodes']} node(s), {job['priority_name']})")
     return 0
+
+
+def _submit_again(args, key: str) -> str:
+    """This ``luban submit`` as a command line with ``--key KEY``: what repeats it at most once when its
+    answer was lost (the service answers the job the key made, or makes it). A token given with
+    --token is never printed: it reads TOKEN."""
+    words = ["luban", "submit", "--key", key]
+    words += ["--url", args.url] if args.url else []
+    words += ["--token", "TOKEN"] if args.token else []
+    for key_name, flag in SPEC_FLAGS:
+        value = getattr(args, key_name)
+        words += [flag, str(value)] if value is not None else []
+    for item in args.env:
+        words += ["-e", item]
+    if args.time is not None:  # seconds (parse_duration), as H:MM:SS
+        words += ["-t", f"{args.time // 3600}:{args.time // 60 % 60:02d}:{args.time % 60:02d}"]
+    words += ["--export", args.export] if args.export != "ALL" else []
+    return shlex.join(words + list(args.rest))
 
 
 DURATION = re.compile(r"(?:(?P<days>[0-9]+)-)?(?P<a>[0-9]+)(?::(?P<b>[0-9]+))?(?::(?P<c>[0-9]+))?")
@@ -332,7 +356,7 @@ def cmd_nodes(args) -> int:
     for r in rows:
         r["zone"] = r["labels"].get("zone", "-")
         r["holder"] = f"{r['job']['id']} {r['job']['user']} {r['job']['name']} ({r['job']['state']})" if r["job"] else "-"
-    _table(rows, ["name", "node_group", "gpus", "zone", "state", "holder:job"])
+    _table(rows, ["name", "node_group", "gpus", "zone", "state", "holder:job", "why"])  # why: the executor's reason
     return 0
 
 
@@ -367,7 +391,7 @@ def cmd_admin(args) -> int:
         print(f"quota {q['owner']} {q['node_group']} priority {q['priority']}: {q['nodes']} node(s)")
     elif what == "node":
         node = client.set_node(args.name, action)
-        print(f"node {node['name']}: {node['state']}")
+        print(f"node {node['name']}: {node['state']}" + (f" ({node['why']})" if node.get("why") else ""))
     return 0
 
 
@@ -591,7 +615,8 @@ def register(subparsers) -> None:
                         "rank variables; NONE or NAME,... = exactly those (plus --env and luban's variables)")
     p.add_argument("--key", type=schema.text(SUBMIT_KEY_RE.pattern, f"a key matching {SUBMIT_KEY_RE.pattern}"),
                    help="idempotency key (default: a new one): a submission repeated with the same key and spec "
-                        "makes no second job (say it again with the key an 'unreachable' error printed)")
+                        "makes no second job (an error that says the job may have been submitted ends with this "
+                        "command and its key: run that)")
     p.add_argument("rest", nargs=argparse.REMAINDER, metavar="JOB.yaml | -- COMMAND ARGS...",
                    help="a job spec YAML (name, command, args, env, workdir, nodes, priority, group, node_group) "
                         "and/or a command after --")

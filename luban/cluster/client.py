@@ -17,6 +17,7 @@ import httpx
 
 from luban.cluster.spec import JOBS_LIMIT_MAX  # rows one GET /api/jobs answers at most
 from luban.cluster.spec import SUBMIT_KEY_RE  # a submission's Idempotency-Key, as the service checks it
+from luban.cluster.spec import SUBMIT_KEY_TTL_S  # how long the service makes a key's submission at most once
 from luban.errors import LubanError, bad_value, escaped
 
 SERVICE_HEADER = "x-luban-cluster"  # luban.cluster.service marks every answer with it
@@ -24,11 +25,18 @@ TOTAL_HEADER = "X-Total-Count"      # GET /api/jobs: how many rows match in all 
 
 SUBMIT_KEY_HEADER = "Idempotency-Key"  # POST /api/jobs: one submission per user and key (the IETF draft's header)
 SUBMIT_RETRY_S = 20.0  # seconds submit() retries a POST sent but not answered (the service died, or restarts),
-                       # with the same key: the service makes the job at most once
+                       # or answered 503 (the database failed, maybe after its COMMIT), with the same key: the
+                       # service makes the job at most once
 
 DEFAULT_URL = "http://127.0.0.1:8765"
 RETRY_STATUS = 503  # the service is up but its database is not (restarting): retried like an unreachable
-                   # service, within retry_for (the request was rolled back: nothing was done)
+                   # service, within retry_for. What was asked may have been done (a COMMIT whose answer the
+                   # outage lost): a submission is retried with its key, and its last error says how to repeat it
+
+
+def new_key() -> str:
+    """A new Idempotency-Key for a submission (a uuid4): what ``submit`` uses when given none."""
+    return uuid.uuid4().hex
 
 
 class ApiError(LubanError):
@@ -78,14 +86,19 @@ class Client:
     def request(self, method: str, path: str, unanswered_retry_for: float = 0.0, unanswered_hint: str = "",
                 **kwargs) -> tuple:
         """``call``'s answer and the response's headers. ``unanswered_retry_for``: seconds to retry
-        (at least) once a request was sent and got no answer — only for a request that may be repeated
-        (a submission with its key); ``unanswered_hint`` ends the "unreachable" line in that case."""
+        (at least) once a request was sent and got no answer or a 503 — either may come after it was
+        done — only for a request that may be repeated (a submission with its key);
+        ``unanswered_hint`` ends the last error's line in that case ("unreachable", or the 503)."""
         start = time.monotonic()
         deadline, sent = start + self.retry_for, False
         while True:
             try:
                 response = self.http.request(method, "/api" + path, **kwargs)
-                if response.status_code != RETRY_STATUS or time.monotonic() >= deadline:
+                if response.status_code != RETRY_STATUS:
+                    break
+                if not sent:  # a database that failed at (or after) the COMMIT answers 503 too: it may be done
+                    sent, deadline = True, max(deadline, time.monotonic() + unanswered_retry_for)
+                if time.monotonic() >= deadline:
                     break
             except httpx.TransportError as err:
                 if not isinstance(err, (httpx.ConnectError, httpx.ConnectTimeout)) and not sent:  # sent: it may be done
@@ -103,7 +116,8 @@ class Client:
             if detail is None or not str(detail).strip():  # not luban's service (a web server's empty 404)
                 detail = f"{method} {path} answered without a message: is {self.url} a luban cluster service?"
             detail = escaped(" ".join(str(detail).split()))
-            raise ApiError(f"{detail[:2000]} (HTTP {response.status_code})", response.status_code)  # no control codes
+            hint = unanswered_hint if response.status_code == RETRY_STATUS else ""
+            raise ApiError(f"{detail[:2000]} (HTTP {response.status_code}){hint}", response.status_code)  # no control codes
         if body is None or SERVICE_HEADER not in response.headers:  # another web server or API at the URL
             raise LubanError(f"{method} {path} answered HTTP {response.status_code} "
                              f"({response.headers.get('content-type') or 'no content type'}) without luban's mark: "
@@ -111,18 +125,21 @@ class Client:
         return body, response.headers
 
     # jobs
-    def submit(self, spec: dict | str, key: str | None = None) -> dict:
-        """Submit a spec mapping or YAML text; returns the new job. ``key`` (default: a new uuid4) makes
-        the submission idempotent: a POST sent but not answered is retried with it for
+    def submit(self, spec: dict | str, key: str | None = None, again: str | None = None) -> dict:
+        """Submit a spec mapping or YAML text; returns the new job. ``key`` (default: ``new_key()``) makes
+        the submission idempotent: a POST sent but not answered, or answered 503, is retried with it for
         ``SUBMIT_RETRY_S`` (or ``retry_for``), and the service answers a repeat with the job the key
-        made, never a second one; the same key with another spec is refused (409)."""
-        key = uuid.uuid4().hex if key is None else key
+        made, never a second one; the same key with another spec is refused (409). When the retries
+        give up, the error says the job may have been made and ends with ``again``: how the caller
+        repeats this submission with its key (the CLI: its ``luban submit --key KEY ...`` command)."""
+        key = new_key() if key is None else key
         if not isinstance(key, str) or not SUBMIT_KEY_RE.fullmatch(key):  # as the service checks it (a header
             raise bad_value("key", key, f"a key matching {SUBMIT_KEY_RE.pattern}")  # httpx cannot send is a traceback)
+        again = again or f"submit it again with key={key!r} (luban submit --key {key})"
         return self.request("POST", "/jobs", json={"yaml": spec} if isinstance(spec, str) else {"spec": spec},
                             headers={SUBMIT_KEY_HEADER: key}, unanswered_retry_for=SUBMIT_RETRY_S,
-                            unanswered_hint=f"; the job may have been submitted: submit it again with "
-                                            f"--key {key} (SDK: key=) to make it at most once")[0]
+                            unanswered_hint=f"; the job may have been submitted: to retry without making it "
+                                            f"twice (within {SUBMIT_KEY_TTL_S // 3600} h), {again}")[0]
 
     def jobs(self, all_attempts: bool = False, state: str | None = None, limit: int | None = None) -> JobList:
         """The newest ``limit`` jobs (None: the service's default, ``JOBS_LIMIT``), oldest first: the

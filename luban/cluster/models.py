@@ -40,7 +40,11 @@ class Node(Base):
     gpus: Mapped[int] = mapped_column(Integer, default=0)
     labels: Mapped[dict] = mapped_column(JSON, default=dict)
     addr: Mapped[str] = mapped_column(String(256), default="127.0.0.1")
-    state: Mapped[str] = mapped_column(String(16), default="up")  # up | drain | down
+    # up | drain | down (an admin's) | gone | unavailable (the executor's: scheduler.sync_nodes); only up is scheduled
+    state: Mapped[str] = mapped_column(String(16), default="up")
+    # why the executor starts no new job there ("slurm: drained (reason)"), None where it does: the node is
+    # unavailable while it is set, or stays as an admin drained it (scheduler.follow_executor)
+    unavailable: Mapped[str | None] = mapped_column(Text, nullable=True)
 
 
 class UserGroup(Base):

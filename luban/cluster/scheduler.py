@@ -35,7 +35,13 @@ log = logging.getLogger("luban.cluster")
 LAUNCH_GRACE = 60.0  # seconds a claimed job may go without an executor handle
 RETRY_MIN_S, RETRY_MAX_S = 5.0, 300.0  # starts while the executor is unavailable: first retry, longest wait
 GONE = "gone"  # a node's state once the executor no longer reports it (sync_nodes): kept, not scheduled
-NODE_SYNC_S = 300.0  # seconds between readings of the executor's nodes (a node added to Slurm is seen without a restart)
+# a node's state while the executor starts no new job there (Slurm drained, down, not responding: its
+# NodeInfo.unavailable, kept in Node.unavailable): not scheduled, its jobs run on; up again when it does
+UNAVAILABLE = "unavailable"
+# seconds between readings of the executor's nodes: a node added to Slurm is seen without a restart, and a
+# drain or resume in Slurm is followed within this (one `scontrol show node`; each running job costs a
+# `scontrol show job` a tick)
+NODE_SYNC_S = 30.0
 MAX_REPORTED = 1000  # distinct executor problems remembered (each logged once)
 # a queued attempt with any of these requested is not started: not in the policy's snapshot, and
 # refused by the claim (a hold or stop that lands between a tick's snapshot and its start)
@@ -70,6 +76,21 @@ def record(session: Session, kind: str, message: str, job_id: int | None = None,
     """A decision: into the events table, and a line of the service log (``quiet``: debug level)."""
     session.add(Event(t=clocks.now(), job_id=job_id, kind=kind, message=message))
     log.log(logging.DEBUG if quiet else logging.INFO, "%s job=%s %s", kind, job_id, message)
+
+
+def follow_executor(s: Session, node: Node, unavailable: str | None) -> None:
+    """The executor's word on a node (``NodeInfo.unavailable``) into its row: an ``up`` node the executor
+    starts no new job on is ``UNAVAILABLE`` — the one state the policy schedules is ``up``, so it is
+    not scheduled, and what runs there runs on — and ``up`` again once it does; an admin's ``drain`` or
+    ``down`` stays as the admin set it, the executor's reason kept beside it. A change is a "node" event."""
+    if unavailable != node.unavailable:
+        record(s, "node", f"{node.name} not scheduled (its jobs run on): {unavailable}" if unavailable else
+               f"{node.name}: the executor starts jobs there again (was: {node.unavailable})")
+    node.unavailable = unavailable
+    if node.state == "up" and unavailable:
+        node.state = UNAVAILABLE
+    elif node.state == UNAVAILABLE and not unavailable:
+        node.state = "up"
 
 
 def start_message(nodes, why: str) -> str:
@@ -147,9 +168,11 @@ class Scheduler:
 
     # -- nodes -------------------------------------------------------------------------------
     def sync_nodes(self) -> None:
-        """Add or refresh the executor's nodes; an admin's drain stays in force. A node the executor no
-        longer reports (removed from Slurm) is ``gone``: kept, not scheduled, ``up`` again if it comes
-        back (an empty answer marks nothing gone: it is more likely a glitch than a cluster removed)."""
+        """Add or refresh the executor's nodes; an admin's drain stays in force. A node the executor
+        starts no new job on (drained or down in Slurm) is ``UNAVAILABLE`` until it does again
+        (``follow_executor``). A node the executor no longer reports (removed from Slurm) is ``gone``:
+        kept, not scheduled, ``up`` again if it comes back (an empty answer marks nothing gone: it is
+        more likely a glitch than a cluster removed)."""
         infos = self.executor.discover()  # before the transaction: a slow slurmctld holds no database lock
         with self.sessions.begin() as s:
             for info in infos:
@@ -158,11 +181,12 @@ class Scheduler:
                 if node.state == GONE:
                     node.state = "up"
                     log.warning("node %s is reported by the executor again: scheduled again", node.name)
+                follow_executor(s, node, info.unavailable)
                 s.add(node)
             reported = {info.name for info in infos}
-            for node in s.scalars(select(Node).where(Node.state == "up")) if reported else ():
+            for node in s.scalars(select(Node).where(Node.state.in_(("up", UNAVAILABLE)))) if reported else ():
                 if node.name not in reported:
-                    node.state = GONE
+                    node.state, node.unavailable = GONE, None
                     log.warning("node %s is no longer reported by the executor: not scheduled (kept as %s)",
                                 node.name, GONE)
         self._next_node_sync = self.clock.now() + NODE_SYNC_S

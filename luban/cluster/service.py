@@ -40,7 +40,7 @@ from luban.cluster.client import TOTAL_HEADER  # GET /api/jobs: how many rows in
 from luban.cluster.client import SUBMIT_KEY_HEADER  # POST /api/jobs: a submission made at most once
 from luban.cluster.spec import JOBS_LIMIT, JOBS_LIMIT_MAX  # GET /api/jobs: rows
 from luban.cluster.models import ACTIVE, LIVE, Event, Job, Node, Quota, Sample, StopReason, User, UserGroup
-from luban.cluster.scheduler import GONE, Scheduler, new_token, record, token_hash
+from luban.cluster.scheduler import GONE, Scheduler, follow_executor, new_token, record, token_hash
 from luban.errors import LubanError, bad_value, shown
 from luban.schema import INT32  # the SQL Integer columns; the CLI checks ids against it too
 
@@ -525,7 +525,9 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
                key: str | None = Header(None, alias=SUBMIT_KEY_HEADER)):
         """A new job (201); with an ``Idempotency-Key`` the submission is made at most once per user and
         key: a repeat (the client's retry of a POST it got no answer to) answers the job that key made
-        (200, ``repeated``: true), and the key with another spec is a one-line 409."""
+        (200, ``repeated``: true), and the key with another spec is a one-line 409 — for
+        ``SUBMIT_KEY_TTL_S`` after that job's submission; later the key is free again: the old job's
+        key is cleared and a new job takes it (``jobs.submit_key`` stays unique per user)."""
         body = object_body(body)
         if key is not None and not specs.SUBMIT_KEY_RE.fullmatch(key):
             raise bad_value(SUBMIT_KEY_HEADER, key[:80], f"a key matching {specs.SUBMIT_KEY_RE.pattern} (a uuid4)")
@@ -539,18 +541,25 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
             # the user's row locked: one submission of a user at a time, so the queued count below holds
             # under concurrent submissions (PostgreSQL; SQLite serialises every write transaction anyway)
             user = s.get(User, p.user.name, with_for_update={"key_share": True})  # FOR NO KEY UPDATE
+            now = clocks.now()
             known = sorted(set(s.scalars(select(Node.node_group))))
             if spec.node_group is None:
                 spec.node_group = known[0] if len(known) == 1 else "default"
             if key is not None:  # before the limits: the job this key made counts against them already
                 made = s.scalar(select(Job).where(Job.user == user.name, Job.submit_key == key))
+                if made is not None and now - made.chain_submitted_at >= specs.SUBMIT_KEY_TTL_S:
+                    made.submit_key = None  # expired: free for the job made below (the user's row lock and
+                    s.flush()  # the unique index keep it one job per key); flushed before that INSERT
+                    made = None
                 if made is not None:
                     differ = sorted(k for k in set(made.spec) | set(spec.to_dict())
                                     if made.spec.get(k) != spec.to_dict().get(k))
                     if differ:  # (`luban submit` sends the submitter's environment: another shell's differs)
                         raise HTTPException(409, str(bad_value(
                             SUBMIT_KEY_HEADER, key, f"already submitted job {made.id} with another spec ("
-                                                    f"{', '.join(differ)} differ); a new submission needs a new key")))
+                                                    f"{', '.join(differ)} differ); a new submission needs a new key "
+                                                    f"(a key is free again {specs.SUBMIT_KEY_TTL_S // 3600} h after "
+                                                    "its job was submitted)")))
                     return JSONResponse(status_code=200, content=job_dict(made) | {"repeated": True})
             queued = s.scalar(select(func.count()).select_from(Job).where(Job.user == user.name,
                                                                            Job.state == states.QUEUED))
@@ -582,7 +591,6 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
                 raise bad_value("priority", level.name, f"{owner} may hold {quota.get(level, 0)} node(s) at "
                                 f"{level.name} in node group {spec.node_group}, the job needs {spec.nodes} "
                                 f"(quotas: {have})")
-            now = clocks.now()
             job = Job(chain_id="c" + secrets.token_hex(6), restart_count=0, whole_life_state=0,
                       user=user.name, group=spec.group, owner=owner, name=spec.name, spec=spec.to_dict(),
                       priority=int(level), node_group=spec.node_group, nnodes=spec.nodes, state=states.QUEUED,
@@ -819,6 +827,7 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
     def nodes(p: Principal = Depends(person), s: Session = Depends(db)):
         holders = {n: j for j in s.scalars(select(Job).where(Job.state.in_(ACTIVE))) for n in j.nodes or ()}
         return [{"name": n.name, "node_group": n.node_group, "gpus": n.gpus, "labels": n.labels, "state": n.state,
+                 "why": n.unavailable,  # the executor's reason it starts no new job there (None: it does)
                  "job": ({"id": holders[n.name].id, "user": holders[n.name].user, "name": holders[n.name].name,
                           "state": holders[n.name].state} if n.name in holders else None)}
                 for n in s.scalars(select(Node).order_by(Node.name))]
@@ -836,8 +845,10 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
                 raise HTTPException(409, f"node {name} is gone: the executor no longer reports it; it is up again "
                                          "by itself once it does")
             node.state = state
-            record(s, "node", f"{name} set to {state} by {p.user.name}")
-        return {"name": name, "state": state}
+            follow_executor(s, node, node.unavailable)  # up, but the executor starts no job there: unavailable
+            record(s, "node", f"{name} set to {state} by {p.user.name}" + (
+                f" (it is {node.state}: {node.unavailable})" if node.state != state else ""))
+            return {"name": name, "state": node.state, "why": node.unavailable}
 
     @app.get("/api/quota")
     def quota(p: Principal = Depends(person), s: Session = Depends(db)):

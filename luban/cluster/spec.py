@@ -22,6 +22,11 @@ MAX_ARG = (128 << 10) - 1  # bytes of one argument or one NAME=value environment
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 # a submission's Idempotency-Key (client.SUBMIT_KEY_HEADER; a uuid4 by default): 64 characters fit jobs.submit_key
 SUBMIT_KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}$")
+# how long a key makes its submission at most once: a repeat within it answers the job the key made, one
+# after it makes a new job (the old job's key is cleared: service.py, submit). Stripe's lifetime: "You can
+# remove keys from the system automatically after they're at least 24 hours old. We generate a new request
+# if a key is reused after the original is pruned" (docs.stripe.com/idempotency)
+SUBMIT_KEY_TTL_S = 24 * 3600
 ENV_RE = jobenv.NAME_RE
 
 

@@ -6,14 +6,20 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import re
+import shlex
 import signal
 import socket
+import sys
 
 import httpx
 import pytest
 
 from luban.cluster.client import Client
-from tests.cluster.conftest import wait_for
+from tests.cluster.conftest import LUBAN, wait_for
+
+# `luban` whose submissions retry a lost answer or a 503 for 2 s, not client.SUBMIT_RETRY_S
+QUICK_RETRY = [*LUBAN[:2], "import luban.cluster.client as c; c.SUBMIT_RETRY_S = 2.0; " + LUBAN[2]]
 
 
 def _database_open(pg_url: str, open_: bool) -> None:
@@ -29,10 +35,15 @@ def _database_open(pg_url: str, open_: bool) -> None:
             conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s", (name,))
 
 
-def test_a_database_outage_is_a_503_on_every_call_and_the_sdk_rides_it_out(service, pg_url):
+def test_a_database_outage_is_a_503_on_every_call_and_the_sdk_rides_it_out(service, pg_url, monkeypatch):
     """2026-11-27: a POST while PostgreSQL was down failed in the token check, outside the app's
     handlers: a bare 500 'Internal Server Error' with a traceback in the service log, and `luban
-    submit` said the URL might not be a luban service; the SDK gave up at once on the 503s."""
+    submit` said the URL might not be a luban service; the SDK gave up at once on the 503s.
+    2026-12-02: `luban submit`'s 503 said nothing of whether the job was made (a 503 may come after
+    the COMMIT) nor how to retry without making it twice. Now it retries with its key, then ends its
+    line with the `luban submit --key KEY ...` that repeats it; that command makes the job once."""
+    conftest = sys.modules[service.__module__]  # the fixture's conftest module: svc.cli runs its LUBAN
+    monkeypatch.setattr(conftest, "LUBAN", QUICK_RETRY)
     svc = service("--nodes", "1", "--tick", "0.2", "--db", pg_url)
     token, alice = svc.user("alice", {"NORMAL": 1})
     _database_open(pg_url, False)
@@ -42,9 +53,18 @@ def test_a_database_outage_is_a_503_on_every_call_and_the_sdk_rides_it_out(servi
                               json={"spec": {"name": "j", "command": "true"}}, timeout=30)
             assert r.status_code == 503, (method, r.status_code, r.text[:300])
             assert "database is unavailable" in r.json()["detail"]
-        result = svc.cli("submit", "--", "true", token=token, check=False)
+        warned = svc.log.read_text().count("database error")
+        submit = ["submit", "-n", "1", "--name", "once", "-e", "A=b c", "-t", "90", "--", "true", "x y"]
+        result = svc.cli(*submit, token=token, check=False)
         assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
         assert "database is unavailable" in result.stderr and "Traceback" not in result.stderr
+        assert svc.log.read_text().count("database error") >= warned + 2  # retried with its key
+        hint = re.search(r"\(HTTP 503\); the job may have been submitted: to retry without making it twice "
+                         r"\(within 24 h\), run: (luban submit --key ([0-9a-f]{32}) .*)$", result.stderr.strip())
+        assert hint, result.stderr
+        again, key = shlex.split(hint.group(1)), hint.group(2)
+        assert again == ["luban", "submit", "--key", key, "-n", "1", "--name", "once", "-e", "A=b c",
+                         "-t", "1:30:00", "--", "true", "x y"], again  # -t 90: minutes
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             patient = pool.submit(Client(svc.url, token, retry_for=120).whoami)  # as a job's SDK call
             warned = svc.log.read_text().count("database error")
@@ -57,6 +77,13 @@ def test_a_database_outage_is_a_503_on_every_call_and_the_sdk_rides_it_out(servi
     finally:
         _database_open(pg_url, True)
     assert alice.submit({"name": "after", "command": "true"})["state"] == "queued"
+    made = svc.cli(*again[1:], token=token).stdout  # the command the error named: the job, made once
+    assert made.startswith("submitted job "), made
+    repeat = svc.cli(*again[1:], token=token).stdout
+    assert repeat.startswith(f"job {made.split()[2]} was submitted with --key {key} before"), repeat
+    same = svc.cli(*submit[:1], "--key", "other-key", *submit[1:], token=token).stdout  # as the user typed it
+    specs = {j["id"]: j["spec"] for j in alice.jobs(all_attempts=True)}
+    assert specs[int(made.split()[2])] == specs[int(same.split()[2])]  # the command repeats that spec
     wait_for(lambda: RESUMED in svc.log.read_text(), 60, what="the scheduler to note the database is back")
     text = svc.log.read_text()
     assert "Exception in ASGI application" not in text
@@ -195,3 +222,64 @@ def test_a_request_body_that_never_completes_is_a_408_and_the_connection_is_clos
     assert b"\n" not in body and "within 1s" in json.loads(body)["detail"], body
     assert svc.admin().whoami()["user"] == "admin"  # the service serves the next client as before
     assert "Traceback" not in svc.log.read_text(errors="replace")
+
+
+def test_a_503_after_the_commit_is_retried_with_its_key_and_answers_the_job_it_made(tmp_path, monkeypatch):
+    """The database fails after the submission's COMMIT (the connection lost before its answer): the
+    service answers 503 although the job is made. The client retries with the submission's key and gets
+    that job (200, repeated), never a second one. One that gives up first says the job may have been
+    made and how to repeat it with its key, which then answers that job."""
+    from luban.cluster import client as client_module
+    from luban.cluster.client import ApiError
+    from fastapi.testclient import TestClient
+    from sqlalchemy import event
+    from sqlalchemy.exc import OperationalError
+    from sqlalchemy.orm import Session
+
+    from luban.cluster import db, service as service_module
+    from luban.cluster.executors.local import LocalExecutor
+    from luban.cluster.models import Job
+    from luban.cluster.scheduler import Scheduler, Settings
+
+    sessions = db.sessions(db.open_checked(str(tmp_path / "luban.db")))
+    scheduler = Scheduler(sessions, LocalExecutor(), Settings(state_dir=str(tmp_path)))
+    scheduler.sync_nodes()
+    service_module.ensure_admin(sessions, tmp_path)
+    http = TestClient(service_module.create_app(sessions, scheduler, run_scheduler=False))
+    admin = {"Authorization": "Bearer " + (tmp_path / "admin.token").read_text().strip()}
+    token = http.post("/api/users", json={"name": "alice"}, headers=admin).json()["token"]
+    http.put("/api/quota", json={"owner": "user:alice", "priority": "NORMAL", "nodes": 1}, headers=admin)
+    record, lost = service_module.record, []
+
+    def record_then_mark(s, kind, *args, **kwargs):
+        record(s, kind, *args, **kwargs)
+        s.info["submitted"] = kind == "submit"
+
+    def after_commit(session):
+        if session.info.pop("submitted", False) and not lost:
+            lost.append(True)
+            raise OperationalError("COMMIT", {}, Exception("server closed the connection unexpectedly"))
+
+    monkeypatch.setattr(service_module, "record", record_then_mark)
+    event.listen(Session, "after_commit", after_commit)
+    client = Client("http://testserver", token)
+    client.http = http  # the app in this process
+    http.headers["Authorization"] = f"Bearer {token}"
+    spec = {"name": "once", "command": "true"}
+    try:
+        job = client.submit(spec, key="commit-lost-1")
+        assert lost and job.get("repeated"), job  # the first answer was the 503; the retry got the job
+        monkeypatch.setattr(client_module, "SUBMIT_RETRY_S", 0.0)  # no retry: the 503 is the last word
+        lost.clear()
+        with pytest.raises(ApiError) as gave_up:
+            client.submit(spec, key="commit-lost-2")
+    finally:
+        event.remove(Session, "after_commit", after_commit)
+    assert lost and str(gave_up.value).endswith(
+        "(HTTP 503); the job may have been submitted: to retry without making it twice (within 24 h), submit it "
+        "again with key='commit-lost-2' (luban submit --key commit-lost-2)"), gave_up.value
+    again = client.submit(spec, key="commit-lost-2")
+    assert again.get("repeated"), again
+    with sessions() as s:
+        assert [(j.id, j.submit_key) for j in s.query(Job).order_by(Job.id)] == [
+            (job["id"], "commit-lost-1"), (again["id"], "commit-lost-2")]

@@ -19,6 +19,9 @@ class NodeInfo:
     gpus: int = 0
     labels: dict = dataclasses.field(default_factory=dict)
     addr: str = "127.0.0.1"
+    # why the executor starts no new job there now, in one line (Slurm: drained, down, not responding ...;
+    # SlurmExecutor.discover), None where it does. What already runs there runs on (as Slurm's drain)
+    unavailable: str | None = None
 
 
 @dataclasses.dataclass

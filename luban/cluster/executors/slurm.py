@@ -1,8 +1,9 @@
 """The Slurm executor: luban decides, Slurm runs.
 
 Nodes come from ``scontrol show node`` (node group = first partition, zone = a ``zone*``
-feature). A job attempt is one ``sbatch --nodelist=... --exclusive --no-requeue`` whose batch
-script ``srun``s one launcher per node (rank = SLURM_NODEID); suspend is
+feature; a State on which Slurm allocates no new job, drained or down, makes the node unavailable
+in luban: ``node_unavailable``). A job attempt is one ``sbatch --nodelist=... --exclusive
+--no-requeue`` whose batch script ``srun``s one launcher per node (rank = SLURM_NODEID); suspend is
 ``scancel --signal=USR1`` (srun hands it to the launchers, which forward it to the job), kill is
 ``scancel``, whose SIGTERM makes each launcher kill every process of the job (``luban.procs``)
 before it exits; the state is read back with ``scontrol show job``, and the launchers' exit files
@@ -45,6 +46,27 @@ SCRIPT = "job.sbatch"  # in a run dir: the batch script of the attempt's latest 
 HELD = {"JobHeldAdmin": "admin", "JobHeldUser": "user"}
 ENDED = {"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL", "DEADLINE",
          "OUT_OF_MEMORY", "REVOKED", "SPECIAL_EXIT"}
+# A node's State in ``scontrol show node``: a base state and "+"-joined flags (scontrol(1), NODES, State:
+# 22.05 prints IDLE+DRAIN, MIXED+DRAIN, IDLE+NOT_RESPONDING); older versions, like sinfo, mark some flags
+# with a suffix instead (sinfo(1), NODE STATE CODES: DOWN*, IDLE~). The states and flags on which Slurm
+# allocates no new job, in luban's words (a DRAIN flag reads drained or, with jobs on the node, draining):
+NO_NEW_JOBS = {"DOWN": "down", "DRAINED": "drained", "DRAINING": "draining", "FAIL": "failing",
+               "FAILING": "failing", "FUTURE": "future (not configured yet)", "UNKNOWN": "unknown (not registered yet)",
+               "ERROR": "error", "INVAL": "invalid registration", "INVALID_REG": "invalid registration",
+               "NOT_RESPONDING": "not responding", "NO_RESPOND": "not responding",
+               "MAINT": "in a maintenance reservation", "MAINTENANCE": "in a maintenance reservation",
+               "RESERVED": "in an advanced reservation",  # not generally available: luban's sbatch names none
+               "PERFCTRS": "network performance counters in use", "NPC": "network performance counters in use",
+               "POWER_DOWN": "pending power down", "POWERING_DOWN": "powering down", "REBOOT_ISSUED": "rebooting"}
+# ... and the suffixes that say one of them. Not among them: POWERED_DOWN (~, power saving: Slurm's
+# ResumeProgram powers the node up "to complete work allocated to" it, slurm.schedmd.com/power_save.html),
+# POWERING_UP (#), REBOOT_REQUESTED (@: rebooted once idle, jobs start meanwhile; reboot ASAP adds DRAIN),
+# PLANNED (-), COMPLETING, CLOUD: Slurm allocates those nodes
+NO_NEW_JOBS_SUFFIX = {"*": "not responding", "%": "powering down", "!": "pending power down",
+                      "$": "in a maintenance reservation", "^": "rebooting"}
+SUFFIXES = "*~#!%$@^-"  # every state suffix sinfo(1) lists
+BUSY = {"ALLOCATED", "MIXED", "COMPLETING"}  # a drained node with one of these has jobs on it: draining
+REASON = re.compile(r"(?:^|\s)Reason=(.*?)\s*(?=\s[A-Za-z_]+=|$)")  # the one value with spaces (scontrol: last)
 
 
 def fields(line: str) -> dict[str, str]:
@@ -55,6 +77,31 @@ def fields(line: str) -> dict[str, str]:
         if sep:
             out[key] = value
     return out
+
+
+def node_unavailable(state: str, reason: str = "") -> str | None:
+    """Why Slurm allocates no new job on a node whose ``State`` is ``state`` (``scontrol show node``),
+    in one line with Slurm's ``Reason`` (``slurm: drained (disk swap [root@...])``); None where it
+    does (IDLE, MIXED, ALLOCATED, IDLE+POWERED_DOWN, no State at all). A flag luban does not know
+    leaves the node usable: Slurm adds informational ones (CLOUD, DYNAMIC_NORM, ...)."""
+    tokens = [token for token in state.upper().split("+") if token]
+    names = [token.rstrip(SUFFIXES) for token in tokens]
+    busy = bool(BUSY & set(names))
+    words = []
+    for token, name in zip(tokens, names):
+        found = [("draining" if busy else "drained") if name == "DRAIN" else NO_NEW_JOBS.get(name)]
+        found += [NO_NEW_JOBS_SUFFIX.get(mark) for mark in token[len(name):]]
+        words += [word for word in found if word and word not in words]
+    if not words:
+        return None
+    return f"slurm: {', '.join(words)}" + (f" ({' '.join(reason.split())[:200]})" if reason.strip() else "")
+
+
+def node_reason(line: str) -> str:
+    """The ``Reason`` of a node's ``scontrol show node -o`` line ("" where it has none): the one value
+    that holds spaces (``Reason=disk swap [root@2026-12-02T01:03:36]``), which ``fields`` cuts."""
+    found = REASON.search(line)
+    return found.group(1) if found and found.group(1) != "(null)" else ""
 
 
 class NotInstalled(Unavailable):
@@ -112,7 +159,8 @@ class SlurmExecutor:
             gpus = sum(int(g.split(":")[-1].split("(")[0]) for g in (f.get("Gres") or "").split(",")
                        if g.startswith("gpu") and g.split(":")[-1].split("(")[0].isdigit())
             nodes.append(NodeInfo(f["NodeName"], self.partition or partitions[0], gpus,
-                                  {"zone": zone, "features": features}, f.get("NodeAddr") or f["NodeName"]))
+                                  {"zone": zone, "features": features}, f.get("NodeAddr") or f["NodeName"],
+                                  unavailable=node_unavailable(f.get("State", ""), node_reason(line))))
         return nodes
 
     def start(self, launch: Launch) -> str:
