@@ -3,7 +3,8 @@
 Builds the default corpus (Python stdlib sources) with the byte and the BPE tokenizer, checks
 every CRC of the byte build, then reads it with ``TokenLoader`` with and without the prefetch thread, both as fast as possible
 and with a simulated training step (``--compute-ms`` of sleep, which like an accelerator step
-releases the GIL) so the overlap prefetching buys is visible. Prints a markdown table.
+releases the GIL) so the overlap prefetching buys is visible; last, each sample-order version
+without prefetch, side by side. Prints a markdown table.
 
     .venv/bin/python bench/data_loader.py [--max-bytes N] [--steps N] [--seq-len N] ...
 """
@@ -20,6 +21,7 @@ import torch
 from luban.data.build import build_dataset
 from luban.data.loader import TokenLoader
 from luban.data.manifest import open_dataset
+from luban.data.order import ORDER_RULES, ORDER_VERSION
 
 
 def bench_build(out: Path, max_bytes: int, tokenizer: str, vocab_size: int | None) -> str:
@@ -46,8 +48,9 @@ def bench_verify(data: Path) -> str:
             f"{seconds:.3f} s | {size / seconds / 2**20:.0f} MiB/s |")
 
 
-def bench_loader(data: Path, args, prefetch: int, compute_ms: float) -> str:
-    with TokenLoader(data, seq_len=args.seq_len, global_batch=args.batch, prefetch=prefetch) as ld:
+def bench_loader(data: Path, args, prefetch: int, compute_ms: float, order_version: int = ORDER_VERSION) -> str:
+    with TokenLoader(data, seq_len=args.seq_len, global_batch=args.batch, prefetch=prefetch,
+                     order_version=order_version) as ld:
         next(ld)  # start the thread / touch the first chunks
         started = time.perf_counter()
         for _ in range(args.steps):
@@ -57,7 +60,7 @@ def bench_loader(data: Path, args, prefetch: int, compute_ms: float) -> str:
         seconds = time.perf_counter() - started
     rate = args.steps * tokens.numel() / seconds
     ideal = f", ideal {tokens.numel() / (compute_ms / 1e3) / 1e6:.2f}" if compute_ms else ""
-    return (f"| loader, prefetch={prefetch}, step compute {compute_ms:g} ms | {args.steps} steps "
+    return (f"| loader, order v{order_version}, prefetch={prefetch}, step compute {compute_ms:g} ms | {args.steps} steps "
             f"x [{args.batch}, {args.seq_len}] | {seconds:.2f} s | "
             f"{rate / 1e6:.2f} M tokens/s{ideal} |")
 
@@ -82,6 +85,8 @@ def main() -> None:
         for compute_ms in (0.0, args.compute_ms):
             for prefetch in (0, 2):
                 rows.append(bench_loader(data, args, prefetch, compute_ms))
+        for version in sorted(ORDER_RULES):  # the order rules side by side (luban.data.order), no prefetch
+            rows.append(bench_loader(data, args, 0, 0.0, version))
     print("\n".join(rows))
 
 
