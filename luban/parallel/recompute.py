@@ -7,7 +7,8 @@
   ``torch.utils.checkpoint.create_selective_checkpoint_contexts``; torchtitan's
   ``selective_ac_option = "op"``): each block is checkpointed, but the outputs of the
   operators that are expensive to run again are saved — every GEMM (``aten.mm``/``addmm``:
-  the projections and the experts), the fused attention kernels (output and log-sum-exp;
+  the projections and the experts' loop; ``aten._grouped_mm``: the experts as grouped GEMMs,
+  ``luban.model.moe.grouped_gemm_ok``), the fused attention kernels (output and log-sum-exp;
   with SDPA's flash/efficient/cuDNN/CPU-flash kernels there is no s x s score tensor to
   save, which is what Korthikanti et al. 2022 Sec. 4.2 recompute) and the functional
   collectives (sequence/expert parallel all-gathers, reduce-scatters, all-to-alls: nothing
@@ -53,9 +54,10 @@ def _ops(namespace, *names) -> set:
 
 
 # what selective recompute saves (torchtitan ``_op_sac_save_list`` @ 2025, minus its "every
-# other mm" thinning: luban saves every GEMM output and recomputes only elementwise work)
+# other mm" thinning: luban saves every GEMM output and recomputes only elementwise work; its MoE experts run
+# as ``_grouped_mm`` where the fused kernel exists, a GEMM like the others)
 SAVED_OPS = frozenset(
-    _ops(torch.ops.aten, "mm", "addmm",
+    _ops(torch.ops.aten, "mm", "addmm", "_grouped_mm",
          "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
          "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
          "_scaled_dot_product_fused_attention_overrideable")
