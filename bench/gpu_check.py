@@ -377,7 +377,7 @@ def peers(setup: Setup, root: Path) -> tuple[list, list]:
             ratio = result["reference loop"]["step_s"] / result[LUBAN_LOG_10]["step_s"]
             rows.append([name, f"luban (log_every {LOG_EVERY}) / reference (tokens/s)", f"{ratio:.2f}x", "", "", ""])
         if cfg.moe:  # which expert path luban's MoE took here (docs/training.md "What a step waits for")
-            grouped = grouped_gemm_ok(setup.device, torch.bfloat16, (cfg.expert_ffn_hidden, cfg.hidden))
+            grouped = grouped_gemm_ok(setup.device, torch.bfloat16, (cfg.expert_ffn_hidden, cfg.hidden), cfg.experts)
             rows.append([name, "luban's experts (bf16)", "torch._grouped_mm, device-side offsets" if grouped
                          else "per-expert loop (a host read of the counts per MoE layer)", "", "", ""])
         if "luban train" in result and "Hugging Face" in result:

@@ -24,9 +24,10 @@ One ``MoE`` replaces the ``MLP`` of every block from ``dense_layers`` on:
   per projection, so every expert has a gradient every step and DDP/FSDP need no
   unused-parameter handling) and runs each expert on the rows sorted to it: the grouped GEMM
   interface that expert parallel reuses after its all-to-all (``luban.parallel.expert_parallel``).
-  Where ``torch._grouped_mm`` has its fused kernel (``grouped_gemm_ok``: bf16 on a Hopper or
-  Blackwell GPU) the three projections are three grouped GEMMs whose group boundaries stay on
-  the device; elsewhere a loop over the experts, which reads the counts on the host (one device
+  Where ``torch._grouped_mm`` has its fused kernel (``grouped_gemm_ok``: bf16 on a Hopper GPU,
+  at most ``GROUPED_MM_MAX_GROUPS`` experts; Blackwell's miscomputes an expert without tokens)
+  the three projections are three grouped GEMMs whose group boundaries stay on the device;
+  elsewhere a loop over the experts, which reads the counts on the host (one device
   wait per MoE layer and micro-batch on a GPU). Without expert parallel and a capacity cut the
   layer's forward then reads nothing on the host (the counts are an ``index_add_``, not
   ``bincount``, which reads its input's maximum on a GPU).
@@ -98,16 +99,21 @@ class Router(nn.Module):
 # (aten/src/ATen/native/cuda/GroupedBlas.cpp, torch 2.10-2.13: ``_scaled_mm_allowed_device(sm90_only,
 # sm100_only)``); elsewhere ATen's ``_grouped_mm_fallback`` copies the offsets to the host and loops over
 # the groups, no better than ``Experts``' own loop. Its operands' strides must be 16-byte multiples.
-GROUPED_MM_CAPABILITIES = (9, 10)
+# 10.x is left out: its kernel (CUTLASS's sm100 grouped GEMM) writes an uncleared accumulator for a group
+# of zero length along K, so an expert that got no tokens in a micro-batch gets leftovers, not zeros, as
+# its weight gradient (pytorch/pytorch#172439, NVIDIA/cutlass#2674, open; Hopper gives zeros): the loop there
+GROUPED_MM_CAPABILITIES = (9,)
 GROUPED_MM_ALIGN_BYTES = 16
+# the kernel refuses more groups (GroupMM.cu: ``TORCH_CHECK(group_count < 1024, ...)``); experts may be 2^16
+GROUPED_MM_MAX_GROUPS = 1023
 
 
-def grouped_gemm_ok(device: torch.device, dtype: torch.dtype, widths: tuple[int, ...]) -> bool:
+def grouped_gemm_ok(device: torch.device, dtype: torch.dtype, widths: tuple[int, ...], groups: int) -> bool:
     """Whether ``Experts`` runs ``torch._grouped_mm`` (device-side group offsets, no host read) for
-    operands of ``dtype`` on ``device`` whose inner dimensions are ``widths``."""
+    ``groups`` experts' operands of ``dtype`` on ``device`` whose inner dimensions are ``widths``."""
     if device.type != "cuda" or dtype != torch.bfloat16 or not hasattr(torch, "_grouped_mm"):
         return False
-    if any(w * dtype.itemsize % GROUPED_MM_ALIGN_BYTES for w in widths):
+    if any(w * dtype.itemsize % GROUPED_MM_ALIGN_BYTES for w in widths) or groups > GROUPED_MM_MAX_GROUPS:
         return False
     return torch.cuda.get_device_capability(device)[0] in GROUPED_MM_CAPABILITIES
 
@@ -135,7 +141,8 @@ class Experts(nn.Module):
         """x [sum(counts), h]: rows sorted by (local) expert, ``counts[e]`` rows for expert e (a
         tensor on x's device, or a list where the caller has them on the host already)."""
         dtype = compute_dtype(x)
-        if isinstance(counts, torch.Tensor) and grouped_gemm_ok(x.device, dtype, tuple(self.w_up.shape[1:])):
+        groups, *widths = self.w_up.shape
+        if isinstance(counts, torch.Tensor) and grouped_gemm_ok(x.device, dtype, tuple(widths), groups):
             return self.grouped(x, counts, dtype)
         return self.loop(x, counts.tolist() if isinstance(counts, torch.Tensor) else counts)
 

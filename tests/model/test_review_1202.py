@@ -44,7 +44,7 @@ def test_positions_without_a_span_still_get_the_whole_table():
 # --- MoE: grouped GEMMs with device-side group offsets --------------------------------------------
 # Every MoE layer's forward read its per-expert token counts on the host (``counts.tolist()`` for the
 # per-expert loop, and ``bincount``, which reads its input's maximum on a GPU): one device wait per
-# MoE layer and micro-batch. Where ``torch._grouped_mm`` has its fused kernel (bf16, Hopper/Blackwell)
+# MoE layer and micro-batch. Where ``torch._grouped_mm`` has its fused kernel (bf16, Hopper; see test_review_1202b)
 # the experts now run as three grouped GEMMs whose offsets stay on the device; on the CPU ATen's
 # fallback of the same call equals the loop bitwise, so the path is checked here with the predicate
 # forced on.
@@ -56,7 +56,7 @@ from luban.model.transformer import build_model  # noqa: E402
 
 
 def _moe_step(cfg, grouped: bool, monkeypatch, precision=None):
-    monkeypatch.setattr(moe, "grouped_gemm_ok", lambda device, dtype, widths: grouped)
+    monkeypatch.setattr(moe, "grouped_gemm_ok", lambda device, dtype, widths, groups: grouped)
     model = build_model(cfg, seed=3)
     model.train()
     x = torch.randint(0, cfg.vocab, (2, cfg.seq_len), generator=torch.Generator().manual_seed(5))
@@ -82,7 +82,7 @@ def test_grouped_experts_equal_the_loop(preset, precision, monkeypatch):
 
 def test_grouped_moe_forward_reads_nothing_on_the_host(monkeypatch):
     cfg = dataclasses.replace(get_preset("tiny-moe"), seq_len=17)
-    monkeypatch.setattr(moe, "grouped_gemm_ok", lambda device, dtype, widths: True)
+    monkeypatch.setattr(moe, "grouped_gemm_ok", lambda device, dtype, widths, groups: True)
     layer = build_model(cfg, seed=0).layers["1"].mlp
     layer.train()
 
@@ -98,10 +98,10 @@ def test_grouped_moe_forward_reads_nothing_on_the_host(monkeypatch):
 
 def test_grouped_gemm_ok_only_where_the_fused_kernel_runs(monkeypatch):
     cuda = torch.device("cuda", 0)
-    for capability, want in (((9, 0), True), ((10, 0), True), ((8, 0), False), ((12, 0), False)):
+    for capability, want in (((9, 0), True), ((10, 0), False), ((8, 0), False), ((12, 0), False)):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
-        assert moe.grouped_gemm_ok(cuda, torch.bfloat16, (64, 128)) is want, capability
+        assert moe.grouped_gemm_ok(cuda, torch.bfloat16, (64, 128), 8) is want, capability
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    assert not moe.grouped_gemm_ok(cuda, torch.float32, (64, 128))  # fp32: ATen's host-reading fallback
-    assert not moe.grouped_gemm_ok(cuda, torch.bfloat16, (60, 128))  # 120-byte rows: not 16-byte aligned
-    assert not moe.grouped_gemm_ok(torch.device("cpu"), torch.bfloat16, (64, 128))
+    assert not moe.grouped_gemm_ok(cuda, torch.float32, (64, 128), 8)  # fp32: ATen's host-reading fallback
+    assert not moe.grouped_gemm_ok(cuda, torch.bfloat16, (60, 128), 8)  # 120-byte rows: not 16-byte aligned
+    assert not moe.grouped_gemm_ok(torch.device("cpu"), torch.bfloat16, (64, 128), 8)

@@ -43,7 +43,7 @@ def test_a_moe_run_reads_the_device_only_on_logged_steps(tiny, monkeypatch):
     spec = importlib.util.spec_from_file_location("train_overhead", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    monkeypatch.setattr(moe, "grouped_gemm_ok", lambda device, dtype, widths: True)
+    monkeypatch.setattr(moe, "grouped_gemm_ok", lambda device, dtype, widths, groups: True)
     config = load_config(None, tiny("moe", **{"model.preset": '"tiny-moe"', "model.layers": 2, "train.steps": 9,
                                               "train.log_every": 4, "train.eval_every": 0}))
     with bench.counting_reads() as reads:
