@@ -53,16 +53,18 @@ def _feistel(x: np.ndarray, keys: np.ndarray, half: int, inverse: bool = False) 
 def _walk(positions, keys: np.ndarray, half: int, n: int, inverse: bool) -> np.ndarray:
     """Cycle-walking (Black & Rogaway 2002, "Ciphers with Arbitrary Finite Domains", section 6): apply the
     permutation of ``[0, 4**half)`` again to each value until it falls inside ``[0, n)``: a permutation of
-    ``[0, n)``. ``4**half < 4n``, so a value takes fewer than 4 passes on average."""
+    ``[0, n)``. ``4**half < 4n``, so a value takes fewer than 4 passes on average. ``positions`` of any shape
+    (one position too, as version 1 takes it), walked flat: numpy's 0-d arithmetic is a scalar's, which warns
+    on the wrap-around the mix relies on and cannot be indexed."""
     x = np.asarray(positions, dtype=np.int64)
     if x.size and (x.min() < 0 or x.max() >= n):  # (outside, a walk could cycle outside [0, n) for ever)
         raise ValueError(f"positions must lie in [0, {n})")
-    y = _feistel(x.astype(np.uint64), keys, half, inverse)
+    y = _feistel(x.reshape(-1).astype(np.uint64), keys, half, inverse)
     left = np.flatnonzero(y >= n)
     while left.size:
         y[left] = _feistel(y[left], keys, half, inverse)
         left = left[y[left] >= n]
-    return y.astype(np.int64)
+    return y.astype(np.int64).reshape(x.shape)
 
 
 def feistel_keys(seed: int, epoch: int, n: int) -> tuple[np.ndarray, int]:
