@@ -105,3 +105,24 @@ def test_grouped_gemm_ok_only_where_the_fused_kernel_runs(monkeypatch):
     assert not moe.grouped_gemm_ok(cuda, torch.float32, (64, 128), 8)  # fp32: ATen's host-reading fallback
     assert not moe.grouped_gemm_ok(cuda, torch.bfloat16, (60, 128), 8)  # 120-byte rows: not 16-byte aligned
     assert not moe.grouped_gemm_ok(torch.device("cpu"), torch.bfloat16, (64, 128), 8)
+
+
+def test_grouped_experts_make_no_host_tensor(monkeypatch):
+    """The grouped path's offsets and counts are made on the model's device: the whole engine step of
+    a MoE under ``foreign_host`` (a tensor made without a device lands on meta and fails where a host
+    tensor would meet CUDA ones), grouped GEMMs forced, fp32 and bf16, selective recompute too."""
+    from luban.parallel.engine import OptimizerConfig, build_engine
+    from luban.parallel.layout import ParallelLayout
+    from tests.model.test_devices import foreign_host, small
+
+    monkeypatch.setattr(moe, "grouped_gemm_ok", lambda device, dtype, widths, groups: True)
+    cfg = small(get_preset("tiny-moe"))
+    for options in (dict(), dict(precision="bf16"), dict(recompute="selective", precision="bf16")):
+        engine = build_engine(cfg, ParallelLayout(**options), OptimizerConfig(name="adamw"), 2, seed=0,
+                              device=torch.device("cpu"))
+        tokens = torch.randint(0, cfg.vocab, (2, cfg.seq_len))
+        with foreign_host():
+            loss = engine.forward_backward(tokens, tokens)
+            norm = engine.step(1e-3, 1.0)
+            metrics = engine.moe_metrics()
+        assert loss == loss and norm == norm and metrics["moe_tokens_per_expert"], options
