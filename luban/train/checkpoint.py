@@ -438,15 +438,17 @@ def _test_hold(tmp: Path, step: int) -> None:
 @dataclass
 class SaveRecord:
     """One save as metrics.jsonl reports it: ``stall_s`` training was blocked (for an asynchronous
-    save: the capture plus the wait for the copy at the next state-changing call), ``write_s`` the
-    write took (for an asynchronous save: the background job, copy included)."""
+    save: the capture plus the wait for the copy at the next state-changing call, that wait alone
+    ``wait_s``), ``write_s`` the write took (for an asynchronous save: the background job, copy included)."""
     step: int
     stall_s: float
     write_s: float | None = None
     asynchronous: bool = False
+    wait_s: float = 0.0
 
     def to_dict(self) -> dict:
-        return {"step": self.step, "stall_s": self.stall_s, "write_s": self.write_s, "async": self.asynchronous}
+        return {"step": self.step, "stall_s": self.stall_s, "wait_s": self.wait_s, "write_s": self.write_s,
+                "async": self.asynchronous}
 
 
 STAGE_DELAY_ENV = "LUBAN_TEST_SLOW_CHECKPOINT_STAGING"  # tests only: seconds the copy sleeps before starting
@@ -580,7 +582,9 @@ class AsyncCheckpointer:
         if not copied.is_set():
             t0 = time.perf_counter()
             copied.wait()
-            record.stall_s += time.perf_counter() - t0
+            waited = time.perf_counter() - t0
+            record.stall_s += waited
+            record.wait_s += waited
         self.staging = None
 
     def wait(self) -> Path | None:

@@ -139,7 +139,9 @@ def _assert_stall_counts_the_wait(records: list[dict]) -> None:
         following = steps[save["step"] + 1]
         busy = following["time_data_s"] + following["time_fwd_bwd_s"]
         assert save["stall_s"] + busy >= 0.9 * DELAY, (save, following)
-        assert following["time_optimizer_s"] >= save["stall_s"] - 1.0, (save, following)  # the wait is there
+        # the wait is there: timed inside the next step's optimizer time (until 2026-12-02 this allowed the
+        # capture 1 s, which a loaded machine exceeded: 1.99 s stalled, 0.94 s in the optimizer step)
+        assert 0 <= save["wait_s"] <= save["stall_s"] and following["time_optimizer_s"] >= save["wait_s"], (save, following)
 
 
 def _sync_vs_async(tiny, tmp_path, sets: dict, nproc: int = 1, sync_run: Path | None = None) -> None:
