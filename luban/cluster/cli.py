@@ -21,7 +21,7 @@ from luban.cluster import joblog
 from luban.cluster import priority as prio
 from luban.cluster import trace as traces
 from luban.cluster.spec import JOBS_LIMIT, JOBS_LIMIT_MAX, MAX_TIME_LIMIT, NAME_RE, SUBMIT_KEY_RE  # (not client: httpx)
-from luban.errors import EXIT_USAGE, LubanError, bad_value, for_terminal_chunks
+from luban.errors import EXIT_USAGE, LubanError, bad_value, escaped, for_terminal_chunks
 
 # the flags' declarations (luban.schema); what the service checks again, the client checks first
 NAME = schema.text(NAME_RE.pattern, f"a name matching {NAME_RE.pattern}")
@@ -136,7 +136,26 @@ def _submit_again(args, key: str) -> str:
     if args.time is not None:  # seconds (parse_duration), as H:MM:SS
         words += ["-t", f"{args.time // 3600}:{args.time // 60 % 60:02d}:{args.time % 60:02d}"]
     words += ["--export", args.export] if args.export != "ALL" else []
-    return shlex.join(words + list(args.rest))
+    return " ".join(_shell_word(word) for word in words + list(args.rest))
+
+
+def _shell_word(word: str) -> str:
+    """``word`` as a shell reads it back: ``shlex.quote``, or where it holds a line feed, a tab or another
+    control (which luban's one-line error shows escaped, ``luban.cli.error_line``: another word when
+    pasted) bash's ``$'...'``, each control as its escape there (``$'a\\nb'``, ``\\x1b``, ``\\u202e``;
+    zsh and ksh read them alike)."""
+    if escaped(word) == word:
+        return shlex.quote(word)
+    return "$'" + "".join(_ansi_c(c) for c in word) + "'"
+
+
+def _ansi_c(c: str) -> str:
+    """One character inside bash's ``$'...'``: a control as its escape, a backslash or quote escaped."""
+    if c in "\\'":
+        return "\\" + c
+    if escaped(c) == c:
+        return c
+    return {"\n": "\\n", "\t": "\\t"}.get(c) or (f"\\x{ord(c):02x}" if ord(c) < 0x80 else f"\\u{ord(c):04x}")
 
 
 DURATION = re.compile(r"(?:(?P<days>[0-9]+)-)?(?P<a>[0-9]+)(?::(?P<b>[0-9]+))?(?::(?P<c>[0-9]+))?")

@@ -170,10 +170,16 @@ def plan(snap: Snapshot) -> Plan:
     free_count: dict[str, int] = defaultdict(int)
     drained: dict[str, int] = defaultdict(int)
     gone: dict[str, int] = defaultdict(int)
+    # capacity: the nodes a job can be given. A node no longer schedulable (drained, by an admin or in
+    # Slurm) that a job still holds counts for that job alone (``pinned``): suspending the job frees
+    # nothing another job can be given, so none is preempted for it
+    pinned: set[str] = set()
     for node in sorted(snap.nodes, key=lambda n: n.name):
-        if not node.schedulable and node.name not in held:
+        if not node.schedulable:
             (gone if node.gone else drained)[node.node_group] += 1
-        if node.schedulable or node.name in held:
+            if node.name in held:
+                pinned.add(node.name)
+        if node.schedulable:
             capacity[node.node_group] += 1
         if node.schedulable and node.name not in held:
             free[node.node_group][node.zone].append(node.name)
@@ -218,6 +224,7 @@ def plan(snap: Snapshot) -> Plan:
                 continue
             key = (job.owner, group, job.priority)
             held_quota = used_quota.get(key, 0)
+            need = n - len(pinned.intersection(job.nodes)) if pinned and not queued else n  # of capacity
             if queued and displaced and (group, job.user, job.priority) in displaced:
                 why = "a running job of the same user and priority is being suspended; it keeps its place"
             elif held_quota + n > quota.get(key, 0):
@@ -225,13 +232,13 @@ def plan(snap: Snapshot) -> Plan:
                 why = reasons.get(rkey) or reasons.setdefault(rkey, (
                     f"quota: {job.owner} holds {held_quota} of {quota.get(key, 0)} nodes at priority "
                     f"{job.priority} in node group {group}, needs {n}"))
-            elif (used := used_capacity[group]) + n > capacity[group]:
-                rkey = (group, used, n, last_ahead.get(group))
+            elif (used := used_capacity[group]) + need > capacity[group]:
+                rkey = (group, used, need, last_ahead.get(group))
                 why = reasons.get(rkey) or reasons.setdefault(rkey, _capacity_reason(
-                    group, used, capacity[group], n, drained[group], gone[group], ahead[group]))
+                    group, used, capacity[group], need, drained[group], gone[group], ahead[group]))
             else:
                 used_quota[key] = held_quota + n
-                used_capacity[group] += n
+                used_capacity[group] += need
                 admitted.add(job.id)
                 if queued:
                     ahead[group].append(job.id)

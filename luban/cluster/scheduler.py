@@ -175,8 +175,11 @@ class Scheduler:
         more likely a glitch than a cluster removed)."""
         infos = self.executor.discover()  # before the transaction: a slow slurmctld holds no database lock
         with self.sessions.begin() as s:
+            # every row in one SELECT: read every NODE_SYNC_S, one query per node cost a 2000-node cluster
+            # seconds of the scheduler's thread on PostgreSQL (test_review_1202.py)
+            known = {node.name: node for node in s.scalars(select(Node))}
             for info in infos:
-                node = s.get(Node, info.name) or Node(name=info.name, state="up")
+                node = known.get(info.name) or Node(name=info.name, state="up")
                 node.node_group, node.gpus, node.labels, node.addr = info.node_group, info.gpus, info.labels, info.addr
                 if node.state == GONE:
                     node.state = "up"
@@ -184,8 +187,8 @@ class Scheduler:
                 follow_executor(s, node, info.unavailable)
                 s.add(node)
             reported = {info.name for info in infos}
-            for node in s.scalars(select(Node).where(Node.state.in_(("up", UNAVAILABLE)))) if reported else ():
-                if node.name not in reported:
+            for node in known.values() if reported else ():
+                if node.name not in reported and node.state in ("up", UNAVAILABLE):
                     node.state, node.unavailable = GONE, None
                     log.warning("node %s is no longer reported by the executor: not scheduled (kept as %s)",
                                 node.name, GONE)
@@ -551,6 +554,8 @@ class Scheduler:
             record(s, "kill", f"stop requested ({StopReason(stop).name})", job.id)
         elif job.state == states.STARTING and status.held:
             self._held_by_executor(s, job, status.held, status.held_by_admin)
+        elif job.state == states.STARTING and not status.started and (why := self._not_starting_there(s, job)):
+            self._placed_where_nothing_starts(s, job, why)
         elif (job.state == states.RUNNING and job.spec.get("time_limit") and not job.stop_reason & StopReason.TIME_LIMIT
               and now - job.started_at > job.spec["time_limit"]):
             job.stop_reason |= StopReason.TIME_LIMIT
@@ -583,6 +588,24 @@ class Scheduler:
                f"`luban release` ({'an admin' if by_admin else 'its user or an admin'}) lets it start")
         self._end(s, job, states.SUSPENDED, None, 0, why, ended_at=job.started_at, on_service_clock=True,
                   hold=int(hold))
+
+    @staticmethod
+    def _not_starting_there(s: Session, job: Job) -> str | None:
+        """Why the executor starts no job on one of ``job``'s nodes (``Node.unavailable``, its last
+        reading: drained or down in Slurm), in one line; None where it starts jobs on all of them."""
+        held = s.execute(select(Node.name, Node.unavailable).where(
+            Node.name.in_(job.nodes or ()), Node.unavailable.is_not(None)).order_by(Node.name)).all()
+        return "; ".join(f"{name}: {why}" for name, why in held) or None
+
+    def _placed_where_nothing_starts(self, s: Session, job: Job, why: str) -> None:
+        """An attempt placed on a node just before the executor stopped starting jobs there (Slurm
+        drained it between two readings, ``NODE_SYNC_S``): Slurm keeps it pending (``ReqNodeNotAvail``)
+        for as long as the drain lasts, holding its other nodes in ``starting``. Once a reading says
+        so, its copy is cancelled there and the attempt ends, charged nothing (it never ran), its
+        requeued attempt keeping its place: the policy places it on nodes that start jobs."""
+        self.executor.kill(job.handle)  # a pending copy: cancelled before it ran anything
+        self._end(s, job, states.SUSPENDED, None, 0, f"not started: the executor starts no job on its node(s) "
+                  f"({why}): cancelled there and requeued", ended_at=job.started_at, on_service_clock=True)
 
     def _finish(self, s: Session, job: Job, code: int | None, lost: bool, ended_at: float | None = None,
                 problem: str | None = None) -> None:
@@ -845,7 +868,10 @@ class Scheduler:
         self.last_sample = now
         try:
             with self.sessions.begin() as s:
-                nodes = s.scalar(select(func.count()).select_from(Node).where(Node.state == "up"))
+                # the nodes in service: up, or held by a job (drained under it, by an admin or in Slurm:
+                # it runs on), so that held / nodes stays within 1
+                nodes = s.scalar(select(func.count()).select_from(Node).where(
+                    (Node.state == "up") | Node.name.in_(select(Allocation.node))))
                 held = s.scalar(select(func.count()).select_from(Allocation))
                 running = s.scalar(select(func.coalesce(func.sum(Job.nnodes), 0)).where(Job.state == states.RUNNING))
                 queued = s.scalar(select(func.count()).select_from(Job).where(Job.state == states.QUEUED))

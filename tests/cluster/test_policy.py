@@ -158,22 +158,26 @@ def test_allocations_never_exceed_nodes_or_quota(snap):
 def test_higher_priority_never_waits_for_lower(snap):
     out = plan(snap)
     by_id = {j.id: j for j in snap.jobs}
-    capacity = defaultdict(int)
-    held_now = {x for j in snap.jobs if j.state != "queued" for x in j.nodes}
+    capacity = defaultdict(int)  # the nodes a job can be given
     for x in snap.nodes:
-        capacity[x.node_group] += x.schedulable or x.name in held_now
+        capacity[x.node_group] += x.schedulable
+    unschedulable = {x.name for x in snap.nodes if not x.schedulable}
+
+    def need(job):  # a node no longer schedulable counts for the job on it alone (test_review_1202)
+        return job.nnodes - (len(unschedulable & set(job.nodes)) if job.state != "queued" else 0)
+
     for j in snap.jobs:
         if j.state not in ("queued", "running", "starting") or j.id in out.admitted:
             continue
         if not out.waits.get(j.id, "").startswith("capacity") and j.state == "queued":
             continue  # waits for its own quota or for a same-user job: not for lower priorities
-        above = sum(by_id[i].nnodes for i in out.admitted
+        above = sum(need(by_id[i]) for i in out.admitted
                     if by_id[i].node_group == j.node_group and by_id[i].priority >= j.priority)
-        lower = sum(by_id[i].nnodes for i in out.admitted
+        lower = sum(need(by_id[i]) for i in out.admitted
                     if by_id[i].node_group == j.node_group and by_id[i].priority < j.priority)
         if out.waits.get(j.id, "").startswith("capacity") or any(
                 s[0] == j.id and "capacity" in s[1] for s in out.suspends):
-            assert above + j.nnodes > capacity[j.node_group], (
+            assert above + need(j) > capacity[j.node_group], (
                 f"job {j.id} (priority {j.priority}) left out while {lower} nodes went to lower priorities")
 
 

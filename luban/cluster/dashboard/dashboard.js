@@ -126,12 +126,15 @@ async function refresh() {
     document.getElementById("who").textContent = who.user + (who.admin ? " (admin)" : "") + (who.group ? " · group " + who.group : "");
     document.getElementById("updated").textContent = "updated " + new Date().toLocaleTimeString();
     const up = nodes.filter(n => n.state === "up").length, held = nodes.filter(n => n.job).length;
+    // in service: up, or held by a job (a node drained under its job, by an admin or in Slurm, runs it on)
+    const inService = nodes.filter(n => n.state === "up" || n.job).length;
     const running = nodes.filter(n => n.job && n.job.state === "running").length;
     const queued = jobs.filter(j => j.state === "queued");
     const cards = document.getElementById("cards");
     cards.replaceChildren();
-    [["nodes up", up + " / " + nodes.length], ["nodes held", held], ["occupancy", up ? Math.round(100 * held / up) + "%" : "-"],
-     ["utilisation", up ? Math.round(100 * running / up) + "%" : "-"], ["running jobs", jobs.filter(j => j.state === "running").length],
+    [["nodes up", up + " / " + nodes.length], ["nodes held", held],
+     ["occupancy", inService ? Math.round(100 * held / inService) + "%" : "-"],
+     ["utilisation", inService ? Math.round(100 * running / inService) + "%" : "-"], ["running jobs", jobs.filter(j => j.state === "running").length],
      ["queued jobs", queued.length]].forEach(([k, v]) => { const c = el("div", { class: "card" }); c.append(el("b", {}, String(v)), k); cards.append(c); });
     lineChart(document.getElementById("occupancy"), samples, [["#3f7fbf", s => s.held / Math.max(1, s.nodes), "occupancy"],
       ["#2f8f5b", s => s.running / Math.max(1, s.nodes), "utilisation"]], 1, v => Math.round(v * 100) + "%");
@@ -143,6 +146,7 @@ async function refresh() {
       const box = el("div", { class: "node " + (n.job ? n.job.state : n.state === "up" ? "free" : "drain"), "data-node": n.name });
       box.append(el("b", {}, n.name), `${n.node_group} · ${n.labels.zone || "-"} · ${n.gpus} GPU`);
       box.append(el("div", {}, n.job ? `job ${n.job.id} ${n.job.user} ${n.job.name} (${n.job.state})` : n.state === "up" ? "free" : n.state));
+      if (n.why) box.append(el("div", {}, n.why));  // why the executor starts no job there (slurm: drained (...))
       grid.append(box);
     });
     queued.sort((a, b) => b.priority - a.priority || a.place - b.place);

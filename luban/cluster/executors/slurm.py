@@ -26,7 +26,7 @@ from pathlib import Path
 from luban import procs
 from luban.cluster import launcher
 from luban.cluster.executors import Launch, NodeInfo, StartDeferred, Status, Unavailable, combine
-from luban.errors import bad_value
+from luban.errors import bad_value, escaped
 
 COMMANDS = ("sbatch", "squeue", "scontrol", "scancel")  # what this executor runs (slurm-wlm's client)
 TIMEOUT_S = 60  # seconds one Slurm command may take (a slow or hung slurmctld)
@@ -66,17 +66,30 @@ NO_NEW_JOBS_SUFFIX = {"*": "not responding", "%": "powering down", "!": "pending
                       "$": "in a maintenance reservation", "^": "rebooting"}
 SUFFIXES = "*~#!%$@^-"  # every state suffix sinfo(1) lists
 BUSY = {"ALLOCATED", "MIXED", "COMPLETING"}  # a drained node with one of these has jobs on it: draining
-REASON = re.compile(r"(?:^|\s)Reason=(.*?)\s*(?=\s[A-Za-z_]+=|$)")  # the one value with spaces (scontrol: last)
+# what scontrol prints of a node after every field luban reads (src/api/node_info.c: Reason, then Comment,
+# Extra, InstanceId, InstanceType, ReservationName): free text an admin or a health check wrote, which
+# may hold "State=IDLE" or "NodeName=x" and is never read as the node's own fields (node_fields)
+FREE_TEXT = re.compile(r"\s(?:Reason|Comment|Extra|InstanceId|InstanceType|ReservationName)=")
+REASON = re.compile(r"(?:^|\s)Reason=(.*?)\s*(?=" + FREE_TEXT.pattern + "|$)")  # the whole Reason, "=" and all
 
 
 def fields(line: str) -> dict[str, str]:
-    """``Key=Value Key=Value`` (scontrol -o) into a dict; values may not contain spaces."""
+    """``Key=Value Key=Value`` (scontrol -o) into a dict; values may not contain spaces. scontrol
+    prints each field once, the free text (a job's WorkDir, Command, Comment; a node's Reason) after
+    the fields luban reads, so a key's first value is its own: a job's workdir "/x JobState=COMPLETED"
+    is not its state."""
     out = {}
     for token in line.split():
         key, sep, value = token.partition("=")
         if sep:
-            out[key] = value
+            out.setdefault(key, value)
     return out
+
+
+def node_fields(line: str) -> dict[str, str]:
+    """``fields`` of a node's ``scontrol show node -o`` line, read before its free text (``FREE_TEXT``:
+    a Reason "swapped State=IDLE" is not the node's State)."""
+    return fields(FREE_TEXT.split(line, 1)[0])
 
 
 def node_unavailable(state: str, reason: str = "") -> str | None:
@@ -94,12 +107,13 @@ def node_unavailable(state: str, reason: str = "") -> str | None:
         words += [word for word in found if word and word not in words]
     if not words:
         return None
-    return f"slurm: {', '.join(words)}" + (f" ({' '.join(reason.split())[:200]})" if reason.strip() else "")
+    return f"slurm: {', '.join(words)}" + (f" ({escaped(' '.join(reason.split())[:200])})" if reason.strip() else "")
 
 
 def node_reason(line: str) -> str:
-    """The ``Reason`` of a node's ``scontrol show node -o`` line ("" where it has none): the one value
-    that holds spaces (``Reason=disk swap [root@2026-12-02T01:03:36]``), which ``fields`` cuts."""
+    """The ``Reason`` of a node's ``scontrol show node -o`` line ("" where it has none): free text,
+    spaces and "=" and all (``Reason=disk swap, ticket=42 [root@2026-12-02T01:03:36]``), up to the
+    free text scontrol prints after it (``FREE_TEXT``), which ``fields`` cuts."""
     found = REASON.search(line)
     return found.group(1) if found and found.group(1) != "(null)" else ""
 
@@ -150,7 +164,7 @@ class SlurmExecutor:
     def discover(self) -> list[NodeInfo]:
         nodes = []
         for line in self._run("scontrol", "show", "node", "-o").splitlines():
-            f = fields(line)
+            f = node_fields(line)
             partitions = (f.get("Partitions") or "default").split(",")
             if "NodeName" not in f or (self.partition and self.partition not in partitions):
                 continue

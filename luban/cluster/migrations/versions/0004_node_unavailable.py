@@ -19,5 +19,8 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
+    # 'unavailable' is the executor's state (scheduler.UNAVAILABLE), which the code before 0004 neither
+    # schedules nor ever leaves: such a node is 'up' again, as that code had it (it did not follow Slurm)
+    op.execute("UPDATE nodes SET state = 'up' WHERE state = 'unavailable'")
     with op.batch_alter_table('nodes', schema=None) as batch_op:
         batch_op.drop_column('unavailable')
