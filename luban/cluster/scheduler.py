@@ -36,7 +36,8 @@ LAUNCH_GRACE = 60.0  # seconds a claimed job may go without an executor handle
 RETRY_MIN_S, RETRY_MAX_S = 5.0, 300.0  # starts while the executor is unavailable: first retry, longest wait
 GONE = "gone"  # a node's state once the executor no longer reports it (sync_nodes): kept, not scheduled
 # a node's state while the executor starts no new job there (Slurm drained, down, not responding: its
-# NodeInfo.unavailable, kept in Node.unavailable): not scheduled, its jobs run on; up again when it does
+# NodeInfo.unavailable, kept in Node.unavailable): not scheduled, its jobs left to the executor (a drain
+# lets them run on, a node down ends them); up again when it does
 UNAVAILABLE = "unavailable"
 # seconds between readings of the executor's nodes: a node added to Slurm is seen without a restart, and a
 # drain or resume in Slurm is followed within this (one `scontrol show node`; each running job costs a
@@ -81,10 +82,10 @@ def record(session: Session, kind: str, message: str, job_id: int | None = None,
 def follow_executor(s: Session, node: Node, unavailable: str | None) -> None:
     """The executor's word on a node (``NodeInfo.unavailable``) into its row: an ``up`` node the executor
     starts no new job on is ``UNAVAILABLE`` — the one state the policy schedules is ``up``, so it is
-    not scheduled, and what runs there runs on — and ``up`` again once it does; an admin's ``drain`` or
+    not scheduled, and what runs there is the executor's to keep (drained) or end (down) — and ``up`` again once it does; an admin's ``drain`` or
     ``down`` stays as the admin set it, the executor's reason kept beside it. A change is a "node" event."""
     if unavailable != node.unavailable:
-        record(s, "node", f"{node.name} not scheduled (its jobs run on): {unavailable}" if unavailable else
+        record(s, "node", f"{node.name} takes no new job: {unavailable}" if unavailable else
                f"{node.name}: the executor starts jobs there again (was: {node.unavailable})")
     node.unavailable = unavailable
     if node.state == "up" and unavailable:

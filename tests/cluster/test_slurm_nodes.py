@@ -133,7 +133,7 @@ def test_luban_follows_a_drain_in_slurm_and_an_admin_drain_stays_its_own(slurm, 
     assert job(scheduler, second).state in ("starting", "running") and job(scheduler, second).nodes == [other]
     with scheduler.sessions() as s:
         said = [e.message for e in s.query(Event).filter(Event.kind == "node").order_by(Event.id)]
-    assert f"{other} not scheduled (its jobs run on): slurm: drained (disk swap [root@2026-12-02T01:00:00])" in said
+    assert f"{other} takes no new job: slurm: drained (disk swap [root@2026-12-02T01:00:00])" in said
     assert any(m.startswith(f"{on}: the executor starts jobs there again (was: slurm: draining") for m in said), said
     no_tracebacks(caplog)
 
