@@ -75,6 +75,107 @@ def pg_url(pg_admin_url):
         conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
 
 
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_url(request, tmp_path):
+    """This test's own database, once of each kind (test ids ``[sqlite]``, ``[postgresql]``): a SQLite
+    file in tmp_path, or a throwaway PostgreSQL database (``pg_url``: dropped afterwards, even when the
+    test fails)."""
+    if request.param == "postgresql":
+        return request.getfixturevalue("pg_url")
+    return str(tmp_path / "luban.db")
+
+
+def migrate(conn, direction: str, revision: str) -> None:
+    """``alembic upgrade|downgrade REVISION`` of the package's migrations on ``conn`` (in its transaction)."""
+    from alembic import command
+    from alembic.config import Config
+
+    from luban.cluster import db
+
+    cfg = Config()
+    cfg.set_main_option("script_location", str(db.MIGRATIONS))
+    cfg.attributes["connection"] = conn
+    getattr(command, direction)(cfg, revision)
+
+
+def api_client(scheduler, **app_options):
+    """(TestClient, the admin's headers) of the API in this process over ``scheduler``'s database, no
+    scheduler thread (nor lifespan): its ticks are the test's. The admin's token is the one
+    ``ensure_admin`` wrote in the scheduler's state folder."""
+    from fastapi.testclient import TestClient
+
+    from luban.cluster.service import create_app
+
+    http = TestClient(create_app(scheduler.sessions, scheduler, run_scheduler=False, **app_options))
+    token = (Path(scheduler.settings.state_dir) / "admin.token").read_text().strip()
+    return http, {"Authorization": f"Bearer {token}"}
+
+
+class InProcess:
+    """The service in this process on one database: its engine and sessions, a scheduler (ticked by the
+    test), the API (``http``, no scheduler thread) and the admin's headers; ``state`` is the folder
+    of its settings and admin token. Made by the ``in_process`` fixture."""
+
+    def __init__(self, url: str, executor, state: Path, clock=None, **settings):
+        from luban.cluster import db
+        from luban.cluster.scheduler import Scheduler, Settings
+        from luban.cluster.service import ensure_admin
+
+        state.mkdir(parents=True, exist_ok=True)
+        self.state = state
+        self.engine = db.open_checked(url)
+        self.sessions = db.sessions(self.engine)
+        clocked = {} if clock is None else {"clock": clock}
+        self.scheduler = Scheduler(self.sessions, executor, Settings(state_dir=str(state), **settings), **clocked)
+        self.scheduler.sync_nodes()
+        ensure_admin(self.sessions, state)
+        self.http, self.admin = api_client(self.scheduler)
+
+    def user(self, name: str, nodes: int | None = None, group: str | None = None,
+             node_group: str | None = None) -> str:
+        """Add user NAME (in ``group``) with a NORMAL quota of ``nodes`` (in ``node_group``, else the
+        default one) unless None; returns its token."""
+        r = self.http.post("/api/users", json={"name": name, **({"group": group} if group else {})},
+                           headers=self.admin)
+        assert r.status_code == 201, r.text
+        if nodes is not None:
+            quota = {"owner": f"user:{name}", "priority": "NORMAL", "nodes": nodes,
+                     **({"node_group": node_group} if node_group else {})}
+            q = self.http.put("/api/quota", json=quota, headers=self.admin)
+            assert q.status_code == 200, q.text
+        return r.json()["token"]
+
+
+@pytest.fixture
+def in_process(tmp_path, monkeypatch):
+    """Factory: in_process(url=None, executor=None, state=None, time=None, **settings) -> InProcess, the
+    service in this process on ``url`` (default: a fresh SQLite file in ``state``; pass ``pg_url`` or
+    ``db_url`` for PostgreSQL) with ``executor`` (default: LocalExecutor(nodes=1)) and
+    ``Settings(state_dir=state, **settings)`` (``state`` default: tmp_path). With ``time`` (a FakeTime)
+    the scheduler and the API (clocks.CLOCK) run on its clock. Afterwards, even when the test fails,
+    the jobs a local executor left are killed and every engine is disposed (a PostgreSQL database
+    itself is dropped by ``pg_url``)."""
+    made: list[InProcess] = []
+
+    def make(url: str | None = None, executor=None, *, state: Path | None = None, time=None,
+             **settings) -> InProcess:
+        from luban.cluster import clock as clocks
+        from luban.cluster.executors.local import LocalExecutor
+
+        state = state or tmp_path
+        if time is not None:
+            monkeypatch.setattr(clocks, "CLOCK", time.clock())  # the API's clock (clocks.now)
+        api = InProcess(url or str(state / "luban.db"), LocalExecutor(nodes=1) if executor is None else executor,
+                        state, clock=None if time is None else time.clock(), **settings)
+        made.append(api)
+        return api
+
+    yield make
+    for api in made:
+        kill_jobs(api.state)
+        api.engine.dispose()
+
+
 class Service:
     """A real `luban cluster serve` process; restartable on the same state and database."""
 
@@ -196,9 +297,9 @@ def _launchers(state: Path) -> list[int]:
 
 
 @pytest.fixture
-def slurm(tmp_path, monkeypatch, caplog):
+def slurm(tmp_path, monkeypatch, caplog, in_process):
     """The scheduler over a fake Slurm (tests/cluster/fake_slurm.py): (scheduler, submit(), fake-Slurm
     folder, its calls.log, FakeTime)."""
     from tests.cluster import fake_slurm
 
-    yield from fake_slurm.setup(tmp_path, monkeypatch, caplog)
+    return fake_slurm.setup(tmp_path, monkeypatch, caplog, in_process)

@@ -11,16 +11,11 @@ from __future__ import annotations
 import logging
 import shutil
 
-from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
-from luban.cluster import clock as clocks
-from luban.cluster import db
 from luban.cluster.executors import slurm as slurm_module
 from luban.cluster.executors.slurm import SlurmExecutor
 from luban.cluster.models import Job
-from luban.cluster.scheduler import Scheduler, Settings
-from luban.cluster.service import create_app, ensure_admin
 from tests.cluster.test_clock import FakeTime
 
 DOWN = 'echo "$0: error: Unable to contact slurm controller (connect failure)" >&2; exit 1'
@@ -35,9 +30,9 @@ FAKES = {
 }
 
 
-def setup(tmp_path, monkeypatch, caplog):
-    """The ``slurm`` fixture (tests/cluster/conftest.py): yields (scheduler, submit(), fake-Slurm
-    folder, its calls.log, FakeTime) over SQLite."""
+def setup(tmp_path, monkeypatch, caplog, in_process):
+    """The ``slurm`` fixture (tests/cluster/conftest.py): (scheduler, submit(), fake-Slurm folder, its
+    calls.log, FakeTime) over SQLite, the service in this process (``in_process``, which disposes it)."""
     fake = tmp_path / "fake"
     bin_dir = fake / "bin"
     bin_dir.mkdir(parents=True)
@@ -54,30 +49,18 @@ def setup(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("PATH", f"{bin_dir}:{tools}")
     monkeypatch.setattr(slurm_module, "TIMEOUT_S", 1)
     t = FakeTime()
-    monkeypatch.setattr(clocks, "CLOCK", t.clock())
     state = tmp_path / "state"
-    state.mkdir()
-    engine = db.open_checked(str(state / "luban.db"))
-    sessions = db.sessions(engine)
-    scheduler = Scheduler(sessions, SlurmExecutor(state_dir=str(state)), Settings(state_dir=str(state)),
-                          clock=t.clock())
-    scheduler.sync_nodes()
-    ensure_admin(sessions, state)
-    http = TestClient(create_app(sessions, scheduler, run_scheduler=False))
-    admin = {"Authorization": "Bearer " + (state / "admin.token").read_text().strip()}
-    token = http.post("/api/users", json={"name": "alice"}, headers=admin).json()["token"]
-    assert http.put("/api/quota", json={"owner": "user:alice", "priority": "NORMAL", "nodes": 2,
-                                        "node_group": "debug"}, headers=admin).status_code == 200
+    api = in_process(executor=SlurmExecutor(state_dir=str(state)), state=state, time=t)
+    token = api.user("alice", 2, node_group="debug")
 
     def submit() -> int:
-        r = http.post("/api/jobs", json={"spec": {"name": "j", "command": "true"}},
-                      headers={"Authorization": f"Bearer {token}"})
+        r = api.http.post("/api/jobs", json={"spec": {"name": "j", "command": "true"}},
+                          headers={"Authorization": f"Bearer {token}"})
         assert r.status_code == 201, r.text
         return r.json()["id"]
 
     caplog.set_level(logging.DEBUG, logger="luban.cluster")
-    yield scheduler, submit, fake, calls, t
-    engine.dispose()
+    return api.scheduler, submit, fake, calls, t
 
 
 def job(scheduler, job_id: int) -> Job:

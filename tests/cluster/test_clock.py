@@ -12,15 +12,12 @@ from __future__ import annotations
 import json
 
 import pytest
-from fastapi.testclient import TestClient
 from sqlalchemy import select
 
 from luban.cluster import clock as clocks
-from luban.cluster import db
 from luban.cluster.executors import NodeInfo, Status
 from luban.cluster.models import Job, Sample
-from luban.cluster.scheduler import Scheduler, Settings
-from luban.cluster.service import create_app, ensure_admin, node_hours
+from luban.cluster.service import node_hours
 
 DAY = 86400.0
 
@@ -71,26 +68,12 @@ class FakeExecutor:
 
 
 @pytest.fixture
-def cluster(tmp_path, monkeypatch):
-    t = FakeTime()
-    monkeypatch.setattr(clocks, "CLOCK", t.clock())  # the API's clock (submissions, node-hours, events) too
-    engine = db.open_checked(str(tmp_path / "luban.db"))
-    sessions = db.sessions(engine)
+def cluster(in_process):
+    t = FakeTime()  # the API's clock (submissions, node-hours, events) too
     executor = FakeExecutor(t)
-    scheduler = Scheduler(sessions, executor, Settings(state_dir=str(tmp_path), quantum=3600.0, suspend_timeout=600.0,
-                                                       sample_every=10.0), clock=t.clock())
-    scheduler.sync_nodes()
-    ensure_admin(sessions, tmp_path)
-    http = TestClient(create_app(sessions, scheduler, run_scheduler=False))
-    admin = {"Authorization": "Bearer " + (tmp_path / "admin.token").read_text().strip()}
-    users = {}
-    for name in ("alice", "bob"):
-        token = http.post("/api/users", json={"name": name}, headers=admin).json()["token"]
-        users[name] = {"Authorization": "Bearer " + token}
-        assert http.put("/api/quota", json={"owner": f"user:{name}", "priority": "NORMAL", "nodes": 3},
-                        headers=admin).status_code == 200
-    yield t, scheduler, executor, http, users, sessions
-    engine.dispose()
+    api = in_process(executor=executor, time=t, quantum=3600.0, suspend_timeout=600.0, sample_every=10.0)
+    users = {name: {"Authorization": "Bearer " + api.user(name, 3)} for name in ("alice", "bob")}
+    return t, api.scheduler, executor, api.http, users, api.sessions
 
 
 def submit(http, who, **spec) -> int:

@@ -9,40 +9,28 @@ import json
 import secrets
 
 import pytest
-from fastapi.testclient import TestClient
 from sqlalchemy import event, select
 
 from luban.cluster import client as client_module
-from luban.cluster import db
 from luban.cluster.client import TOTAL_HEADER, Client
 from luban.cluster.spec import JOBS_LIMIT, JOBS_LIMIT_MAX
-from luban.cluster.executors.local import LocalExecutor
 from luban.cluster.models import Job, User
-from luban.cluster.scheduler import Scheduler, Settings
-from luban.cluster.service import create_app, ensure_admin
 
 ENDED = ("succeeded", "failed", "stopped")
 MULTI = 9  # every MULTI-th chain of alice has three attempts: suspended, suspended, then its latest
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def listing(request, tmp_path):
+@pytest.fixture
+def listing(db_url, in_process):
     """An in-process API (no scheduler thread) over a database holding a few hundred jobs, written
     straight into it: alice's chains (some of three attempts, their later attempts interleaved with
     newer chains), carol's (half in alice's group), bob's (no group)."""
-    url = str(tmp_path / "luban.db") if request.param == "sqlite" else request.getfixturevalue("pg_url")
-    engine = db.make_engine(url)
-    db.upgrade(engine)
-    sessions = db.sessions(engine)
-    scheduler = Scheduler(sessions, LocalExecutor(nodes=1), Settings(state_dir=str(tmp_path), sample_every=1e9))
-    scheduler.sync_nodes()
-    ensure_admin(sessions, tmp_path)
-    http = TestClient(create_app(sessions, scheduler, run_scheduler=False))
-    tokens = {"admin": (tmp_path / "admin.token").read_text().strip()}
-    admin = {"Authorization": "Bearer " + tokens["admin"]}
+    api = in_process(db_url, sample_every=1e9)
+    http, sessions, admin = api.http, api.sessions, api.admin
+    tokens = {"admin": (api.state / "admin.token").read_text().strip()}
     assert http.post("/api/groups", json={"name": "vision"}, headers=admin).status_code == 201
     for name, group in (("alice", "vision"), ("carol", "vision"), ("bob", None)):
-        tokens[name] = http.post("/api/users", json={"name": name, "group": group}, headers=admin).json()["token"]
+        tokens[name] = api.user(name, group=group)
     with sessions.begin() as s:
         pending = []  # (chain, first id, attempt) of multi-attempt chains still to be requeued
         for i in range(230):
@@ -58,8 +46,7 @@ def listing(request, tmp_path):
                             "suspended" if prev.restart_count == 0 else ["queued", "running", "succeeded"][i % 3])
                 if prev.restart_count == 0:
                     pending.append(again)
-    yield sessions, http, tokens
-    engine.dispose()
+    return sessions, http, tokens
 
 
 def add(s, chain: str, user: str, group: str | None, restart: int, first_id: int | None, state: str) -> Job:

@@ -224,31 +224,24 @@ def test_a_request_body_that_never_completes_is_a_408_and_the_connection_is_clos
     assert "Traceback" not in svc.log.read_text(errors="replace")
 
 
-def test_a_503_after_the_commit_is_retried_with_its_key_and_answers_the_job_it_made(tmp_path, monkeypatch):
+def test_a_503_after_the_commit_is_retried_with_its_key_and_answers_the_job_it_made(in_process, monkeypatch):
     """The database fails after the submission's COMMIT (the connection lost before its answer): the
     service answers 503 although the job is made. The client retries with the submission's key and gets
     that job (200, repeated), never a second one. One that gives up first says the job may have been
     made and how to repeat it with its key, which then answers that job."""
     from luban.cluster import client as client_module
     from luban.cluster.client import ApiError
-    from fastapi.testclient import TestClient
     from sqlalchemy import event
     from sqlalchemy.exc import OperationalError
     from sqlalchemy.orm import Session
 
-    from luban.cluster import db, service as service_module
+    from luban.cluster import service as service_module
     from luban.cluster.executors.local import LocalExecutor
     from luban.cluster.models import Job
-    from luban.cluster.scheduler import Scheduler, Settings
 
-    sessions = db.sessions(db.open_checked(str(tmp_path / "luban.db")))
-    scheduler = Scheduler(sessions, LocalExecutor(), Settings(state_dir=str(tmp_path)))
-    scheduler.sync_nodes()
-    service_module.ensure_admin(sessions, tmp_path)
-    http = TestClient(service_module.create_app(sessions, scheduler, run_scheduler=False))
-    admin = {"Authorization": "Bearer " + (tmp_path / "admin.token").read_text().strip()}
-    token = http.post("/api/users", json={"name": "alice"}, headers=admin).json()["token"]
-    http.put("/api/quota", json={"owner": "user:alice", "priority": "NORMAL", "nodes": 1}, headers=admin)
+    api = in_process(executor=LocalExecutor())
+    sessions, http = api.sessions, api.http
+    token = api.user("alice", 1)
     record, lost = service_module.record, []
 
     def record_then_mark(s, kind, *args, **kwargs):

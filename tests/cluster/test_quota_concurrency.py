@@ -6,15 +6,12 @@ import threading
 import time
 
 import pytest
-from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
-from luban.cluster import db
 from luban.cluster.executors.local import LocalExecutor
 from luban.cluster.models import ACTIVE, Allocation, Job, User
-from luban.cluster.scheduler import Scheduler, Settings
-from luban.cluster.service import create_app, ensure_admin
-from tests.cluster.conftest import kill_jobs, wait_for
+from luban.cluster.scheduler import Scheduler
+from tests.cluster.conftest import api_client, wait_for
 
 BOUND = 120  # seconds any thread of these tests may block
 
@@ -22,25 +19,12 @@ QUOTA = {"user:alice": 3, "user:bob": 2}
 
 
 @pytest.fixture
-def cluster(pg_url, tmp_path):
-    engine = db.make_engine(pg_url)
-    db.upgrade(engine)
-    sessions = db.sessions(engine)
-    settings = Settings(state_dir=str(tmp_path), tick=0.05, sample_every=1e9)
-    schedulers = [Scheduler(sessions, LocalExecutor(nodes=8), settings) for _ in range(4)]
-    schedulers[0].sync_nodes()
-    ensure_admin(sessions, tmp_path)
-    http = TestClient(create_app(sessions, schedulers[0], run_scheduler=False))
-    admin = {"Authorization": "Bearer " + (tmp_path / "admin.token").read_text().strip()}
-    tokens = {}
-    for owner, nodes in QUOTA.items():
-        name = owner.split(":")[1]
-        tokens[name] = http.post("/api/users", json={"name": name}, headers=admin).json()["token"]
-        assert http.put("/api/quota", json={"owner": owner, "priority": "NORMAL", "nodes": nodes},
-                        headers=admin).status_code == 200
-    yield sessions, schedulers, http, tokens
-    kill_jobs(tmp_path)
-    engine.dispose()
+def cluster(pg_url, in_process):
+    api = in_process(pg_url, LocalExecutor(nodes=8), tick=0.05, sample_every=1e9)
+    schedulers = [api.scheduler] + [Scheduler(api.sessions, LocalExecutor(nodes=8), api.scheduler.settings)
+                                    for _ in range(3)]  # on the settings of the first
+    tokens = {owner.split(":")[1]: api.user(owner.split(":")[1], nodes) for owner, nodes in QUOTA.items()}
+    return api.sessions, schedulers, api.http, tokens
 
 
 def held(sessions) -> dict[str, int]:
@@ -195,7 +179,7 @@ def test_racing_submissions_stop_at_the_queued_limit(cluster):
     """--max-queued was counted without a lock: 30 submissions at once on PostgreSQL queued 5 jobs
     against a limit of 2 (a hostile sweep, 2026-11-27). The user's row is locked now."""
     sessions, schedulers, _, tokens = cluster
-    http = TestClient(create_app(sessions, schedulers[0], run_scheduler=False, max_queued=2))
+    http, _ = api_client(schedulers[0], max_queued=2)
     barrier, codes = threading.Barrier(12, timeout=BOUND), []
 
     def submit(i):

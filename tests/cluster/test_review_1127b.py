@@ -3,22 +3,17 @@ review wrote it; the docstring says what was wrong."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from fastapi.testclient import TestClient
 from sqlalchemy import select
 
 from luban.cluster import scheduler as scheduler_module
 from luban.cluster.models import Event, Node
-from luban.cluster.service import create_app
+from tests.cluster.conftest import api_client
 from tests.cluster.fake_slurm import job, ticks
 
 
 def _http(scheduler):
     """(client, admin headers, alice's headers) over the fixture's database."""
-    http = TestClient(create_app(scheduler.sessions, scheduler, run_scheduler=False))
-    state = Path(scheduler.settings.state_dir)
-    admin = {"Authorization": "Bearer " + (state / "admin.token").read_text().strip()}
+    http, admin = api_client(scheduler)
     token = http.post("/api/users", json={"name": "bob"}, headers=admin).json()["token"]
     return http, admin, {"Authorization": f"Bearer {token}"}
 

@@ -56,16 +56,13 @@ def test_luban_s_own_variables_come_from_luban_not_the_submitter_or_the_spec(svc
 def test_a_hold_that_lands_between_a_ticks_plan_and_its_start_keeps_the_job_queued(slurm, monkeypatch):
     """`luban hold` answered "held by alice" for a queued job the running tick had already planned to
     start: the claim checked only that the job was still queued, so it started, shown "running (held)"."""
-    from fastapi.testclient import TestClient
-
     from luban.cluster import policy
-    from luban.cluster.service import create_app
+    from tests.cluster.conftest import api_client
     from tests.cluster.fake_slurm import job
 
     scheduler, submit, fake, calls, t = slurm
     job_id = submit()
-    http = TestClient(create_app(scheduler.sessions, scheduler, run_scheduler=False))
-    admin = {"Authorization": "Bearer " + (fake.parent / "state" / "admin.token").read_text().strip()}
+    http, admin = api_client(scheduler)
     plan = policy.plan
 
     def plan_then_hold(snapshot):
@@ -82,32 +79,20 @@ def test_a_hold_that_lands_between_a_ticks_plan_and_its_start_keeps_the_job_queu
     assert "sbatch" not in (calls.read_text() if calls.exists() else "")
 
 
-def test_a_stop_and_a_hold_at_the_same_moment_both_count_on_postgresql(pg_url, tmp_path, monkeypatch):
+def test_a_stop_and_a_hold_at_the_same_moment_both_count_on_postgresql(pg_url, in_process, tmp_path, monkeypatch):
     """Requests (stop, suspend, hold, go_suspend) read a job's `requested` flags, or'ed theirs in and
     wrote them back without locking the row: on PostgreSQL a hold whose transaction spanned a stop's
     wrote its flags over the stop's — the stop was lost (the job was held, not stopped, and `luban
     stop` waited in vain). The row is locked when read now; the second request waits for the first."""
     import threading
 
-    from fastapi.testclient import TestClient
-
-    from luban.cluster import db, service
+    from luban.cluster import service
     from luban.cluster.executors import make
-    from luban.cluster.scheduler import Scheduler, Settings
     from luban.cluster.models import Job, StopReason
 
-    state = tmp_path / "state"
-    state.mkdir()
-    sessions = db.sessions(db.open_checked(pg_url))
-    scheduler = Scheduler(sessions, make("local", nodes=1), Settings(state_dir=str(state)))
-    scheduler.sync_nodes()
-    service.ensure_admin(sessions, state)
-    http = TestClient(service.create_app(sessions, scheduler, run_scheduler=False))
-    admin = {"Authorization": "Bearer " + (state / "admin.token").read_text().strip()}
-    token = http.post("/api/users", json={"name": "alice"}, headers=admin).json()["token"]
-    alice = {"Authorization": f"Bearer {token}"}
-    assert http.put("/api/quota", json={"owner": "user:alice", "priority": "NORMAL", "nodes": 1},
-                    headers=admin).status_code == 200
+    api = in_process(pg_url, make("local", nodes=1), state=tmp_path / "state")
+    sessions, http = api.sessions, api.http
+    alice = {"Authorization": "Bearer " + api.user("alice", 1)}
     job_id = http.post("/api/jobs", json={"spec": {"name": "j", "command": "true"}}, headers=alice).json()["id"]
 
     record, answers, threads = service.record, [], []
@@ -156,14 +141,12 @@ def test_usage_over_a_period_reads_only_the_attempts_in_it(slurm, monkeypatch):
     """`luban usage --days 1` (GET /api/usage) read every attempt ever started into the service and
     measured each, at every call: the table keeps every attempt, so many short jobs made everyone's
     usage slower and bigger (GET /api/jobs and the dashboard's daily usage choose in SQL already)."""
-    from fastapi.testclient import TestClient
-
     from luban.cluster import service
     from luban.cluster.models import Job
+    from tests.cluster.conftest import api_client
 
     scheduler, submit, fake, calls, t = slurm
-    http = TestClient(service.create_app(scheduler.sessions, scheduler, run_scheduler=False))
-    admin = {"Authorization": "Bearer " + (fake.parent / "state" / "admin.token").read_text().strip()}
+    http, admin = api_client(scheduler)
     now = scheduler.clock.now()
     with scheduler.sessions.begin() as s:
         for i in range(50):  # long over: ended 30 days ago

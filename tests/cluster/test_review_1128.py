@@ -6,20 +6,12 @@ from __future__ import annotations
 import json
 
 import pytest
-from fastapi.testclient import TestClient
 
 from luban.cluster.models import Job, StopReason
-from luban.cluster.service import create_app
-from tests.cluster.conftest import PYTHON
+from tests.cluster.conftest import PYTHON, api_client
 from tests.cluster.fake_slurm import job, no_tracebacks, running_job, ticks
 
 SLEEP = {"name": "sleeper", "command": PYTHON, "args": ["-c", "import time; time.sleep(600)"]}
-
-
-def _api(scheduler, fake):
-    """An in-process API over the fake-Slurm fixture's database, and the admin's headers."""
-    http = TestClient(create_app(scheduler.sessions, scheduler, run_scheduler=False))
-    return http, {"Authorization": "Bearer " + (fake.parent / "state" / "admin.token").read_text().strip()}
 
 
 def _flags(scheduler, job_id: int) -> tuple:
@@ -33,7 +25,7 @@ def test_hold_and_release_are_refused_in_one_line_wherever_they_do_not_apply(slu
     once, a held one released once; anything else (not held, already held, started, suspending,
     ended, being stopped) is a 409 `job = ID: ...` that changes nothing."""
     scheduler, submit, fake, calls, t = slurm
-    http, admin = _api(scheduler, fake)
+    http, admin = api_client(scheduler)
 
     def ask(action: str, job_id: int):
         return http.post(f"/api/jobs/{job_id}/{action}", headers=admin)
@@ -95,7 +87,7 @@ def test_a_held_attempt_whose_start_met_an_outage_leaves_nothing_running_in_slur
     from tests.cluster.test_review_outages import _copy_listed, _submitted_then_hung
 
     scheduler, submit, fake, calls, t = slurm
-    http, admin = _api(scheduler, fake)
+    http, admin = api_client(scheduler)
     _submitted_then_hung(fake, calls)
     j = submit()
     scheduler.guarded_tick()
@@ -133,7 +125,7 @@ def test_a_restarted_service_cancels_the_copy_of_a_held_attempt_too(slurm):
     from tests.cluster.test_review_outages import _copy_listed, _submitted_then_hung
 
     scheduler, submit, fake, calls, t = slurm
-    http, admin = _api(scheduler, fake)
+    http, admin = api_client(scheduler)
     _submitted_then_hung(fake, calls)
     j = submit()
     scheduler.guarded_tick()
@@ -234,7 +226,7 @@ def test_a_long_name_in_a_404_is_shown_cut(slurm):
     """`luban admin node drain <3000 characters>` answered with all of them in its one line (a user's
     404 too): a name is shown as every other value, quoted and cut (errors.shown)."""
     scheduler, submit, fake, calls, t = slurm
-    http, admin = _api(scheduler, fake)
+    http, admin = api_client(scheduler)
     for method, path, body in (("PATCH", "/api/nodes/" + "x" * 3000, {"state": "up"}),
                                ("PATCH", "/api/users/" + "y" * 3000, {"admin": True}),
                                ("POST", "/api/users/" + "z" * 3000 + "/token", None)):
@@ -247,7 +239,7 @@ def test_a_user_cannot_release_a_hold_an_admin_put_on_their_job(slurm):
     """An admin held bob's misbehaving job; `luban release` by bob started it again at once (Slurm's
     JobHeldAdmin cannot be lifted by its user's `scontrol release`). Bob's own holds are still his."""
     scheduler, submit, fake, calls, t = slurm
-    http, admin = _api(scheduler, fake)
+    http, admin = api_client(scheduler)
     bob = {"Authorization": "Bearer " + http.post("/api/users", json={"name": "bob"}, headers=admin).json()["token"]}
     assert http.put("/api/quota", json={"owner": "user:bob", "priority": "NORMAL", "nodes": 1, "node_group": "debug"},
                     headers=admin).status_code == 200
@@ -322,26 +314,20 @@ def test_a_synthetic_trace_of_many_users_does_not_sum_their_weights_at_every_job
     assert len(jobs) == 200 and sum(summed) / 200 < 50, sum(summed) / 200  # was 5000+ a job
 
 
-def test_two_admins_setting_a_new_quota_at_once_both_succeed_on_postgresql(pg_url, tmp_path, monkeypatch):
+def test_two_admins_setting_a_new_quota_at_once_both_succeed_on_postgresql(pg_url, in_process, tmp_path,
+                                                                           monkeypatch):
     """Both read that user:alice had no NORMAL quota yet and inserted one: the second insert broke the
     primary key, and that admin got a 409 "conflicts with a change made at the same moment (the name
     exists now?)" for a valid request. The second now updates the row the first made."""
     import threading
 
-    from luban.cluster import db, service
+    from luban.cluster import service
     from luban.cluster.executors import make
     from luban.cluster.models import Quota
-    from luban.cluster.scheduler import Scheduler, Settings
 
-    state = tmp_path / "state"
-    state.mkdir()
-    sessions = db.sessions(db.open_checked(pg_url))
-    scheduler = Scheduler(sessions, make("local", nodes=2), Settings(state_dir=str(state)))
-    scheduler.sync_nodes()
-    service.ensure_admin(sessions, state)
-    http = TestClient(service.create_app(sessions, scheduler, run_scheduler=False))
-    admin = {"Authorization": "Bearer " + (state / "admin.token").read_text().strip()}
-    assert http.post("/api/users", json={"name": "alice"}, headers=admin).status_code == 201
+    api = in_process(pg_url, make("local", nodes=2), state=tmp_path / "state")
+    sessions, http, admin = api.sessions, api.http, api.admin
+    api.user("alice")  # asserts the 201
     record, answers, threads = service.record, [], []
 
     def other_admin_meanwhile(s, kind, *args, **kw):  # this admin has read "no row" and not yet inserted
@@ -377,7 +363,7 @@ def test_only_the_job_itself_acknowledges_a_suspend(slurm):
     a queued attempt acknowledged: once it started, its first suspend killed it at once, before it
     saved a checkpoint. Only the job's own token may acknowledge now (403 otherwise, nothing changed)."""
     scheduler, submit, fake, calls, t = slurm
-    http, admin = _api(scheduler, fake)
+    http, admin = api_client(scheduler)
     job_id = submit()
     answer = http.post(f"/api/jobs/{job_id}/go_suspend", headers=admin)
     assert answer.status_code == 403 and f"luban suspend {job_id}" in answer.json()["detail"], answer.text

@@ -16,7 +16,7 @@ import threading
 import pytest
 
 from luban.cluster.models import Allocation, Event, Job, StopReason
-from tests.cluster.conftest import LUBAN, PYTHON, require, wait_for
+from tests.cluster.conftest import LUBAN, PYTHON, migrate, require, wait_for
 from tests.cluster.fake_slurm import count, job, no_tracebacks, ticks
 from tests.cluster import test_quota_concurrency
 
@@ -172,22 +172,15 @@ def test_a_post_sent_but_not_answered_is_retried_with_its_key_and_the_error_name
     assert "unreachable" in str(refused.value) and "--key" not in str(refused.value)
 
 
-@pytest.mark.parametrize("database", ["sqlite", "postgresql"])
-def test_the_submit_key_migration_keeps_the_jobs_of_an_older_schema(tmp_path, request, database):
+def test_the_submit_key_migration_keeps_the_jobs_of_an_older_schema(db_url):
     """0003 adds jobs.submit_key (unique per user) to a database made by 0002, jobs and all."""
-    from alembic import command
-    from alembic.config import Config
     from sqlalchemy import inspect, text
 
     from luban.cluster import db
 
-    url = request.getfixturevalue("pg_url") if database == "postgresql" else str(tmp_path / "old.db")
-    engine = db.make_engine(url)
-    cfg = Config()
-    cfg.set_main_option("script_location", str(db.MIGRATIONS))
+    engine = db.make_engine(db_url)
     with engine.begin() as conn:
-        cfg.attributes["connection"] = conn
-        command.upgrade(cfg, "0002")
+        migrate(conn, "upgrade", "0002")
         conn.execute(text("INSERT INTO users (name, token_hash, is_admin) VALUES ('alice', 'h', false)"))
         for _ in range(2):
             conn.execute(text(

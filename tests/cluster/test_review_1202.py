@@ -37,6 +37,7 @@ from luban.cluster.models import Job, Node
 from luban.cluster.policy import JobView, NodeView, Snapshot, plan
 from luban.cluster.scheduler import UNAVAILABLE, Scheduler, Settings
 from luban.errors import LubanError
+from tests.cluster.conftest import migrate
 from tests.cluster.fake_slurm import job, no_tracebacks, ticks
 from tests.cluster.test_dashboard import browser  # noqa: F401 - a fixture
 from tests.cluster.test_slurm_nodes import _nodes, _read_nodes, _resume, _sbatches, _scontrol, _tick_until, \
@@ -216,25 +217,17 @@ def test_a_node_reading_costs_a_few_statements_whatever_the_number_of_nodes(tmp_
 
 
 # -- alembic downgrade --------------------------------------------------------------------------------
-@pytest.mark.parametrize("database", ["sqlite", "postgresql"])
-def test_a_downgrade_leaves_no_node_in_a_state_the_older_code_never_leaves(tmp_path, request, database):
+def test_a_downgrade_leaves_no_node_in_a_state_the_older_code_never_leaves(db_url):
     """0004's downgrade dropped nodes.unavailable but kept state 'unavailable': the older code schedules
     only 'up' and never sets such a node up again (only an admin's `up` would). It is up, as the older
     code had it (it did not follow Slurm); an admin's drain stays."""
-    from alembic import command
-    from alembic.config import Config
-
-    url = request.getfixturevalue("pg_url") if database == "postgresql" else str(tmp_path / "new.db")
-    engine = db.open_checked(url)
+    engine = db.open_checked(db_url)
     with engine.begin() as conn:
         conn.execute(text("INSERT INTO nodes (name, node_group, gpus, labels, addr, state, unavailable) VALUES "
                           "('node1', 'debug', 0, '{}', '127.0.0.1', 'unavailable', 'slurm: drained'), "
                           "('node2', 'debug', 0, '{}', '127.0.0.1', 'drain', 'slurm: down')"))
-    cfg = Config()
-    cfg.set_main_option("script_location", str(db.MIGRATIONS))
     with engine.begin() as conn:
-        cfg.attributes["connection"] = conn
-        command.downgrade(cfg, "0003")
+        migrate(conn, "downgrade", "0003")
     with engine.connect() as conn:
         assert conn.execute(text("SELECT name, state FROM nodes ORDER BY name")).all() == [
             ("node1", "up"), ("node2", "drain")]

@@ -10,19 +10,16 @@ from __future__ import annotations
 import argparse
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
-from fastapi.testclient import TestClient
 
 from luban.cluster import cli, db
 from luban.cluster.client import Client
 from luban.cluster import scheduler as scheduler_module
 from luban.cluster.executors.slurm import SlurmExecutor, node_reason, node_unavailable
 from luban.cluster.models import Event
-from luban.cluster.scheduler import UNAVAILABLE, Scheduler, Settings
-from luban.cluster.service import create_app, ensure_admin
-from tests.cluster.conftest import kill_jobs, require, wait_for
+from luban.cluster.scheduler import UNAVAILABLE
+from tests.cluster.conftest import api_client, kill_jobs, migrate, require, wait_for
 from tests.cluster.fake_slurm import job, no_tracebacks, running_job, ticks
 
 
@@ -81,15 +78,9 @@ def _sbatches(calls) -> list[str]:
     return [line for line in calls.read_text().splitlines() if line.startswith("sbatch ")]
 
 
-def _api(scheduler):
-    http = TestClient(create_app(scheduler.sessions, scheduler, run_scheduler=False))
-    token = (Path(scheduler.settings.state_dir) / "admin.token").read_text().strip()
-    return http, {"Authorization": f"Bearer {token}"}
-
-
 def test_luban_follows_a_drain_in_slurm_and_an_admin_drain_stays_its_own(slurm, caplog, monkeypatch, capsys):
     scheduler, submit, fake, calls, t = slurm
-    http, admin = _api(scheduler)
+    http, admin = api_client(scheduler)
     first = running_job(scheduler, submit)
     on = job(scheduler, first).nodes[0]
     other = "node2" if on == "node1" else "node1"
@@ -170,24 +161,16 @@ def _resume(node: str) -> None:
 
 
 @pytest.fixture
-def real_slurm(tmp_path):
+def real_slurm(tmp_path, in_process):
     """The scheduler and the API in this process over the real Slurm (SQLite): ticks are the test's."""
     require(bool(shutil.which("scontrol")) and bool(_slurm_state("node2")), "a Slurm cluster (node1..node4)")
     wait_for(lambda: all(node_unavailable(_slurm_state(f"node{i}")) is None for i in range(1, 5)), 60, 1,
              "node1..node4 usable in Slurm")
     state = tmp_path / "state"
-    state.mkdir()
-    engine = db.open_checked(str(state / "luban.db"))
-    sessions = db.sessions(engine)
-    scheduler = Scheduler(sessions, SlurmExecutor(state_dir=str(state)), Settings(state_dir=str(state)))
-    scheduler.sync_nodes()
-    ensure_admin(sessions, state)
-    http = TestClient(create_app(sessions, scheduler, run_scheduler=False))
-    admin = {"Authorization": "Bearer " + (state / "admin.token").read_text().strip()}
+    api = in_process(executor=SlurmExecutor(state_dir=str(state)), state=state)
+    scheduler, http, admin = api.scheduler, api.http, api.admin
     group = http.get("/api/nodes", headers=admin).json()[0]["node_group"]
-    token = http.post("/api/users", json={"name": "alice"}, headers=admin).json()["token"]
-    assert http.put("/api/quota", json={"owner": "user:alice", "priority": "NORMAL", "nodes": 4,
-                                        "node_group": group}, headers=admin).status_code == 200
+    token = api.user("alice", 4, node_group=group)
     try:
         yield scheduler, http, admin, {"Authorization": f"Bearer {token}"}
     finally:
@@ -197,7 +180,6 @@ def real_slurm(tmp_path):
             if name.startswith("luban-") and str(state) in _scontrol("show", "job", "-o", slurm_id).stdout:
                 subprocess.run(["scancel", slurm_id], timeout=60)
         kill_jobs(state)
-        engine.dispose()
 
 
 def _tick_until(scheduler, http, headers, job_id: int, states: tuple[str, ...], what: str) -> dict:
@@ -252,20 +234,13 @@ def test_a_node_drained_in_real_slurm_is_not_placed_on_until_it_is_resumed(real_
         _resume("node2")  # other tests share the cluster
 
 
-@pytest.mark.parametrize("database", ["sqlite", "postgresql"])
-def test_the_node_unavailable_migration_keeps_the_nodes_of_an_older_schema(tmp_path, request, database):
+def test_the_node_unavailable_migration_keeps_the_nodes_of_an_older_schema(db_url):
     """0004 adds nodes.unavailable (NULL: the executor starts jobs there) to a database made by 0003."""
-    from alembic import command
-    from alembic.config import Config
     from sqlalchemy import text
 
-    url = request.getfixturevalue("pg_url") if database == "postgresql" else str(tmp_path / "old.db")
-    engine = db.make_engine(url)
-    cfg = Config()
-    cfg.set_main_option("script_location", str(db.MIGRATIONS))
+    engine = db.make_engine(db_url)
     with engine.begin() as conn:
-        cfg.attributes["connection"] = conn
-        command.upgrade(cfg, "0003")
+        migrate(conn, "upgrade", "0003")
         conn.execute(text("INSERT INTO nodes (name, node_group, gpus, labels, addr, state) "
                           "VALUES ('node1', 'debug', 0, '{}', '127.0.0.1', 'drain')"))
     db.upgrade(engine)

@@ -10,44 +10,27 @@ from __future__ import annotations
 import threading
 
 import pytest
-from fastapi.testclient import TestClient
 
-from luban.cluster import clock as clocks
-from luban.cluster import db
 from luban.cluster.client import SUBMIT_KEY_HEADER
-from luban.cluster.executors.local import LocalExecutor
 from luban.cluster.models import Job
-from luban.cluster.scheduler import Scheduler, Settings
-from luban.cluster.service import create_app, ensure_admin
 from luban.cluster.spec import SUBMIT_KEY_TTL_S
 from tests.cluster.test_clock import FakeTime
 
 RACERS = 6  # submissions of one expired key at once
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def api(request, tmp_path, monkeypatch):
+@pytest.fixture
+def api(db_url, in_process):
     """(post(spec, key), the service's FakeTime, sessions) over the API in this process."""
-    url = request.getfixturevalue("pg_url") if request.param == "postgresql" else str(tmp_path / "luban.db")
     t = FakeTime()
-    monkeypatch.setattr(clocks, "CLOCK", t.clock())  # the API's clock (clocks.now)
-    engine = db.open_checked(url)
-    sessions = db.sessions(engine)
-    scheduler = Scheduler(sessions, LocalExecutor(nodes=1), Settings(state_dir=str(tmp_path)), clock=t.clock())
-    scheduler.sync_nodes()
-    ensure_admin(sessions, tmp_path)
-    http = TestClient(create_app(sessions, scheduler, run_scheduler=False))
-    admin = {"Authorization": "Bearer " + (tmp_path / "admin.token").read_text().strip()}
-    token = http.post("/api/users", json={"name": "alice"}, headers=admin).json()["token"]
-    assert http.put("/api/quota", json={"owner": "user:alice", "priority": "NORMAL", "nodes": 1},
-                    headers=admin).status_code == 200
+    service = in_process(db_url, time=t)
+    token = service.user("alice", 1)
 
     def post(spec: dict, key: str):
-        return http.post("/api/jobs", json={"spec": spec},
-                         headers={"Authorization": f"Bearer {token}", SUBMIT_KEY_HEADER: key})
+        return service.http.post("/api/jobs", json={"spec": spec},
+                                 headers={"Authorization": f"Bearer {token}", SUBMIT_KEY_HEADER: key})
 
-    yield post, t, sessions
-    engine.dispose()
+    return post, t, service.sessions
 
 
 def keys(sessions) -> list[tuple[int, str | None]]:
