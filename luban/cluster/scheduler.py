@@ -82,8 +82,9 @@ def record(session: Session, kind: str, message: str, job_id: int | None = None,
 def follow_executor(s: Session, node: Node, unavailable: str | None) -> None:
     """The executor's word on a node (``NodeInfo.unavailable``) into its row: an ``up`` node the executor
     starts no new job on is ``UNAVAILABLE`` — the one state the policy schedules is ``up``, so it is
-    not scheduled, and what runs there is the executor's to keep (drained) or end (down) — and ``up`` again once it does; an admin's ``drain`` or
-    ``down`` stays as the admin set it, the executor's reason kept beside it. A change is a "node" event."""
+    not scheduled, and what runs there is the executor's to keep (drained) or end (down) — and ``up``
+    again once it does; an admin's ``drain`` or ``down`` stays as the admin set it, the executor's
+    reason kept beside it. A change is a "node" event."""
     if unavailable != node.unavailable:
         record(s, "node", f"{node.name} takes no new job: {unavailable}" if unavailable else
                f"{node.name}: the executor starts jobs there again (was: {node.unavailable})")
