@@ -29,8 +29,10 @@ the document starts are in order within the tokens); a token chunk is verified t
 of its tokens is read (its CRC, then, for a reader given the vocabulary's size, its ids below it);
 ``document(i)`` checks its two index entries are in order within the tokens;
 ``verify()`` checks every chunk, that the padding is zero, and (version 2) the whole document index:
-its CRC, then its order. Any failure raises ``LubanError`` naming the file and the byte offset; so
-does a shard cut short or replaced since it was opened (``ShardReader._pread``, ``ShardReader._file``)
+its CRC, then its order. A shard written since it was opened (its status-change time moved: an
+in-place rewrite that keeps its size and header) has every chunk verified again as it is read. Any
+failure raises ``LubanError`` naming the file and the byte offset; so does a shard cut short or
+replaced since it was opened (``ShardReader._pread``, ``ShardReader._file``)
 and an ``OSError`` reading it (EIO from a failing disk, ESTALE on NFS): "cannot read the shard".
 """
 
@@ -194,6 +196,13 @@ class ShardWriter:
             self.abort()
 
 
+def _stamp(st: os.stat_result) -> tuple[int, ...]:
+    """What changes when a file is written in place: its status-change time (set by the kernel at every
+    write, truncate or utime: a writer cannot set it back, as it can the modification time) with its
+    inode and size. A verified chunk is trusted only while the shard's stamp is the one it was read under."""
+    return st.st_dev, st.st_ino, st.st_ctime_ns, st.st_size
+
+
 class ShardReader:
     """Checksummed random access to one shard by ``pread`` (see the module's CRC policy)."""
 
@@ -210,7 +219,8 @@ class ShardReader:
         except OSError as err:
             raise LubanError(f"{self.path}: cannot open the shard: {err.strerror}") from None
         try:  # the header, then the tail (version 2: the chunk CRCs and the index CRC; 1: the index too)
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            size, self._stamp = st.st_size, _stamp(st)
             self._parse_header(os.pread(fd, HEADER_SIZE, 0), size)
             tail = _pread_exact(fd, self.size - self._tail_offset, self._tail_offset)
         except OSError as err:  # EISDIR (a folder), EIO: one line, not a traceback
@@ -307,6 +317,21 @@ class ShardReader:
         if len(raw) != size:
             raise self._truncated(self._current_size())
         return raw
+
+    def _unchanged(self) -> bool:
+        """Whether the shard is as it was when its verified chunks were read (``_stamp``); if it was
+        written since — in place, keeping its size and header (what ``_file`` cannot see) — every chunk
+        is verified again as it is read, so changed tokens are a CRC mismatch, not a silent read. One
+        ``fstat`` a read."""
+        try:
+            now = _stamp(os.fstat(self._file()))
+        except OSError as err:
+            raise self._unreadable(err, 0) from None
+        if now == self._stamp:
+            return True
+        self._stamp = now
+        self._verified[:] = False
+        return False
 
     def _current_size(self) -> int:
         """The size of the open file now (for the truncation message)."""
@@ -447,6 +472,7 @@ class ShardReader:
         if stop == start:
             return np.zeros(0, self.dtype)
         first, last = start // self.chunk_tokens, (stop - 1) // self.chunk_tokens
+        self._unchanged()  # written since its chunks were verified: none of them is any more
         if self._verified[first : last + 1].all():
             return self._pread(start, stop)
         begin = first * self.chunk_tokens
@@ -479,6 +505,7 @@ class ShardReader:
         verifying every shard of a dataset holds none open)."""
         opened = self._fd is None
         try:
+            self._unchanged()
             if self.version >= 2:
                 self._verify_index()
             self._verify_padding()
