@@ -15,6 +15,7 @@ Exit codes (also in docs/training.md):
   130 interrupted twice with SIGINT: exited at once without saving
 """
 
+import re
 import unicodedata
 
 
@@ -51,6 +52,17 @@ def shown(value, limit: int = SHOWN_CHARS) -> str:
     """``repr(value)``, cut to ``limit`` characters: one short line whatever the value holds."""
     text = repr(value)
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+# scheme://USER:PASSWORD@ -- the userinfo a URL may carry (RFC 3986 3.2.1); the last "@" before the path ends it
+_USERINFO = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://[^/?#@:]*):[^/?#]*@")
+
+
+def without_password(url: str) -> str:
+    """``url`` as luban prints it: a password in it reads PASSWORD (as a token reads TOKEN), so an error
+    line, or the retry command a user pastes into a ticket, gives no secret away (the cluster's --url,
+    $LUBAN_CLUSTER_URL, --db)."""
+    return _USERINFO.sub(r"\1:PASSWORD@", url) if isinstance(url, str) else url
 
 
 def escaped(text: str, keep: str = "") -> str:

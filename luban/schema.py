@@ -229,14 +229,15 @@ def _path_is(p: Path, kind: str) -> bool:
     return p.is_dir() and writable_folder(p)
 
 
-def custom(convert, allowed: str):
-    """``convert(value)``; a ``ValueError``, ``LubanError`` or ``Invalid`` it raises is reported as ``allowed``."""
+def custom(convert, allowed: str, shown=None):
+    """``convert(value)``; a ``ValueError``, ``LubanError`` or ``Invalid`` it raises is reported as ``allowed``,
+    with the value as ``shown`` gives it (a URL without its password, ``errors.without_password``)."""
 
     def parse(value):
         try:
             return convert(value)
         except (ValueError, LubanError, Invalid):
-            raise Invalid(value, allowed) from None
+            raise Invalid(value if shown is None else shown(value), allowed) from None
 
     return _declared(parse, allowed)
 

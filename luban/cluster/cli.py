@@ -21,7 +21,7 @@ from luban.cluster import joblog
 from luban.cluster import priority as prio
 from luban.cluster import trace as traces
 from luban.cluster.spec import JOBS_LIMIT, JOBS_LIMIT_MAX, MAX_TIME_LIMIT, NAME_RE, SUBMIT_KEY_RE  # (not client: httpx)
-from luban.errors import EXIT_USAGE, LubanError, bad_value, escaped, for_terminal_chunks
+from luban.errors import EXIT_USAGE, LubanError, bad_value, escaped, for_terminal_chunks, without_password
 
 # the flags' declarations (luban.schema); what the service checks again, the client checks first
 NAME = schema.text(NAME_RE.pattern, f"a name matching {NAME_RE.pattern}")
@@ -112,9 +112,9 @@ def cmd_submit(args) -> int:
     from luban.cluster.client import new_key
 
     key = args.key or new_key()
-    job = _client(args).submit(spec.to_dict(), key=key, again="run: " + _submit_again(args, key))
+    job = _client(args).submit(spec.to_dict(), key=key, again="run in this shell: " + _submit_again(args, key))
     if job.get("repeated") and args.key:  # the user's own key again (not this run's retry of an unanswered POST)
-        print(f"job {job['id']} was submitted with --key {args.key} before (it is {job['state']}); "
+        print(f"job {job['first_id']} was submitted with --key {args.key} before (it is {job['state']}); "
               "nothing new submitted")
         return 0
     print(f"submitted job {job['id']} ({job['name']}, {job['nnodes']} node(s), {job['priority_name']})")
@@ -123,10 +123,15 @@ def cmd_submit(args) -> int:
 
 def _submit_again(args, key: str) -> str:
     """This ``luban submit`` as a command line with ``--key KEY``: what repeats it at most once when its
-    answer was lost (the service answers the job the key made, or makes it). A token given with
-    --token is never printed: it reads TOKEN."""
+    answer was lost (the service answers the job the key made, or makes it). It starts in this
+    directory (``cd DIR &&``: a relative job file, and the workdir a command gets by default) and names
+    the service it was sent to (--url, or $LUBAN_CLUSTER_URL's value). Secrets are never printed: a
+    token reads TOKEN, a password in the URL PASSWORD (``errors.without_password``). What --export ALL sent
+    is this shell's environment: from another shell the repeat differs and is refused (409), never a
+    second job."""
+    url = args.url or os.environ.get("LUBAN_CLUSTER_URL")
     words = ["luban", "submit", "--key", key]
-    words += ["--url", args.url] if args.url else []
+    words += ["--url", without_password(url)] if url else []
     words += ["--token", "TOKEN"] if args.token else []
     for key_name, flag in SPEC_FLAGS:
         value = getattr(args, key_name)
@@ -136,7 +141,11 @@ def _submit_again(args, key: str) -> str:
     if args.time is not None:  # seconds (parse_duration), as H:MM:SS
         words += ["-t", f"{args.time // 3600}:{args.time // 60 % 60:02d}:{args.time % 60:02d}"]
     words += ["--export", args.export] if args.export != "ALL" else []
-    return " ".join(_shell_word(word) for word in words + list(args.rest))
+    try:
+        here = f"cd {_shell_word(os.getcwd())} && "
+    except OSError:  # this directory was removed: a repeat from elsewhere is refused if the spec differs
+        here = ""
+    return here + " ".join(_shell_word(word) for word in words + list(args.rest))
 
 
 def _shell_word(word: str) -> str:
@@ -721,11 +730,11 @@ def register(subparsers) -> None:
     p = sub.add_parser("serve", help="run the scheduler and its HTTP API")
     p.add_argument("--state", default="luban-cluster", type=schema.path("new-dir"),
                    help="state directory (logs, SQLite file, admin token)")
-    p.add_argument("--db", type=schema.custom(_db_url, DB_URL),
+    p.add_argument("--db", type=schema.custom(_db_url, DB_URL, shown=without_password),
                    help="database URL (postgresql://...); default STATE/luban.db (SQLite)")
     p.add_argument("--host", default="127.0.0.1", type=schema.text())
     p.add_argument("--port", type=schema.integer(1, schema.PORT[1]), default=8765)
-    p.add_argument("--public-url", type=schema.custom(_public_url, PUBLIC_URL), help="URL jobs use to reach the service (default http://HOST:PORT)")
+    p.add_argument("--public-url", type=schema.custom(_public_url, PUBLIC_URL, shown=without_password), help="URL jobs use to reach the service (default http://HOST:PORT)")
     p.add_argument("--executor", choices=["local", "slurm"], default="local")
     p.add_argument("--nodes", type=NODES, default=1, help="local: virtual nodes on this machine")
     p.add_argument("--gpus", type=schema.integer(0, 1024), default=0, help="local: GPUs per virtual node")

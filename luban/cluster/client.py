@@ -18,7 +18,7 @@ import httpx
 from luban.cluster.spec import JOBS_LIMIT_MAX  # rows one GET /api/jobs answers at most
 from luban.cluster.spec import SUBMIT_KEY_RE  # a submission's Idempotency-Key, as the service checks it
 from luban.cluster.spec import SUBMIT_KEY_TTL_S  # how long the service makes a key's submission at most once
-from luban.errors import LubanError, bad_value, escaped
+from luban.errors import LubanError, bad_value, escaped, without_password
 
 SERVICE_HEADER = "x-luban-cluster"  # luban.cluster.service marks every answer with it
 TOTAL_HEADER = "X-Total-Count"      # GET /api/jobs: how many rows match in all (the answer has at most limit)
@@ -78,7 +78,7 @@ class Client:
             if base.port is not None and not 1 <= base.port <= 65535:
                 raise httpx.InvalidURL(f"port {base.port} is not from 1 to 65535")
         except (httpx.InvalidURL, ValueError) as err:  # --url or $LUBAN_CLUSTER_URL: 'http://[::1', 'ftp://x'
-            raise bad_value("--url", self.url, f"the service's http(s)://HOST[:PORT] ({err})") from None
+            raise bad_value("--url", without_password(self.url), f"the service's http(s)://HOST[:PORT] ({err})") from None
 
     def call(self, method: str, path: str, **kwargs):
         return self.request(method, path, **kwargs)[0]
@@ -105,7 +105,7 @@ class Client:
                     sent, deadline = True, max(deadline, time.monotonic() + unanswered_retry_for)
                 if time.monotonic() >= deadline:
                     hint = unanswered_hint if sent else ""
-                    raise LubanError(f"cluster service at {self.url} is unreachable: {err}{hint}") from None
+                    raise LubanError(f"cluster service at {without_password(self.url)} is unreachable: {err}{hint}") from None
             time.sleep(1.0)
         try:
             body = response.json()
@@ -114,14 +114,14 @@ class Client:
         if response.status_code >= 400:
             detail = body.get("detail") if isinstance(body, dict) else None
             if detail is None or not str(detail).strip():  # not luban's service (a web server's empty 404)
-                detail = f"{method} {path} answered without a message: is {self.url} a luban cluster service?"
+                detail = f"{method} {path} answered without a message: is {without_password(self.url)} a luban cluster service?"
             detail = escaped(" ".join(str(detail).split()))
             hint = unanswered_hint if response.status_code == RETRY_STATUS else ""
             raise ApiError(f"{detail[:2000]} (HTTP {response.status_code}){hint}", response.status_code)  # no control codes
         if body is None or SERVICE_HEADER not in response.headers:  # another web server or API at the URL
             raise LubanError(f"{method} {path} answered HTTP {response.status_code} "
                              f"({response.headers.get('content-type') or 'no content type'}) without luban's mark: "
-                             f"is {self.url} a luban cluster service? (check --url or $LUBAN_CLUSTER_URL)")
+                             f"is {without_password(self.url)} a luban cluster service? (check --url or $LUBAN_CLUSTER_URL)")
         return body, response.headers
 
     # jobs

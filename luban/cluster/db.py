@@ -69,17 +69,16 @@ def upgrade(engine: Engine) -> None:
 def open_checked(path_or_url: str) -> Engine:
     """``make_engine`` + ``upgrade``, or one ``LubanError`` naming ``--db`` (password hidden) and why
     it cannot be used (unreachable server, refused login, unwritable SQLite file) — no traceback."""
-    from sqlalchemy.engine import make_url
     from sqlalchemy.exc import DBAPIError, OperationalError
 
-    from luban.errors import bad_value
+    from luban.errors import bad_value, without_password
 
     engine = make_engine(path_or_url)
     try:
         upgrade(engine)
     except (OperationalError, DBAPIError, OSError) as err:
         engine.dispose()
-        shown = make_url(url_for(path_or_url)).render_as_string(hide_password=True)
+        shown = without_password(path_or_url)  # as typed (not url_for's driver name)
         why = str(getattr(err, "orig", None) or err).strip().splitlines()
         raise bad_value("--db", shown, f"cannot be used ({why[0] if why else type(err).__name__}); "
                                        "check that the server runs and the URL, user and password") from None

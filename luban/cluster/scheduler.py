@@ -190,10 +190,13 @@ class Scheduler:
                 s.add(node)
             reported = {info.name for info in infos}
             for node in known.values() if reported else ():
-                if node.name not in reported and node.state in ("up", UNAVAILABLE):
-                    node.state, node.unavailable = GONE, None
+                if node.name in reported:
+                    continue
+                if node.state in ("up", UNAVAILABLE):
+                    node.state = GONE
                     log.warning("node %s is no longer reported by the executor: not scheduled (kept as %s)",
                                 node.name, GONE)
+                node.unavailable = None  # the executor says nothing of it now (an admin's drain kept Slurm's why)
         self._next_node_sync = self.clock.now() + NODE_SYNC_S
 
     def refresh_nodes(self, now: float) -> None:

@@ -524,8 +524,8 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
     def submit(p: Principal = Depends(person), body: dict = Depends(json_body),
                key: str | None = Header(None, alias=SUBMIT_KEY_HEADER)):
         """A new job (201); with an ``Idempotency-Key`` the submission is made at most once per user and
-        key: a repeat (the client's retry of a POST it got no answer to) answers the job that key made
-        (200, ``repeated``: true), and the key with another spec is a one-line 409 — for
+        key: a repeat (the client's retry of a POST it got no answer to) answers the job that key made,
+        as its chain's latest attempt (200, ``repeated``: true; ``first_id`` is the id it was made with), and the key with another spec is a one-line 409 — for
         ``SUBMIT_KEY_TTL_S`` after that job's submission; later the key is free again: the old job's
         key is cleared and a new job takes it (``jobs.submit_key`` stays unique per user)."""
         body = object_body(body)
@@ -560,7 +560,9 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
                                                     f"{', '.join(differ)} differ); a new submission needs a new key "
                                                     f"(a key is free again {specs.SUBMIT_KEY_TTL_S // 3600} h after "
                                                     "its job was submitted)")))
-                    return JSONResponse(status_code=200, content=job_dict(made) | {"repeated": True})
+                    latest = s.scalar(select(Job).where(Job.chain_id == made.chain_id).order_by(Job.id.desc())
+                                      .limit(1))  # the chain as it is now: its latest attempt (a requeue's)
+                    return JSONResponse(status_code=200, content=job_dict(latest) | {"repeated": True})
             queued = s.scalar(select(func.count()).select_from(Job).where(Job.user == user.name,
                                                                            Job.state == states.QUEUED))
             if queued >= max_queued:

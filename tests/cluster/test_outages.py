@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
 import re
 import shlex
 import signal
@@ -60,11 +61,13 @@ def test_a_database_outage_is_a_503_on_every_call_and_the_sdk_rides_it_out(servi
         assert "database is unavailable" in result.stderr and "Traceback" not in result.stderr
         assert svc.log.read_text().count("database error") >= warned + 2  # retried with its key
         hint = re.search(r"\(HTTP 503\); the job may have been submitted: to retry without making it twice "
-                         r"\(within 24 h\), run: (luban submit --key ([0-9a-f]{32}) .*)$", result.stderr.strip())
+                         r"\(within 24 h\), run in this shell: cd (\S+) && (luban submit --key ([0-9a-f]{32}) .*)$",
+                         result.stderr.strip())
         assert hint, result.stderr
-        again, key = shlex.split(hint.group(1)), hint.group(2)
-        assert again == ["luban", "submit", "--key", key, "-n", "1", "--name", "once", "-e", "A=b c",
-                         "-t", "1:30:00", "--", "true", "x y"], again  # -t 90: minutes
+        here, again, key = shlex.split(hint.group(1)), shlex.split(hint.group(2)), hint.group(3)
+        assert here == [os.getcwd()], here
+        assert again == ["luban", "submit", "--key", key, "--url", svc.url, "-n", "1", "--name", "once", "-e",
+                         "A=b c", "-t", "1:30:00", "--", "true", "x y"], again  # -t 90: minutes; the URL: $LUBAN_CLUSTER_URL
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             patient = pool.submit(Client(svc.url, token, retry_for=120).whoami)  # as a job's SDK call
             warned = svc.log.read_text().count("database error")

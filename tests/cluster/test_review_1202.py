@@ -22,6 +22,7 @@ retry; submission keys expire). What broke under a hostile or unlucky cluster, a
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 
 import httpx
@@ -131,9 +132,13 @@ def test_a_reasons_control_codes_never_reach_the_terminal():
 
 
 # -- the retry hint of luban submit -------------------------------------------------------------------
-def _words_in_bash(line: str) -> list[str]:
-    """The words a bash prompt makes of ``line`` (what a user pastes)."""
-    out = subprocess.run(["bash", "-c", "f() { printf '%s\\0' \"$@\"; }; f " + line], capture_output=True,
+def _words_in_bash(line: str, luban: bool = False) -> list[str]:
+    """The words a bash prompt makes of ``line`` (what a user pastes); ``luban``: ``line`` is a command
+    (``cd DIR && luban ...``) run from /, and the words are the directory ``luban`` ran in, then its
+    command line."""
+    run = "luban() { printf '%s\\0' \"$PWD\" luban \"$@\"; }; " + line if luban else \
+        "f() { printf '%s\\0' \"$@\"; }; f " + line
+    out = subprocess.run(["bash", "-c", run], capture_output=True, cwd="/",
                          timeout=30, check=True, env={"LC_ALL": "C.UTF-8", "PATH": "/usr/bin:/bin"}).stdout
     return out.decode().split("\0")[:-1]
 
@@ -168,9 +173,9 @@ def test_the_printed_retry_repeats_the_submission_word_for_word(argv, monkeypatc
         cli.cmd_submit(parser.parse_args(full))
     line = error_line(gave_up.value)
     assert "\n" not in line and "secret-token" not in line, line
-    command = line.split("run: ", 1)[1]
-    words = _words_in_bash(command)
-    assert words[:2] == ["luban", "submit"]
+    command = line.split("run in this shell: ", 1)[1]
+    here, *words = _words_in_bash(command, luban=True)
+    assert here == os.getcwd() and words[:2] == ["luban", "submit"], (here, words)
     again, first = vars(parser.parse_args(words[1:])), vars(parser.parse_args(full))
     assert again.pop("token") == "TOKEN" and first.pop("token") == "secret-token"
     assert again == first, (again, first)
