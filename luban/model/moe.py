@@ -144,7 +144,7 @@ class Experts(nn.Module):
         groups, *widths = self.w_up.shape
         if isinstance(counts, torch.Tensor) and grouped_gemm_ok(x.device, dtype, tuple(widths), groups):
             return self.grouped(x, counts, dtype)
-        return self.loop(x, counts.tolist() if isinstance(counts, torch.Tensor) else counts)
+        return self.loop(x, counts)
 
     def grouped(self, x: torch.Tensor, counts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The three projections as grouped GEMMs over all experts at once (``torch._grouped_mm``;
@@ -162,8 +162,14 @@ class Experts(nn.Module):
             hidden = F.gelu(mm(x, self.w_up), approximate="tanh")
         return mm(hidden, self.w_down)
 
-    def loop(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """One GEMM per expert on its rows (host counts)."""
+    # Not traced by torch.compile: the split sizes are data (a host read, a graph break), and Dynamo
+    # specialised the code after it on each count of 0 or 1 it met, recompiling step after step until
+    # its recompile limit left the whole layer eager (a 2-layer tiny-moe compiled 6 graphs in 2 steps,
+    # test_compile.py). Run eagerly, the loop is one graph break and no recompile.
+    @torch.compiler.disable
+    def loop(self, x: torch.Tensor, counts: torch.Tensor | list[int]) -> torch.Tensor:
+        """One GEMM per expert on its rows (``counts`` read on the host where it is a tensor)."""
+        counts = counts.tolist() if isinstance(counts, torch.Tensor) else counts
         # expert parallel holds DTensor shards: compute with the local experts, in x's dtype
         up = _local(self.w_up, x.dtype)
         gate = _local(self.w_gate, x.dtype) if self.swiglu else None

@@ -65,6 +65,8 @@ class EPDispatch:
         self.group, self.ep = ep_mesh.get_group(), ep_mesh.size()
         self.local = num_experts // self.ep
 
+    # Eager under torch.compile: the split sizes are read on the host (data-dependent), as in Experts.loop
+    @torch.compiler.disable
     def __call__(self, experts: Experts, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         ep, local = self.ep, self.local
         counts = counts.to(torch.long)
@@ -75,19 +77,22 @@ class EPDispatch:
         recv = recv_grid.sum(1).tolist()
         received = _all_to_all(rows, send, recv, self.group)
         # received is grouped by source rank, then local expert; the GEMMs want local expert first
-        order = _regroup(recv_grid)
+        order = _regroup(recv_grid, sum(recv))
         out = experts(received[order], recv_grid.sum(0).tolist())
         back = torch.empty_like(order)
         back[order] = torch.arange(order.numel(), device=order.device)
         return _all_to_all(out[back], recv, send, self.group)
 
 
-def _regroup(grid: torch.Tensor) -> torch.Tensor:
-    """Row indices that reorder blocks laid out [source][expert] (sizes ``grid``) as [expert][source]."""
-    starts = (grid.flatten().cumsum(0) - grid.flatten()).view_as(grid)
-    pieces = [torch.arange(int(starts[s, e]), int(starts[s, e] + grid[s, e]))
-              for e in range(grid.shape[1]) for s in range(grid.shape[0])]
-    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
+def _regroup(grid: torch.Tensor, total: int) -> torch.Tensor:
+    """Row indices that reorder blocks laid out [source][expert] (sizes ``grid``, ``total`` rows in all,
+    known on the host) as [expert][source], computed on the grid's device: no host read (it read two
+    entries of the grid per block, 2·ep·E/ep waits for the device per MoE layer on a GPU)."""
+    sizes = grid.t().flatten()  # the blocks in the order wanted: [expert][source]
+    starts = (grid.flatten().cumsum(0) - grid.flatten()).view_as(grid).t().flatten()  # where each block lies
+    block = torch.repeat_interleave(torch.arange(sizes.numel(), device=grid.device), sizes, output_size=total)
+    first = sizes.cumsum(0) - sizes  # each block's first row in the output
+    return starts[block] + torch.arange(total, device=grid.device) - first[block]
 
 
 def apply_expert_parallel(module: nn.Module, ep_mesh: DeviceMesh) -> None:
