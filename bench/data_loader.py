@@ -4,7 +4,8 @@ Builds the default corpus (Python stdlib sources) with the byte and the BPE toke
 every CRC of the byte build, then reads it with ``TokenLoader`` with and without the prefetch thread, both as fast as possible
 and with a simulated training step (``--compute-ms`` of sleep, which like an accelerator step
 releases the GIL) so the overlap prefetching buys is visible; last, each sample-order version
-without prefetch, side by side. Prints a markdown table.
+without prefetch, side by side, and the loader with and without the per-read check that a shard was
+not written since its chunks were verified. Prints a markdown table.
 
     .venv/bin/python bench/data_loader.py [--max-bytes N] [--steps N] [--seq-len N] ...
 """
@@ -22,6 +23,7 @@ from luban.data.build import build_dataset
 from luban.data.loader import TokenLoader
 from luban.data.manifest import open_dataset
 from luban.data.order import ORDER_RULES, ORDER_VERSION
+from luban.data.shards import ShardReader
 
 
 def bench_build(out: Path, max_bytes: int, tokenizer: str, vocab_size: int | None) -> str:
@@ -48,7 +50,8 @@ def bench_verify(data: Path) -> str:
             f"{seconds:.3f} s | {size / seconds / 2**20:.0f} MiB/s |")
 
 
-def bench_loader(data: Path, args, prefetch: int, compute_ms: float, order_version: int = ORDER_VERSION) -> str:
+def bench_loader(data: Path, args, prefetch: int, compute_ms: float, order_version: int = ORDER_VERSION,
+                 what: str = "") -> str:
     with TokenLoader(data, seq_len=args.seq_len, global_batch=args.batch, prefetch=prefetch,
                      order_version=order_version) as ld:
         next(ld)  # start the thread / touch the first chunks
@@ -60,7 +63,7 @@ def bench_loader(data: Path, args, prefetch: int, compute_ms: float, order_versi
         seconds = time.perf_counter() - started
     rate = args.steps * tokens.numel() / seconds
     ideal = f", ideal {tokens.numel() / (compute_ms / 1e3) / 1e6:.2f}" if compute_ms else ""
-    return (f"| loader, order v{order_version}, prefetch={prefetch}, step compute {compute_ms:g} ms | {args.steps} steps "
+    return (f"| loader, order v{order_version}, prefetch={prefetch}, step compute {compute_ms:g} ms{what} | {args.steps} steps "
             f"x [{args.batch}, {args.seq_len}] | {seconds:.2f} s | "
             f"{rate / 1e6:.2f} M tokens/s{ideal} |")
 
@@ -87,6 +90,15 @@ def main() -> None:
                 rows.append(bench_loader(data, args, prefetch, compute_ms))
         for version in sorted(ORDER_RULES):  # the order rules side by side (luban.data.order), no prefetch
             rows.append(bench_loader(data, args, 0, 0.0, version))
+        # what a read's check that the shard was not written since its chunks were verified costs (one
+        # fstat a read, ShardReader._unchanged), against the same loader without it, no prefetch
+        rows.append(bench_loader(data, args, 0, 0.0, what=", shard stamp checked (as shipped)"))
+        checked = ShardReader._unchanged
+        ShardReader._unchanged = lambda self: True
+        try:
+            rows.append(bench_loader(data, args, 0, 0.0, what=", shard stamp not checked"))
+        finally:
+            ShardReader._unchanged = checked
     print("\n".join(rows))
 
 
