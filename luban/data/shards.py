@@ -472,11 +472,15 @@ class ShardReader:
         if stop == start:
             return np.zeros(0, self.dtype)
         first, last = start // self.chunk_tokens, (stop - 1) // self.chunk_tokens
-        self._unchanged()  # written since its chunks were verified: none of them is any more
+        # the stamp is looked at after each read: a write between a check before it and the read (or
+        # during the read: the kernel moves the status-change time as a write starts) is seen there
         if self._verified[first : last + 1].all():
-            return self._pread(start, stop)
+            out = self._pread(start, stop)
+            if self._unchanged():
+                return out
         begin = first * self.chunk_tokens
         span = self._pread(begin, min((last + 1) * self.chunk_tokens, self.tokens))
+        self._unchanged()  # written since its chunks were verified: none of them is any more
         self._verify(first, last, span)
         return span[start - begin : stop - begin].copy() if (start, stop) != (begin, begin + len(span)) else span
 
