@@ -54,15 +54,22 @@ def shown(value, limit: int = SHOWN_CHARS) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-# scheme://USER:PASSWORD@ -- the userinfo a URL may carry (RFC 3986 3.2.1); the last "@" before the path ends it
-_USERINFO = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://[^/?#@:]*):[^/?#]*@")
+# scheme://USER:PASSWORD@ -- the userinfo a URL may carry (RFC 3986 3.2.1); the last "@" before the path ends it.
+# A password typed unencoded with "/", "?" or "#" in it runs to the next "@" (SQLAlchemy reads
+# postgresql://alice:pa/ss@db/x so; httpx fails on "pa" as a port) unless what follows the ":" is a port
+# (http://host:8765/p?mail=a@b holds none). An IPv6 host's "[" is no user.
+_USERINFO = re.compile(r"^(\s*[A-Za-z][A-Za-z0-9+.-]*://[^/?#@:\[\]]*):(?:[^/?#]*@|(?![0-9]*(?:[/?#]|$))[^@]*@)")
+# ...?password=PASSWORD: libpq's own parameter, which SQLAlchemy passes to the driver from --db's query
+_QUERY_PASSWORD = re.compile(r"([?&]password=)[^&#]*", re.IGNORECASE)
 
 
 def without_password(url: str) -> str:
     """``url`` as luban prints it: a password in it reads PASSWORD (as a token reads TOKEN), so an error
     line, or the retry command a user pastes into a ticket, gives no secret away (the cluster's --url,
     $LUBAN_CLUSTER_URL, --db)."""
-    return _USERINFO.sub(r"\1:PASSWORD@", url) if isinstance(url, str) else url
+    if not isinstance(url, str):
+        return url
+    return _QUERY_PASSWORD.sub(r"\1PASSWORD", _USERINFO.sub(r"\1:PASSWORD@", url))
 
 
 def escaped(text: str, keep: str = "") -> str:

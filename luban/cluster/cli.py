@@ -31,7 +31,7 @@ SECONDS = schema.number(0, MAX_TIME_LIMIT, open_lo=True)
 QUANTUM = schema.number(0, MAX_TIME_LIMIT, open_lo=True, also=(math.inf,))  # inf: no time-sharing
 LEVELS = ", ".join(p.name for p in prio.LEVELS)
 DB_URL = "a file path, or a database URL whose driver is installed (sqlite:///FILE, postgresql://USER@HOST/DB)"
-PUBLIC_URL = "the URL jobs reach this service at: http(s)://HOST[:PORT]"
+PUBLIC_URL = "the URL jobs reach this service at: http(s)://HOST[:PORT], no user:password@ (jobs send their token)"
 # luban submit's flags that set a spec field as given (field, flag): cmd_submit reads them, _submit_again writes them
 SPEC_FLAGS = (("nodes", "-n"), ("priority", "-p"), ("name", "--name"), ("group", "--group"),
               ("node_group", "--node-group"), ("workdir", "--workdir"))
@@ -142,10 +142,21 @@ def _submit_again(args, key: str) -> str:
         words += ["-t", f"{args.time // 3600}:{args.time // 60 % 60:02d}:{args.time % 60:02d}"]
     words += ["--export", args.export] if args.export != "ALL" else []
     try:
-        here = f"cd {_shell_word(os.getcwd())} && "
+        here = f"cd {_shell_word(_this_directory())} && "
     except OSError:  # this directory was removed: a repeat from elsewhere is refused if the spec differs
         here = ""
     return here + " ".join(_shell_word(word) for word in words + list(args.rest))
+
+
+def _this_directory() -> str:
+    """This directory as the shell named it ($PWD, a symbolic link's path where it came through one), else
+    its resolved path: ``cd`` to the resolved path sets $PWD to it, which --export ALL sends, and the
+    repeat was another spec (409)."""
+    cwd, pwd = os.getcwd(), os.environ.get("PWD", "")
+    try:
+        return pwd if os.path.isabs(pwd) and os.path.samefile(pwd, cwd) else cwd
+    except OSError:  # $PWD names nothing now
+        return cwd
 
 
 def _shell_word(word: str) -> str:
@@ -219,6 +230,8 @@ def _public_url(text: str) -> str:
         raise ValueError(text) from err
     if url.scheme not in ("http", "https") or not url.host or (url.port is not None and not 1 <= url.port <= 65535):
         raise ValueError(text)
+    if url.userinfo:  # every job's SDK call would send these as Basic auth in place of its token (client.Client)
+        raise ValueError(text)
     return text.rstrip("/")
 
 
@@ -234,6 +247,11 @@ def _check_zones(zones: int, nodes: int) -> None:
         raise bad_value("--zones", zones, f"an integer from 1 to --nodes = {nodes}")
 
 
+# what a shell's `cd` moves but the job has no use for: the retry command's `cd DIR &&` sets $OLDPWD to DIR,
+# and sent with --export ALL it made that repeat another spec, refused (409) in the very shell it names
+SHELL_MOVED = ("OLDPWD",)
+
+
 def _export(data: dict, export: str) -> None:
     """Slurm's --export: ALL (default) sends the submitter's environment (less secrets and rank
     variables, ``luban.jobenv.inheritable``); NONE or NAME,NAME... sends exactly those names."""
@@ -243,7 +261,8 @@ def _export(data: dict, export: str) -> None:
     if not isinstance(data.get("env") or {}, dict):
         raise bad_value("env", data["env"], "a mapping of NAME: value")
     if export.upper() == "ALL":
-        data["env"] = {**jobenv.inheritable(os.environ), **(data.get("env") or {})}
+        sent = {k: v for k, v in jobenv.inheritable(os.environ).items() if k not in SHELL_MOVED}
+        data["env"] = {**sent, **(data.get("env") or {})}
         return
     names = [] if export.upper() == "NONE" else [n for n in export.split(",") if n]
     for name in names:
@@ -625,7 +644,7 @@ def _trace_config(args):
 
 def register(subparsers) -> None:
     conn = argparse.ArgumentParser(add_help=False)
-    conn.add_argument("--url", type=schema.text(), help="service URL (default $LUBAN_CLUSTER_URL or http://127.0.0.1:8765)")
+    conn.add_argument("--url", type=schema.custom(schema.text(), schema.text().allowed, shown=without_password), help="service URL (default $LUBAN_CLUSTER_URL or http://127.0.0.1:8765)")
     conn.add_argument("--token", type=schema.text(), help="API token (default $LUBAN_CLUSTER_TOKEN)")
 
     p = subparsers.add_parser("submit", parents=[conn], help="submit a job to the cluster scheduler")

@@ -22,6 +22,10 @@ from luban.errors import LubanError, bad_value, escaped, without_password
 
 SERVICE_HEADER = "x-luban-cluster"  # luban.cluster.service marks every answer with it
 TOTAL_HEADER = "X-Total-Count"      # GET /api/jobs: how many rows match in all (the answer has at most limit)
+# a URL's user[:password]@ is refused: httpx sends it as Basic auth in place of the bearer token (every call a 401)
+CREDENTIALS_IN_URL = "no user:password@ (luban sends its token; httpx would send the URL's credentials instead)"
+# why a URL with a password is refused, where httpx's own reason may quote part of the password
+UNPARSED_PASSWORD = "not read as one; a password holding '/', '?', '#' or '@' must be percent-encoded: %2F %3F %23 %40"
 
 SUBMIT_KEY_HEADER = "Idempotency-Key"  # POST /api/jobs: one submission per user and key (the IETF draft's header)
 SUBMIT_RETRY_S = 20.0  # seconds submit() retries a POST sent but not answered (the service died, or restarts),
@@ -74,11 +78,16 @@ class Client:
             self.http = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {token}"}, timeout=timeout)
             base = self.http.base_url
             if base.scheme not in ("http", "https") or not base.host:
-                raise httpx.InvalidURL("not http(s)://HOST[:PORT]")
+                raise ValueError("not http(s)://HOST[:PORT]")  # (ours: a ValueError, httpx's is an InvalidURL)
             if base.port is not None and not 1 <= base.port <= 65535:
-                raise httpx.InvalidURL(f"port {base.port} is not from 1 to 65535")
+                raise ValueError(f"port {base.port} is not from 1 to 65535")
+            if base.userinfo:  # httpx sends a URL's user:password as Basic auth in place of the token: 401
+                raise ValueError(CREDENTIALS_IN_URL)
         except (httpx.InvalidURL, ValueError) as err:  # --url or $LUBAN_CLUSTER_URL: 'http://[::1', 'ftp://x'
-            raise bad_value("--url", without_password(self.url), f"the service's http(s)://HOST[:PORT] ({err})") from None
+            shown = without_password(self.url)
+            # httpx's reason may quote the password (http://alice:s3cr#t@h: "Invalid port: 's3cr'"): not then
+            why = err if shown == self.url or not isinstance(err, httpx.InvalidURL) else UNPARSED_PASSWORD
+            raise bad_value("--url", shown, f"the service's http(s)://HOST[:PORT] ({why})") from None
 
     def call(self, method: str, path: str, **kwargs):
         return self.request(method, path, **kwargs)[0]
