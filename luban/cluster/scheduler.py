@@ -196,7 +196,9 @@ class Scheduler:
                     node.state = GONE
                     log.warning("node %s is no longer reported by the executor: not scheduled (kept as %s)",
                                 node.name, GONE)
-                node.unavailable = None  # the executor says nothing of it now (an admin's drain kept Slurm's why)
+                if node.unavailable:  # the executor says nothing of it now (an admin's drain kept Slurm's why)
+                    record(s, "node", f"{node.name} is no longer reported by the executor (was: {node.unavailable})")
+                node.unavailable = None
         self._next_node_sync = self.clock.now() + NODE_SYNC_S
 
     def refresh_nodes(self, now: float) -> None:

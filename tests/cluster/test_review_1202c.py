@@ -24,7 +24,7 @@ from luban.cluster import cli
 from luban.cluster import client as client_module
 from luban.cluster.client import SERVICE_HEADER, SUBMIT_KEY_HEADER, Client
 from luban.cluster.executors import NodeInfo
-from luban.cluster.models import Job, Node
+from luban.cluster.models import Event, Job, Node
 from luban.cluster.scheduler import GONE, Scheduler, Settings
 from luban.errors import LubanError, without_password
 from tests.cluster.test_review_1202 import _words_in_bash
@@ -153,6 +153,10 @@ def test_a_node_slurm_stops_reporting_loses_slurms_reason_whatever_the_admin_set
     with scheduler.sessions() as s:
         rows = {n.name: (n.state, n.unavailable) for n in s.query(Node)}
     assert rows == {"n1": ("drain", None), "n2": (GONE, None), "n3": ("up", None)}, rows
+    with scheduler.sessions() as s:
+        said = [e.message for e in s.query(Event).filter(Event.kind == "node").order_by(Event.id)]
+    assert sorted(said[-2:]) == ["n1 is no longer reported by the executor (was: slurm: drained (disk))",
+                         "n2 is no longer reported by the executor (was: slurm: drained (fan))"], said
     engine.dispose()
 
 
