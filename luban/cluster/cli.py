@@ -126,12 +126,12 @@ def _submit_again(args, key: str) -> str:
     answer was lost (the service answers the job the key made, or makes it). It starts in this
     directory (``cd DIR &&``: a relative job file, and the workdir a command gets by default) and names
     the service it was sent to (--url, or $LUBAN_CLUSTER_URL's value). Secrets are never printed: a
-    token reads TOKEN, a password in the URL PASSWORD (``errors.without_password``). What --export ALL sent
+    token reads TOKEN (a URL with a password never got this far: ``Client`` refuses it). What --export ALL sent
     is this shell's environment: from another shell the repeat differs and is refused (409), never a
     second job."""
     url = args.url or os.environ.get("LUBAN_CLUSTER_URL")
     words = ["luban", "submit", "--key", key]
-    words += ["--url", without_password(url)] if url else []
+    words += ["--url", url] if url else []  # (Client refused a URL with credentials before any request)
     words += ["--token", "TOKEN"] if args.token else []
     for key_name, flag in SPEC_FLAGS:
         value = getattr(args, key_name)
@@ -644,7 +644,8 @@ def _trace_config(args):
 
 def register(subparsers) -> None:
     conn = argparse.ArgumentParser(add_help=False)
-    conn.add_argument("--url", type=schema.custom(schema.text(), schema.text().allowed, shown=without_password), help="service URL (default $LUBAN_CLUSTER_URL or http://127.0.0.1:8765)")
+    text = schema.text()
+    conn.add_argument("--url", type=schema.custom(text, text.allowed, shown=without_password), help="service URL (default $LUBAN_CLUSTER_URL or http://127.0.0.1:8765)")
     conn.add_argument("--token", type=schema.text(), help="API token (default $LUBAN_CLUSTER_TOKEN)")
 
     p = subparsers.add_parser("submit", parents=[conn], help="submit a job to the cluster scheduler")

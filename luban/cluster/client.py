@@ -82,7 +82,7 @@ class Client:
             if base.port is not None and not 1 <= base.port <= 65535:
                 raise ValueError(f"port {base.port} is not from 1 to 65535")
             if base.userinfo:  # httpx sends a URL's user:password as Basic auth in place of the token: 401
-                raise ValueError(CREDENTIALS_IN_URL)
+                raise ValueError(CREDENTIALS_IN_URL)  # (so self.url, once accepted, holds no password to hide)
         except (httpx.InvalidURL, ValueError) as err:  # --url or $LUBAN_CLUSTER_URL: 'http://[::1', 'ftp://x'
             shown = without_password(self.url)
             # httpx's reason may quote the password (http://alice:s3cr#t@h: "Invalid port: 's3cr'"): not then
@@ -114,7 +114,7 @@ class Client:
                     sent, deadline = True, max(deadline, time.monotonic() + unanswered_retry_for)
                 if time.monotonic() >= deadline:
                     hint = unanswered_hint if sent else ""
-                    raise LubanError(f"cluster service at {without_password(self.url)} is unreachable: {err}{hint}") from None
+                    raise LubanError(f"cluster service at {self.url} is unreachable: {err}{hint}") from None
             time.sleep(1.0)
         try:
             body = response.json()
@@ -123,14 +123,14 @@ class Client:
         if response.status_code >= 400:
             detail = body.get("detail") if isinstance(body, dict) else None
             if detail is None or not str(detail).strip():  # not luban's service (a web server's empty 404)
-                detail = f"{method} {path} answered without a message: is {without_password(self.url)} a luban cluster service?"
+                detail = f"{method} {path} answered without a message: is {self.url} a luban cluster service?"
             detail = escaped(" ".join(str(detail).split()))
             hint = unanswered_hint if response.status_code == RETRY_STATUS else ""
             raise ApiError(f"{detail[:2000]} (HTTP {response.status_code}){hint}", response.status_code)  # no control codes
         if body is None or SERVICE_HEADER not in response.headers:  # another web server or API at the URL
             raise LubanError(f"{method} {path} answered HTTP {response.status_code} "
                              f"({response.headers.get('content-type') or 'no content type'}) without luban's mark: "
-                             f"is {without_password(self.url)} a luban cluster service? (check --url or $LUBAN_CLUSTER_URL)")
+                             f"is {self.url} a luban cluster service? (check --url or $LUBAN_CLUSTER_URL)")
         return body, response.headers
 
     # jobs
