@@ -9,6 +9,7 @@ tokens no CRC had seen. The reader now keeps the file's status-change time, inod
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 import pytest
@@ -17,8 +18,15 @@ from luban.data.shards import HEADER_SIZE, ShardReader
 from luban.errors import LubanError
 
 
+# Linux stamps a write with its coarse clock (one jiffy: 1-10 ms) unless the file system has multigrain
+# timestamps (6.13+): a write in the same jiffy as the stamp read may keep the status-change time. The tests
+# pin that, as a rewrite during a run does not: they write a jiffy at HZ=100 after the stamp.
+COARSE_CLOCK_S = 0.011
+
+
 def _flip_a_token(path, token: int, dtype) -> None:
     """Token ``token`` changed in place: same size, same header, same tail (its CRCs now wrong)."""
+    time.sleep(COARSE_CLOCK_S)
     with open(path, "r+b") as f:
         f.seek(HEADER_SIZE + token * dtype.itemsize)
         byte = f.read(1)
