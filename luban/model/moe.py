@@ -28,13 +28,15 @@ One ``MoE`` replaces the ``MLP`` of every block from ``dense_layers`` on:
   at most ``GROUPED_MM_MAX_GROUPS`` experts; Blackwell's miscomputes an expert without tokens)
   the three projections are three grouped GEMMs whose group boundaries stay on the device;
   elsewhere a loop over the experts, which reads the counts on the host (one device
-  wait per MoE layer and micro-batch on a GPU). Without expert parallel and a capacity cut the
-  layer's forward then reads nothing on the host (the counts are an ``index_add_``, not
-  ``bincount``, which reads its input's maximum on a GPU).
+  wait per MoE layer and micro-batch on a GPU; none under a capacity cut, whose sizes are the
+  host's). Without expert parallel the layer's forward then reads nothing on the host (the
+  counts are an ``index_add_``, not ``bincount``, which reads its input's maximum on a GPU).
 * Dropless by default: every token reaches all its k experts. ``capacity_factor`` c > 0
-  caps an expert at ceil(c * T * k / E) of the T tokens of a micro-batch (GShard, Lepikhin
+  caps an expert at C = ceil(c * T * k / E) of the T tokens of a micro-batch (GShard, Lepikhin
   et al. 2020); later tokens in the micro-batch are dropped for that expert (their other
-  experts and the residual still carry them).
+  experts and the residual still carry them). Each expert then computes a fixed buffer of C
+  rows, its kept ones padded with zero rows (``capacity_slots``, ``MoE.capped``): every size
+  is known on the host, so the cut reads nothing from the device and the GEMMs are C·E rows.
 * The load-balancing loss (Switch Transformer, Fedus et al. 2021, Eq. 4):
   aux = E * sum_i f_i * P_i with f_i the fraction of the T*k assignments that go to expert i
   and P_i the mean router probability of expert i (for ``sigmoid`` the scores normalised per
@@ -137,14 +139,15 @@ class Experts(nn.Module):
         self.w_up = nn.Parameter(torch.empty(n, f, h))
         self.w_down = nn.Parameter(torch.empty(n, h, f))
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor | list[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, sizes: list[int] | None = None) -> torch.Tensor:
         """x [sum(counts), h]: rows sorted by (local) expert, ``counts[e]`` rows for expert e (a
-        tensor on x's device, or a list where the caller has them on the host already)."""
+        tensor on x's device); ``sizes``: the same counts as a list, where the caller has them on
+        the host already (the loop then reads nothing)."""
         dtype = compute_dtype(x)
         groups, *widths = self.w_up.shape
-        if isinstance(counts, torch.Tensor) and grouped_gemm_ok(x.device, dtype, tuple(widths), groups):
+        if grouped_gemm_ok(x.device, dtype, tuple(widths), groups):
             return self.grouped(x, counts, dtype)
-        return self.loop(x, counts)
+        return self.loop(x, counts if sizes is None else sizes)
 
     def grouped(self, x: torch.Tensor, counts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The three projections as grouped GEMMs over all experts at once (``torch._grouped_mm``;
@@ -221,20 +224,28 @@ def expert_counts(flat: torch.Tensor, num_experts: int) -> torch.Tensor:
     return torch.zeros(num_experts, dtype=torch.long, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
 
 
-def sort_by_expert(ids: torch.Tensor, num_experts: int, capacity: int | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Assignments [T, k] -> (kept flat assignment indices sorted by expert (stable: token order
-    within an expert), tokens per expert [E] after the capacity cut, tokens routed to each
-    expert [E] before it (the same tensor when dropless))."""
+def sort_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Assignments [T, k] -> (flat assignment indices sorted by expert (stable: token order within
+    an expert), tokens per expert [E])."""
     flat = ids.flatten()
-    order = flat.argsort(stable=True)
-    counts = expert_counts(flat, num_experts)
-    if capacity is None:
-        return order, counts, counts
-    starts = counts.cumsum(0) - counts
-    position = torch.arange(flat.numel(), device=ids.device) - starts[flat[order]]
-    keep = position < capacity
-    return order[keep], counts.clamp(max=capacity), counts
+    return flat.argsort(stable=True), expert_counts(flat, num_experts)
+
+
+def capacity_slots(ids: torch.Tensor, num_experts: int, capacity: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GShard's fixed expert buffers (Lepikhin et al. 2020, Sec. 2.2; Megatron-Core's drop-and-pad):
+    assignments [T, k] -> (flat assignment indices sorted by expert, the slot of each in a buffer of
+    E * capacity rows (expert e's kept rows from e * capacity on, in token order; a dropped one gets
+    a slot of its own past the buffer), tokens kept per expert [E], tokens routed to each [E]).
+    Every size is the host's: the cut is a slot, not a boolean index (whose length is data: a host
+    read per MoE layer on a GPU)."""
+    order, routed = sort_by_expert(ids, num_experts)
+    n = order.numel()
+    expert = ids.flatten()[order]
+    position = torch.arange(n, device=ids.device) - (routed.cumsum(0) - routed)[expert]
+    past = num_experts * capacity + torch.arange(n, device=ids.device)
+    slot = torch.where(position < capacity, expert * capacity + position, past)
+    return order, slot, routed.clamp(max=capacity), routed
 
 
 class MoE(nn.Module):
@@ -264,17 +275,40 @@ class MoE(nn.Module):
             return None
         return math.ceil(self.capacity_factor * tokens * self.k / self.num_experts)
 
+    def run_experts(self, rows: torch.Tensor, counts: torch.Tensor, sizes: list[int] | None = None) -> torch.Tensor:
+        """The experts on ``rows`` sorted by global expert: here, or on their expert-parallel ranks."""
+        if self.dispatch is None:
+            return self.experts(rows, counts, sizes)
+        return self.dispatch(self.experts, rows, counts, sizes)
+
+    def capped(self, rows: torch.Tensor, slot: torch.Tensor, capacity: int) -> torch.Tensor:
+        """The experts on fixed buffers of ``capacity`` rows each (``capacity_slots``): expert e
+        computes its kept rows, then zero rows up to ``capacity``; a dropped assignment's output is a
+        zero row. The buffer's sizes are known on the host, and its GEMMs are capacity x E rows
+        (what a capacity factor bounds), not the kept count."""
+        size, n = self.num_experts * capacity, rows.shape[0]
+        source = torch.full((size + n,), n, dtype=torch.long, device=rows.device)  # n: the zero row
+        source[slot] = torch.arange(n, device=rows.device)  # slots are distinct: no write order to pick
+        zero = rows.new_zeros(1, rows.shape[1])
+        buffer = torch.cat([rows, zero])[source[:size]]
+        counts = torch.full((self.num_experts,), capacity, dtype=torch.long, device=rows.device)
+        out = self.run_experts(buffer, counts, [capacity] * self.num_experts)
+        return torch.cat([out, out.new_zeros(1, out.shape[1])])[slot.clamp(max=size)]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, ids, probs = self.router(x)
-        order, counts, routed = sort_by_expert(ids, self.num_experts, self.capacity(x.shape[0]))
-        token = order // self.k
-        rows = x[token]
-        if self.dispatch is None:
-            out = self.experts(rows, counts)
+        capacity = self.capacity(x.shape[0])
+        if capacity is None:
+            order, counts = sort_by_expert(ids, self.num_experts)
+            routed = counts
+            token = order // self.k
+            out = self.run_experts(x[token], counts)
         else:
-            out = self.dispatch(self.experts, rows, counts)
+            order, slot, counts, routed = capacity_slots(ids, self.num_experts, capacity)
+            token = order // self.k
+            out = self.capped(x[token], slot, capacity)
         out = out * weights.flatten()[order, None].to(out.dtype)
         y = torch.zeros_like(x, dtype=out.dtype).index_add_(0, token, out)  # autocast: out may be bf16
         if self.training:

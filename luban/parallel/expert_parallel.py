@@ -67,7 +67,11 @@ class EPDispatch:
 
     # Eager under torch.compile: the split sizes are read on the host (data-dependent), as in Experts.loop
     @torch.compiler.disable
-    def __call__(self, experts: Experts, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def __call__(self, experts: Experts, rows: torch.Tensor, counts: torch.Tensor,
+                 sizes: list[int] | None = None) -> torch.Tensor:
+        """``sizes`` (this rank's counts on the host, under a capacity cut) does not spare the counts'
+        exchange: the rows a rank receives are its peers' counts, which a rank cannot assume equal
+        to its own (a peer's micro-batch may hold other tokens)."""
         ep, local = self.ep, self.local
         counts = counts.to(torch.long)
         recv_counts = torch.empty_like(counts)  # [source rank, local expert], flattened
@@ -78,7 +82,8 @@ class EPDispatch:
         received = _all_to_all(rows, send, recv, self.group)
         # received is grouped by source rank, then local expert; the GEMMs want local expert first
         order = _regroup(recv_grid, sum(recv))
-        out = experts(received[order], recv_grid.sum(0).tolist())
+        per_expert = recv_grid.sum(0)  # the grouped GEMMs' counts stay on the device; the loop's list is read here
+        out = experts(received[order], per_expert, per_expert.tolist())
         back = torch.empty_like(order)
         back[order] = torch.arange(order.numel(), device=order.device)
         return _all_to_all(out[back], recv, send, self.group)

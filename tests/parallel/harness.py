@@ -93,6 +93,9 @@ def run_toy_pipeline(job: dict) -> dict:
     return {"params": {}, "toy_diffs": diffs}
 
 
+GROUPED_GEMM_OK: dict = {}  # luban's own predicate, kept across jobs in one process
+
+
 def run_job(job: dict) -> dict:
     import torch.distributed.checkpoint as dcp
 
@@ -100,6 +103,11 @@ def run_job(job: dict) -> dict:
         return run_toy_pipeline(job)
 
     cfg = model_cfg(job)
+    from luban.model import moe
+
+    # "grouped": the experts through torch._grouped_mm (ATen's CPU fallback of the Hopper path)
+    original = GROUPED_GEMM_OK.setdefault("luban", moe.grouped_gemm_ok)
+    moe.grouped_gemm_ok = (lambda *args: True) if job.get("grouped") else original
     layout = ParallelLayout.from_dict(job.get("layout", {}))
     optim = OptimizerConfig(**{"name": "sgd", "weight_decay": 0.0, **job.get("optim", {})})
     gb = job.get("global_batch", 8)

@@ -16,6 +16,7 @@ from tests.parallel.harness import max_diff, merged_params, results, run_job, ru
 TOL = 1e-5
 MOE = {"layers": 3}
 STRONG_AUX = {**MOE, "aux_loss_coef": 1.0}  # cp: a per-shard aux loss would be visible at 1e-5
+CAPACITY = {**MOE, "capacity_factor": 1.0}  # GShard's fixed buffers through the all-to-all: drops tokens
 
 
 def job(name, model=MOE, **layout):
@@ -25,7 +26,8 @@ def job(name, model=MOE, **layout):
 MATRIX = {
     2: [job("moe-dp2", dp=2), job("moe-zero3-dp2", dp=2, zero=3), job("moe-tp2-sp", tp=2, sp=True),
         job("moe-pp2", pp=2, micro_batch=2), job("moe-cp2", STRONG_AUX, cp=2),
-        job("dp2-ep2", dp=2, ep=2)],
+        job("dp2-ep2", dp=2, ep=2), {**job("dp2-ep2-grouped", dp=2, ep=2), "grouped": True},
+        job("dp2-ep2-capacity", CAPACITY, dp=2, ep=2)],
     4: [job("dp4-ep2", dp=4, ep=2), job("dp4-ep4-zero1", dp=4, ep=4, zero=1), job("dp4-ep4-zero3", dp=4, ep=4, zero=3),
         job("dp4-ep2-zero3", dp=4, ep=2, zero=3), job("dp2-ep2-tp2-zero1", dp=2, ep=2, tp=2, zero=1),
         job("dp2-ep2-tp2-sp-zero1", dp=2, ep=2, tp=2, sp=True, zero=1),
