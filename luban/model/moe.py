@@ -276,10 +276,11 @@ class MoE(nn.Module):
         return math.ceil(self.capacity_factor * tokens * self.k / self.num_experts)
 
     def run_experts(self, rows: torch.Tensor, counts: torch.Tensor, sizes: list[int] | None = None) -> torch.Tensor:
-        """The experts on ``rows`` sorted by global expert: here, or on their expert-parallel ranks."""
+        """The experts on ``rows`` sorted by global expert: here (``sizes``: the counts on the host, if
+        known), or on their expert-parallel ranks (which exchange the counts whatever they are)."""
         if self.dispatch is None:
             return self.experts(rows, counts, sizes)
-        return self.dispatch(self.experts, rows, counts, sizes)
+        return self.dispatch(self.experts, rows, counts)
 
     def capped(self, rows: torch.Tensor, slot: torch.Tensor, capacity: int) -> torch.Tensor:
         """The experts on fixed buffers of ``capacity`` rows each (``capacity_slots``): expert e

@@ -67,11 +67,9 @@ class EPDispatch:
 
     # Eager under torch.compile: the split sizes are read on the host (data-dependent), as in Experts.loop
     @torch.compiler.disable
-    def __call__(self, experts: Experts, rows: torch.Tensor, counts: torch.Tensor,
-                 sizes: list[int] | None = None) -> torch.Tensor:
-        """``sizes`` (this rank's counts on the host, under a capacity cut) does not spare the counts'
-        exchange: the rows a rank receives are its peers' counts, which a rank cannot assume equal
-        to its own (a peer's micro-batch may hold other tokens)."""
+    def __call__(self, experts: Experts, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The counts are exchanged under a capacity cut too: the rows a rank receives are its peers'
+        counts, which it cannot assume equal to its own (a peer's micro-batch may hold other tokens)."""
         ep, local = self.ep, self.local
         counts = counts.to(torch.long)
         recv_counts = torch.empty_like(counts)  # [source rank, local expert], flattened
