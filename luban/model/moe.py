@@ -271,9 +271,13 @@ class MoE(nn.Module):
         self.register_buffer("stats", torch.zeros(2, dtype=torch.float64), persistent=False)  # aux sum, forwards
 
     def capacity(self, tokens: int) -> int | None:
+        """An expert's capacity for a micro-batch of ``tokens`` tokens; None where nothing can be dropped:
+        dropless, or a capacity of ``tokens`` or more (an expert gets a token at most once), which as a
+        fixed buffer would only compute zero rows (c = 1000: 1000x the GEMM rows of dropless)."""
         if not self.capacity_factor:
             return None
-        return math.ceil(self.capacity_factor * tokens * self.k / self.num_experts)
+        capacity = math.ceil(self.capacity_factor * tokens * self.k / self.num_experts)
+        return None if capacity >= tokens else capacity
 
     def run_experts(self, rows: torch.Tensor, counts: torch.Tensor, sizes: list[int] | None = None) -> torch.Tensor:
         """The experts on ``rows`` sorted by global expert: here (``sizes``: the counts on the host, if

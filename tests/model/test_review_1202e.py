@@ -104,3 +104,17 @@ def test_capacity_slots_are_distinct_and_keep_the_first_tokens():
     inside = {int(order[i]): int(s) for i, s in enumerate(slot.tolist()) if s < 3 * 2}
     # expert 0 keeps tokens 0 and 1 (assignments 0, 2), drops tokens 2 and 3 (assignments 4, 7)
     assert inside == {0: 0, 2: 1, 1: 2, 5: 3, 3: 4, 6: 5}
+
+
+def test_a_capacity_no_expert_can_reach_is_dropless_not_a_huge_buffer(monkeypatch):
+    """A careless ``capacity_factor = 1000`` asked for buffers of 1000x the dropless rows: an expert gets
+    a token at most once, so a capacity of T or more drops nothing and runs the dropless path."""
+    cfg = CFG.replace(capacity_factor=1000.0)
+    layer = _layer(cfg).eval()
+    assert layer.capacity(24) is None and _layer(CFG.replace(capacity_factor=1.0)).capacity(24) == 8
+    capped = []
+    monkeypatch.setattr(moe.MoE, "capped", lambda *a: capped.append(a))
+    x = torch.randn(24, cfg.hidden, generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        assert torch.allclose(layer(x), _reference(layer, x), atol=1e-6)
+    assert not capped
