@@ -15,7 +15,6 @@ import functools
 import hashlib
 import logging
 import secrets
-import socket
 import threading
 import time
 from pathlib import Path
@@ -30,6 +29,7 @@ from luban.cluster import policy, states
 from luban.cluster.executors import Executor, Launch, StartDeferred, Status, Unavailable
 from luban.cluster.models import ACTIVE, LIVE, Allocation, Event, Job, Node, Quota, Sample, StopReason, User, UserGroup
 from luban.errors import LubanError
+from luban.parallel.launch import free_port  # below the ephemeral range: an outgoing connection can take a port there
 
 log = logging.getLogger("luban.cluster")
 LAUNCH_GRACE = 60.0  # seconds a claimed job may go without an executor handle
@@ -130,12 +130,6 @@ def charged_until(job: Job, ended_at: float | None, now: float) -> float:
 def job_tag(job: Job) -> str:
     """The attempt's tag: its Slurm job name and LUBAN_JOB_TAG of all its processes (luban.procs)."""
     return f"luban-{job.id}-{job.chain_id}"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 class Scheduler:
