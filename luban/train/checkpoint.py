@@ -10,7 +10,8 @@ Layout of ``<run>/checkpoints/step_0000100/``:
 A save goes to ``.tmp-step_0000100`` and is renamed into place only once every rank has
 written and the manifest is on disk, so a crash or kill during a save never touches the
 previous checkpoint; a directory is valid only if its manifest's checksums match.
-``latest_valid`` finds the newest valid one for ``--resume auto``; the last K are kept.
+``latest_valid`` finds the newest valid one for ``--resume auto``; the last K *valid* ones are kept
+(``_prune``: a damaged or foreign folder never counts, nor is removed in place of a good one).
 
 Asynchronous saves (``AsyncCheckpointer``, ``[train] async_checkpoint``): the training thread
 blocks only to capture what is small or changes during forward/backward (RNG states, meta with
@@ -52,7 +53,7 @@ import torch.distributed.checkpoint as dcp
 
 from luban.data.order import ORDER_ALLOWED, known_order
 from luban.errors import CheckpointWriteError, LubanError, shown
-from luban.owned import step_dirs  # the checkpoint folders, newest first (torch-free: the launcher reads them too)
+from luban.owned import STEP_DIR, step_dirs  # the checkpoint folders, newest first (torch-free: the launcher reads them too)
 
 # DCP warns on every single-process save/load; that is the intended mode for one rank.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -275,14 +276,20 @@ def verify_everywhere(ckpt: Path) -> str | None:
     (a resume of N ranks read the whole checkpoint N times: a 1 TB checkpoint on 64 ranks, 64 TB
     from the shared file system); every rank gets the same answer, the first rank's problem."""
     if not _is_dist():
-        return verify(ckpt)
+        problem = verify(ckpt)
+        if problem is None:
+            _VERIFIED[_verified_key(ckpt)] = True  # retention need not read it again (_prune)
+        return problem
     try:  # every rank reaches the gather, whatever its share raised (one rank's error must not hang the rest)
         mine = verify(ckpt, share=(dist.get_rank(), dist.get_world_size()))
     except OSError as err:
         mine = f"a file cannot be read ({err.strerror or err})"
     answers = [None] * dist.get_world_size()
     dist.all_gather_object(answers, mine)
-    return next((a for a in answers if a), None)
+    problem = next((a for a in answers if a), None)
+    if problem is None:
+        _VERIFIED[_verified_key(ckpt)] = True  # retention need not read it again (_prune)
+    return problem
 
 
 def latest_valid(root: Path) -> Path | None:
@@ -417,10 +424,54 @@ def _save(root: Path, step: int, state: dict, meta: dict, keep: int, rng: dict, 
             shutil.rmtree(final)  # luban's own: checked before this save began
         tmp.rename(final)
         _fsync_dir(root)
-        for old in step_dirs(root)[max(keep, 1):]:
-            _remove_own(old)  # one holding a user's file is kept
+        _VERIFIED[_verified_key(final)] = True  # its CRC32s were just taken from what was written
+        _prune(root, final, keep)
     _barrier(group)
     return final
+
+
+# (folder, its manifest's inode, size and mtime) -> whether ``verify`` passed: each checkpoint is read
+# back at most once per process for retention (one this process wrote or resumed from: never)
+_VERIFIED: dict[tuple, bool] = {}
+
+
+def _verified_key(ckpt: Path) -> tuple:
+    try:
+        st = (ckpt / "manifest.json").stat()
+        return str(ckpt.resolve()), st.st_ino, st.st_size, st.st_mtime_ns
+    except OSError:
+        return str(ckpt), None
+
+
+def _verifies(ckpt: Path) -> bool:
+    key = _verified_key(ckpt)
+    if key not in _VERIFIED:
+        try:
+            _VERIFIED[key] = verify(ckpt) is None
+        except OSError:
+            _VERIFIED[key] = False
+    return _VERIFIED[key]
+
+
+def _prune(root: Path, final: Path, keep: int) -> None:
+    """Retention (``train.keep_checkpoints`` = ``keep``): ``final``, just written, and the ``keep - 1``
+    newest *valid* checkpoints older than it stay; of those older still, the ones luban wrote go.
+    Only valid checkpoints count, so a damaged one (skipped by ``--resume auto``) or a user's empty
+    ``step_NNNNNNN`` folder never makes the last good one go. A checkpoint numbered above ``final``
+    (one ``--resume auto`` skipped as damaged, or a user's folder) is neither counted nor removed: a
+    later save of that step replaces it only if luban wrote it (``_save``'s check). A folder without a
+    manifest or holding a file a save never writes is not luban's checkpoint and stays; a damaged one
+    between the kept ones stays too (the window moves past it as valid ones are written)."""
+    number = lambda p: int(STEP_DIR.match(p.name).group(1))  # noqa: E731
+    older = [p for p in step_dirs(root) if number(p) < number(final)]
+    kept = 1
+    for place, ckpt in enumerate(older):
+        if kept >= max(keep, 1):
+            for old in older[place:]:
+                if (old / "manifest.json").is_file():
+                    _remove_own(old)  # one holding a user's file is kept
+            return
+        kept += _verifies(ckpt)
 
 
 def _test_hold(tmp: Path, step: int) -> None:

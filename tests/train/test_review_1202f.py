@@ -1,0 +1,86 @@
+"""Retention counts only valid checkpoints and never removes the one just written (a hostile review,
+2026-12-02: a damaged newest checkpoint, skipped by ``--resume auto``, or a user's empty
+``step_0000009`` folder ranked first, so the save after the resume deleted itself and every good one;
+exit 0, and the next ``--resume auto`` found nothing to resume)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from luban.train import checkpoint
+
+
+def meta(step):
+    return {"step": step, "config": {"model": {}}, "world_size": 1}
+
+
+def save(root: Path, step: int, keep: int) -> Path:
+    return checkpoint.save(root, step, {"w": torch.full((64,), float(step))}, meta(step), keep=keep)
+
+
+def damage(ckpt: Path) -> None:
+    """One flipped byte in the weights: sizes unchanged, the CRC32 fails."""
+    f = next(ckpt.glob("*.distcp"))
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    f.write_bytes(bytes(data))
+    checkpoint._VERIFIED.clear()  # as a new process finds it
+
+
+def names(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir())
+
+
+@pytest.mark.parametrize("newer", ["damaged", "empty user folder"])
+def test_a_newer_invalid_folder_neither_counts_nor_makes_the_new_checkpoint_go(tmp_path, newer):
+    root = tmp_path / "checkpoints"
+    for step in (4, 9):
+        save(root, step, keep=3)
+    if newer == "damaged":
+        damage(root / "step_0000009")
+    else:
+        for f in (root / "step_0000009").iterdir():
+            f.unlink()
+    assert checkpoint.latest_valid(root) == root / "step_0000004"  # what --resume auto picks
+    save(root, 6, keep=1)
+    assert names(root) == ["step_0000006", "step_0000009"]  # the older good one goes, as keep=1 says
+    assert checkpoint.latest_valid(root) == root / "step_0000006"
+    save(root, 7, keep=1)
+    assert names(root) == ["step_0000007", "step_0000009"]
+
+
+def test_only_valid_checkpoints_count_toward_keep(tmp_path):
+    root = tmp_path / "checkpoints"
+    for step in (2, 4):
+        save(root, step, keep=5)
+    damage(root / "step_0000004")
+    save(root, 6, keep=2)  # keep 6 and the newest valid older one (2); the damaged 4 between them stays
+    assert names(root) == ["step_0000002", "step_0000004", "step_0000006"]
+    save(root, 8, keep=2)  # 8 and 6 are the two valid newest: 4 and 2 (luban's) go
+    assert names(root) == ["step_0000006", "step_0000008"]
+
+
+def test_a_folder_luban_did_not_finish_or_write_is_never_pruned(tmp_path):
+    root = tmp_path / "checkpoints"
+    (root / "step_0000001").mkdir(parents=True)  # a user's empty folder: no manifest, not luban's
+    save(root, 2, keep=5)
+    (root / "step_0000002" / "manifest.json").unlink()  # a save that never finished
+    for step in (3, 4, 5):
+        save(root, step, keep=1)
+    assert names(root) == ["step_0000001", "step_0000002", "step_0000005"]
+
+
+def test_retention_reads_an_older_checkpoint_back_at_most_once_per_process(tmp_path, monkeypatch):
+    root = tmp_path / "checkpoints"
+    for step in (1, 2):
+        save(root, step, keep=5)
+    checkpoint._VERIFIED.clear()
+    read = []
+    real = checkpoint.verify
+    monkeypatch.setattr(checkpoint, "verify", lambda ckpt, **kw: read.append(ckpt.name) or real(ckpt, **kw))
+    for step in (3, 4, 5):
+        save(root, step, keep=5)
+    assert sorted(read) == ["step_0000001", "step_0000002"]  # those this process wrote: never
