@@ -79,6 +79,11 @@ class RunConfig:
     def seq_len(self) -> int:
         return self.data.seq_len or self.model.seq_len
 
+    @property
+    def seq_len_key(self) -> str:
+        """The setting ``seq_len`` comes from, as an error names it."""
+        return "data.seq_len" if self.data.seq_len else "model.seq_len"
+
     def to_dict(self) -> dict:
         return {"model": self.model.to_dict(), "data": dataclasses.asdict(self.data),
                 "train": dataclasses.asdict(self.train), "parallel": self.parallel.to_dict(),

@@ -91,7 +91,7 @@ def _verify(args: argparse.Namespace) -> int:
     from luban.errors import LubanError
 
     started = time.perf_counter()
-    manifest, splits = open_dataset(args.dir)
+    manifest, splits = open_dataset(args.dir, "DIR")
     tok = load_tokenizer(args.dir)
     entry = manifest["tokenizer"]
     print(f"ok tokenizer {tok.kind} (vocab {tok.vocab_size}, eos {tok.eos_id}"
@@ -117,7 +117,7 @@ def _verify(args: argparse.Namespace) -> int:
 def _info(args: argparse.Namespace) -> int:
     from luban.data.manifest import load_manifest
 
-    manifest = load_manifest(args.dir)
+    manifest = load_manifest(args.dir, "DIR")
     if args.json:
         print(json.dumps(manifest, indent=2))
         return 0

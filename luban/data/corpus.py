@@ -39,7 +39,12 @@ def default_corpus_files(max_bytes: int = DEFAULT_MAX_BYTES) -> list[Path]:
 def collect_files(inputs: Iterable[str | Path], exclude: str | Path | None = None) -> list[Path]:
     """Expand files and folders (recursively, sorted, hidden entries skipped) into files, but for those
     inside ``exclude`` (the dataset being built: a rebuild of ``corpus/`` into ``corpus/ds`` tokenised
-    the previous dataset's shards and manifest as text, growing with every rebuild)."""
+    the previous dataset's shards and manifest as text, growing with every rebuild). A file named twice
+    (``a.txt a.txt``, or a folder and a file in it) is one document, at its first place."""
+    inputs = list(inputs)
+    for item in inputs:
+        if not str(item).strip():  # Path("") is ".": an unset shell variable would tokenise the working folder
+            raise bad_value("INPUTS", str(item), "a file or folder path, not an empty string")
     inputs = [Path(i) for i in inputs]
     files: list[Path] = []
     for item in inputs:
@@ -56,6 +61,8 @@ def collect_files(inputs: Iterable[str | Path], exclude: str | Path | None = Non
     if exclude is not None:
         own = Path(exclude).resolve()
         files = [f for f in files if own not in f.resolve().parents]
+    seen: set[Path] = set()
+    files = [f for f in files if not (f.resolve() in seen or seen.add(f.resolve()))]
     if not files:
         raise LubanError(f"INPUTS = {[str(i) for i in inputs]}: no files found to tokenise")
     return files

@@ -177,7 +177,7 @@ class TokenLoader:
 
     def __init__(self, dataset_dir, split: str = "train", seq_len: int = 1024,
                  global_batch: int = 8, seed: int = 0, dp_rank: int = 0, dp_size: int = 1,
-                 prefetch: int = 2, order_version: int | None = None):
+                 prefetch: int = 2, order_version: int | None = None, seq_key: str = "seq_len"):
         seq_len, global_batch, dp_size = (_integer(k, v, 1) for k, v in (
             ("seq_len", seq_len), ("global_batch", global_batch), ("dp_size", dp_size)))
         seed, prefetch = _integer("seed", seed, 0), _integer("prefetch", prefetch, 0)
@@ -198,7 +198,7 @@ class TokenLoader:
             raise bad_value("split", split, f"has {stream.tokens} tokens in {self.dataset_dir}; "
                             "rebuild with more documents or another --val-fraction")
         if stream.tokens < seq_len + 1:
-            raise bad_value("seq_len", seq_len,
+            raise bad_value(seq_key, seq_len,
                             f"at most {stream.tokens - 1}: split {split!r} of {self.dataset_dir} "
                             f"has only {stream.tokens} tokens")
         local = global_batch // dp_size

@@ -132,11 +132,12 @@ def _check_description(path: Path, manifest: dict) -> None:
         raise bad("seed", manifest.get("seed"), "an integer >= 0")
 
 
-def load_manifest(dataset_dir: str | Path) -> dict:
-    """Read and sanity-check ``dataset_dir/manifest.json``; ``LubanError`` if it is unusable."""
+def load_manifest(dataset_dir: str | Path, key: str = "dataset_dir") -> dict:
+    """Read and sanity-check ``dataset_dir/manifest.json``; ``LubanError`` if it is unusable (``key``: the
+    argument or setting that named the folder, as the error names it)."""
     dataset_dir = Path(dataset_dir)
     if not dataset_dir.is_dir():
-        raise bad_value("dataset_dir", str(dataset_dir),
+        raise bad_value(key, str(dataset_dir),
                         "no such directory; build one with `luban data build --out DIR`")
     path = dataset_dir / MANIFEST
     if path.exists() and not path.is_file():  # a named pipe would block the read, a device never end it
@@ -195,8 +196,8 @@ def open_split(dataset_dir: str | Path, manifest: dict, split: str) -> list[Shar
     return readers
 
 
-def open_dataset(dataset_dir: str | Path) -> tuple[dict, dict[str, list[ShardReader]]]:
+def open_dataset(dataset_dir: str | Path, key: str = "dataset_dir") -> tuple[dict, dict[str, list[ShardReader]]]:
     """The manifest and every split's opened shards (checked at open: header, chunk-CRC table; version 1:
     document index)."""
-    manifest = load_manifest(dataset_dir)
+    manifest = load_manifest(dataset_dir, key)
     return manifest, {s: open_split(dataset_dir, manifest, s) for s in manifest["splits"]}

@@ -252,6 +252,12 @@ def _describe_tokenizer(ident: dict) -> str:
             + (f", sha256 {ident['sha256'][:12]}..." if ident.get("sha256") else ""))
 
 
+def _tokenizer_differs(recorded: dict, given: dict) -> bool:
+    """Whether two ``tokenizer_identity`` records (a run's, a dataset's) name different tokenizers."""
+    return any(k in recorded and k in given and recorded[k] != given[k]
+               for k in ("kind", "vocab_size", "eos_id", "sha256"))
+
+
 def _check_same_tokenizer(args, meta: dict, data: str, model_vocab: int) -> None:
     """The dataset's tokenizer must be the one the run trained with (recorded in its checkpoints:
     kind, vocabulary, end-of-document id, and a BPE file's SHA-256); else its ids decode to garbage."""
@@ -265,9 +271,7 @@ def _check_same_tokenizer(args, meta: dict, data: str, model_vocab: int) -> None
         except LubanError:
             recorded = None
     if recorded is not None:
-        differs = [k for k in ("kind", "vocab_size", "eos_id", "sha256")
-                   if k in recorded and k in given and recorded[k] != given[k]]
-        if differs:
+        if _tokenizer_differs(recorded, given):
             where = f"--data = {data!r}" if args.data else f"the run's dataset {data!r}"
             raise LubanError(f"{where}: its tokenizer ({_describe_tokenizer(given)}) is not the one "
                              f"{args.checkpoint} was trained with ({_describe_tokenizer(recorded)}); its ids "
@@ -311,7 +315,7 @@ def _check_finite(checkpoint, model, advice: str = "export an earlier checkpoint
 
 def _run_tokenizer(meta: dict, vocab: int):
     """(the tokenizer of the dataset the run trained on, or None and why not)."""
-    from luban.data.tokenizer import load_tokenizer
+    from luban.data.tokenizer import load_tokenizer, tokenizer_identity
     from luban.errors import LubanError
 
     data = meta.get("dataset")
@@ -323,8 +327,13 @@ def _run_tokenizer(meta: dict, vocab: int):
         return None, f"the run's dataset {data} is gone"
     try:
         tokenizer = load_tokenizer(data)
+        given = tokenizer_identity(data)
     except LubanError as err:
         return None, str(err)
+    recorded = meta.get("tokenizer")
+    if isinstance(recorded, dict) and _tokenizer_differs(recorded, given):  # the dataset rebuilt since
+        return None, (f"the run's dataset {data} now holds another tokenizer ({_describe_tokenizer(given)}) than "
+                      f"the run trained with ({_describe_tokenizer(recorded)}); copy the run's tokenizer files")
     if tokenizer.vocab_size > vocab:
         return None, f"the dataset's tokenizer has {tokenizer.vocab_size} tokens, the model {vocab}"
     return tokenizer, ""

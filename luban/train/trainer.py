@@ -126,7 +126,7 @@ class Trainer:
 
         self.loader = TokenLoader(data_dir, split="train", seq_len=cfg.seq_len, global_batch=t.global_batch,
                                   seed=t.seed, dp_rank=self.engine.dp_rank, dp_size=self.engine.dp_size,
-                                  prefetch=cfg.data.prefetch)
+                                  prefetch=cfg.data.prefetch, seq_key=cfg.seq_len_key)
         if t.eval_every:  # a val split too small to evaluate is refused now, not at the first eval step
             try:
                 TokenLoader(data_dir, split="val", seq_len=cfg.seq_len, global_batch=t.global_batch,

@@ -67,14 +67,28 @@ def test_default_corpus_with_bpe(tmp_path):
     (["--chunk-tokens", "1e3"], ["--chunk-tokens = '1e3': an integer from 1 to 16777216"]),
     (["--chunk-tokens", "1073741824"], ["--chunk-tokens = 1073741824: an integer from 1 to 16777216"]),
     (["no/such/file.txt"], ["INPUTS = 'no/such/file.txt'"]),
+    ([""], ["INPUTS = '': a file or folder path, not an empty string"]),  # was the working folder ('.')
+    (["  "], ["INPUTS = '  ': a file or folder path, not an empty string"]),
 ])
 def test_bad_build_input_is_one_line_exit_2(tmp_path, args, fragments):
     assert_one_line_error(luban("build", "--out", tmp_path / "ds", *args), *fragments)
     assert not (tmp_path / "ds" / "manifest.json").exists()
 
 
+def test_a_file_named_twice_is_one_document(tmp_path):
+    text = tmp_path / "t"
+    text.mkdir()
+    (text / "a.txt").write_text("hello world\n")
+    (text / "b.txt").write_text("goodbye\n")
+    out = luban("build", text / "a.txt", text / "a.txt", text, "--val-fraction", "0", "--out", tmp_path / "ds")
+    assert out.returncode == 0, out.stderr
+    source = json.loads((tmp_path / "ds" / "manifest.json").read_text())["source"]
+    assert (source["files"], source["bytes"]) == (2, 20)
+
+
 def test_verify_and_info_of_a_non_dataset(tmp_path):
-    assert_one_line_error(luban("verify", tmp_path / "nope"), "dataset_dir = ", "nope")
+    assert_one_line_error(luban("verify", tmp_path / "nope"), "DIR = ", "nope")  # the argument's name
+    assert_one_line_error(luban("info", tmp_path / "nope"), "DIR = ", "nope")
     assert_one_line_error(luban("info", tmp_path), "manifest.json: missing")
 
 

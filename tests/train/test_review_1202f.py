@@ -84,3 +84,45 @@ def test_retention_reads_an_older_checkpoint_back_at_most_once_per_process(tmp_p
     for step in (3, 4, 5):
         save(root, step, keep=5)
     assert sorted(read) == ["step_0000001", "step_0000002"]  # those this process wrote: never
+
+
+def test_export_writes_no_tokenizer_that_the_run_did_not_train_with(tmp_path):
+    """``luban export`` wrote the run's dataset's *current* tokenizer, checking only its size: a dataset
+    rebuilt since with other merges of the same size gave an HF folder whose ids decode to other text
+    (``luban sample`` refused it). Now it writes no tokenizer then, and says why."""
+    import shutil
+    import sysconfig
+
+    from luban.data.build import build_dataset
+    from tests.train.conftest import luban, tiny_overrides
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    data = tmp_path / "data"
+    build_dataset([str(stdlib / "textwrap.py"), str(stdlib / "shlex.py")], data, tokenizer="bpe", vocab_size=300)
+    luban("train", *sum((["--set", s] for s in tiny_overrides(data, tmp_path / "run", **{"train.steps": 2,
+                                                                                          "train.eval_every": 0})),
+                        []), check=0)
+    luban("export", tmp_path / "run", tmp_path / "hf1", check=0)
+    assert (tmp_path / "hf1" / "tokenizer.json").is_file()  # the run's own tokenizer: written
+    shutil.rmtree(data)
+    build_dataset([str(stdlib / "json/decoder.py"), str(stdlib / "json/encoder.py")], data, tokenizer="bpe",
+                  vocab_size=300)
+    proc = luban("export", tmp_path / "run", tmp_path / "hf2", check=0)
+    assert not (tmp_path / "hf2" / "tokenizer.json").exists() and (tmp_path / "hf2" / "model.safetensors").is_file()
+    assert "luban: warning: no tokenizer written: the run's dataset" in proc.stderr, proc.stderr
+    assert "now holds another tokenizer (bpe, vocab 300" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("key", ["model.seq_len", "data.seq_len"])
+def test_a_sequence_longer_than_the_dataset_names_the_setting_it_came_from(tmp_path, key):
+    from luban.data.build import build_dataset
+    from tests.train.conftest import luban, tiny_overrides
+
+    text = tmp_path / "a.txt"
+    text.write_text("a short corpus\n" * 4)
+    build_dataset([str(text)], tmp_path / "data", val_fraction=0)
+    sets = {key: 4096, "train.eval_every": 0} | ({"model.seq_len": 4096} if key == "data.seq_len" else {})
+    proc = luban("train", *sum((["--set", s] for s in tiny_overrides(tmp_path / "data", tmp_path / "run", **sets)),
+                               []))
+    assert proc.returncode == 2 and f"luban: error: {key} = 4096: at most 60: split 'train'" in proc.stderr, \
+        proc.stdout + proc.stderr
