@@ -201,6 +201,10 @@ def cmd_demo(args) -> int:
     if half == 0 and not (world % 2 or "WORLD_SIZE" in os.environ):  # the first half would be 0 steps
         raise bad_value("train.steps", cfg.train.steps, "at least 2 for the demo (half on each layout)")
     if world % 2 or "WORLD_SIZE" in os.environ:  # no second layout to move to (or already a rank)
+        if "WORLD_SIZE" not in os.environ:
+            print(f"luban: warning: {world} rank(s): the demo's move to another layout (pipeline x data parallel) "
+                  "needs an even number, so every step runs on one layout and no resume is shown "
+                  "(run it with --nproc 2 or 4 to see one)", file=sys.stderr, flush=True)
         rc = _run_training(args)
     else:
         first = argparse.Namespace(**{**vars(args), "set": [*args.set, f"train.steps={half}"]})

@@ -126,3 +126,14 @@ def test_a_sequence_longer_than_the_dataset_names_the_setting_it_came_from(tmp_p
                                []))
     assert proc.returncode == 2 and f"luban: error: {key} = 4096: at most 60: split 'train'" in proc.stderr, \
         proc.stdout + proc.stderr
+
+
+def test_a_demo_on_an_odd_number_of_ranks_says_it_shows_no_move(small_dataset, tmp_path):
+    """``luban demo --nproc 1`` (or 3) skipped the resume on another layout without a word."""
+    from tests.train.conftest import luban, tiny_overrides
+
+    proc = luban("demo", "--nproc", "1", *sum((["--set", s] for s in tiny_overrides(
+        small_dataset, tmp_path / "run", **{"train.steps": 2, "train.eval_every": 0})), []))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "luban: warning: 1 rank(s): the demo's move to another layout" in proc.stderr, proc.stderr
+    assert "resuming step" not in proc.stdout
