@@ -99,8 +99,17 @@ def file_size(path: Path) -> int:
 
 
 def read_text(path: Path) -> str:
-    """A document's text; bytes that are not UTF-8 become U+FFFD."""
+    """A document's text; bytes that are not UTF-8 become U+FFFD. A file that reads more or fewer bytes
+    than its size (a ``/proc`` file's size is 0; one written to during the build) is refused: ``--max-bytes``
+    and the manifest's byte count come from the sizes, and a rebuild would not tokenise the same text."""
     try:
-        return path.read_text(encoding="utf-8", errors="replace")
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            data = f.read()
     except OSError as err:
         raise unreadable(path, err) from None
+    if len(data) != size:
+        raise bad_value("INPUTS", str(path), f"a regular text file whose size stays as listed (it read {len(data)} "
+                        f"bytes, its size says {size}: a /proc-like or changing file); copy it to a file first; "
+                        "nothing was changed")
+    return data.decode("utf-8", errors="replace")

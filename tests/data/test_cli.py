@@ -69,6 +69,7 @@ def test_default_corpus_with_bpe(tmp_path):
     (["no/such/file.txt"], ["INPUTS = 'no/such/file.txt'"]),
     ([""], ["INPUTS = '': a file or folder path, not an empty string"]),  # was the working folder ('.')
     (["  "], ["INPUTS = '  ': a file or folder path, not an empty string"]),
+    (["/proc/cpuinfo"], ["INPUTS = '/proc/cpuinfo'", "its size says 0"]),  # --max-bytes read its size: 0
 ])
 def test_bad_build_input_is_one_line_exit_2(tmp_path, args, fragments):
     assert_one_line_error(luban("build", "--out", tmp_path / "ds", *args), *fragments)
