@@ -142,6 +142,11 @@ def check(path: str | Path, kind: str, key: str) -> None:
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise bad_value(key, str(path), f"a folder for {KINDS[kind]}, not a file (nothing was changed)")
+    outer = _enclosing(path)
+    if outer is not None:
+        raise bad_value(key, str(path), f"is inside {str(outer[0])!r}, luban's folder for {KINDS[outer[1]]}, which "
+                                        "holds luban's files only (a folder there would stop its next rebuild or "
+                                        "resume); choose a folder outside it (nothing was changed)")
     found = owner(path)
     if found == kind:
         _refuse_links(path, key)
@@ -156,6 +161,23 @@ def check(path: str | Path, kind: str, key: str) -> None:
         raise bad_value(key, str(path), f"cannot be read ({err.strerror}); choose a new or empty folder") from None
     raise bad_value(key, str(path), f"holds {foreign!r}, which luban did not write; choose a new or empty folder, "
                                     f"or one luban made for {KINDS[kind]} (nothing was changed)")
+
+
+# the kinds of luban folder that must hold nothing else: a dataset is swapped in whole, an export's
+# files are replaced by its marker's list, a run folder holds only RUN_ENTRIES (luban.train.rundir)
+_SOLE = ("dataset", "hf-export", "run")
+
+
+def _enclosing(path: Path) -> tuple[Path, str] | None:
+    """The nearest folder above ``path`` that luban marked as one of ``_SOLE``'s kinds, and its kind."""
+    try:
+        for parent in path.absolute().parents:
+            kind = marked_kind(parent) if (parent / MARKER).is_file() else None
+            if kind in _SOLE:
+                return parent, kind
+    except OSError:
+        return None
+    return None
 
 
 def _refuse_links(path: Path, key: str) -> None:

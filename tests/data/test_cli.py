@@ -115,3 +115,16 @@ def test_a_manifest_that_is_a_named_pipe_is_refused_not_waited_on(tmp_path, acti
 def test_help(action):
     proc = luban(action, "--help")
     assert proc.returncode == 0 and "usage: luban data " + action in proc.stdout
+
+
+def test_a_dataset_inside_another_dataset_is_refused(tmp_path):
+    """A dataset built into a folder of another one made the outer one unrebuildable ("holds 'sub', which
+    luban did not write"); the inner build is refused instead, nothing written."""
+    text = tmp_path / "a.txt"
+    text.write_text("hello world\n" * 8)
+    assert luban("build", text, "--out", tmp_path / "ds", "--val-fraction", "0").returncode == 0
+    assert_one_line_error(luban("build", text, "--out", tmp_path / "ds" / "sub" / "inner"),
+                          f"--out = '{tmp_path / 'ds' / 'sub' / 'inner'}': is inside '{tmp_path / 'ds'}', "
+                          "luban's folder for a dataset")
+    assert not (tmp_path / "ds" / "sub").exists()
+    assert luban("build", text, "--out", tmp_path / "ds", "--val-fraction", "0").returncode == 0  # rebuilds
