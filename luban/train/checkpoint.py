@@ -277,16 +277,14 @@ def verify_everywhere(ckpt: Path) -> str | None:
     from the shared file system); every rank gets the same answer, the first rank's problem."""
     if not _is_dist():
         problem = verify(ckpt)
-        if problem is None:
-            _VERIFIED[_verified_key(ckpt)] = True  # retention need not read it again (_prune)
-        return problem
-    try:  # every rank reaches the gather, whatever its share raised (one rank's error must not hang the rest)
-        mine = verify(ckpt, share=(dist.get_rank(), dist.get_world_size()))
-    except OSError as err:
-        mine = f"a file cannot be read ({err.strerror or err})"
-    answers = [None] * dist.get_world_size()
-    dist.all_gather_object(answers, mine)
-    problem = next((a for a in answers if a), None)
+    else:
+        try:  # every rank reaches the gather, whatever its share raised (one rank's error must not hang the rest)
+            mine = verify(ckpt, share=(dist.get_rank(), dist.get_world_size()))
+        except OSError as err:
+            mine = f"a file cannot be read ({err.strerror or err})"
+        answers = [None] * dist.get_world_size()
+        dist.all_gather_object(answers, mine)
+        problem = next((a for a in answers if a), None)
     if problem is None:
         _VERIFIED[_verified_key(ckpt)] = True  # retention need not read it again (_prune)
     return problem
