@@ -18,7 +18,7 @@ from pathlib import Path
 
 from luban import schema
 from luban.errors import LubanError, bad_value, unknown_key
-from luban.model.config import ModelConfig, _coerce
+from luban.model.config import DEFAULT_PRESET, ModelConfig, _coerce
 from luban.model.presets import get_preset
 from luban.parallel.layout import MAX_GLOBAL_BATCH, ParallelLayout
 
@@ -93,7 +93,6 @@ class RunConfig:
         return dataclasses.replace(self, **sections)
 
 
-DEFAULT_PRESET = "tiny"  # [model] keys not given come from this preset unless `preset` names another
 SECTIONS = ("model", "data", "train", "parallel", "run")
 CHOICES = {("train", "optimizer"): ("adamw", "sgd"), ("train", "compile"): ("auto", "true", "false"), ("run", "progress"): ("auto", "bar", "plain", "none"),
            ("run", "device"): ("auto", "cpu", "cuda")}
@@ -197,7 +196,7 @@ def config_from_dict(raw: dict) -> RunConfig:
             raise bad_value("section", name, f"unknown; allowed: {', '.join(SECTIONS)}")
         if not isinstance(raw[name], dict):
             raise bad_value(name, raw[name], "must be a table of keys")
-    model = ModelConfig.from_dict({"preset": DEFAULT_PRESET, **raw.get("model", {})})
+    model = ModelConfig.from_dict(raw.get("model", {}))
     cfg = RunConfig(model=model,
                     data=_section(DataConfig, raw.get("data", {}), "data"),
                     train=_section(TrainConfig, raw.get("train", {}), "train"),

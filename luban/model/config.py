@@ -55,6 +55,7 @@ ARCH_DEFAULTS = {
     "gpt2": dict(norm="layernorm", activation="gelu", position="learned", bias=True, tie_embeddings=True),
     "llama": dict(norm="rmsnorm", activation="swiglu", position="rope", bias=False, tie_embeddings=False),
 }
+DEFAULT_PRESET = "tiny"  # a model table's keys not given come from this preset unless `preset` names another
 # A derived key is recomputed when a key it depends on is overridden (unless also given).
 MOE_ONLY = ("shared_experts", "dense_layers")  # refused on a dense model (experts = 0)
 DERIVED = {"head_dim": ("hidden", "heads"), "kv_heads": ("heads",), "ffn_hidden": ("hidden", "activation")}
@@ -120,7 +121,9 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict, section: str = "model") -> "ModelConfig":
-        """Build from a TOML/JSON table; ``preset`` and ``arch`` fill in unspecified keys."""
+        """Build from a TOML/JSON table; ``preset`` (default ``DEFAULT_PRESET``) and ``arch`` fill in
+        unspecified keys. The one resolution for every reader: ``luban train``'s ``[model]`` and
+        ``luban plan --model FILE`` make the same model of the same table."""
         from luban.model.presets import get_preset
 
         raw = dict(raw)
@@ -128,16 +131,14 @@ class ModelConfig:
         for key in raw:
             if key not in known:
                 raise unknown_key(section, key, raw[key], sorted(known))
-        base: dict = {}
-        if "preset" in raw:
-            base = dataclasses.asdict(get_preset(raw.pop("preset")))
-            if "arch" in raw and raw["arch"] != base["arch"]:
-                base = {k: v for k, v in base.items() if k not in ARCH_DEFAULTS["gpt2"]}
-        arch = raw.get("arch", base.get("arch", "gpt2"))
+        base = dataclasses.asdict(get_preset(raw.pop("preset", DEFAULT_PRESET)))
+        if "arch" in raw and raw["arch"] != base["arch"]:
+            base = {k: v for k, v in base.items() if k not in ARCH_DEFAULTS["gpt2"]}
+        arch = raw.get("arch", base["arch"])
         if not isinstance(arch, str) or arch not in ARCH_DEFAULTS:
             raise bad_value(f"{section}.arch", arch, f"one of {', '.join(ARCH_DEFAULTS)}")
         values = {**ARCH_DEFAULTS[arch], **base, **raw}
-        if base and "name" not in raw:
+        if "name" not in raw:
             values["name"] = base["name"] if set(raw) <= {"name"} else f"{base['name']}-custom"
         for key, sources in DERIVED.items():  # re-derive what the overrides change
             if key not in raw and any(src in raw for src in sources):

@@ -22,7 +22,7 @@ def test_from_dict_preset_overrides_rederive():
 
 @pytest.mark.parametrize("raw, message", [
     ({"hidden": 100, "heads": 3}, "model.heads = 3: must divide hidden = 100"),
-    ({"heads": 12, "kv_heads": 5}, "model.kv_heads = 5: must divide heads = 12"),
+    ({"hidden": 768, "heads": 12, "kv_heads": 5}, "model.kv_heads = 5: must divide heads = 12"),
     ({"layers": -2}, "model.layers = -2: must be a positive integer"),
     ({"hiden": 5}, "model.hiden = 5: unknown key"),
     ({"norm": "batchnorm"}, "model.norm = 'batchnorm': one of layernorm, rmsnorm"),
