@@ -376,12 +376,39 @@ def _foreign(folder: Path) -> str | None:
         return None
 
 
+REMOVING = ".removing-"  # a checkpoint folder being removed: hidden from step_dirs before its first file goes
+
+
 def _remove_own(folder: Path) -> bool:
-    """Remove a checkpoint folder luban wrote; one holding a file it did not write is kept (False)."""
+    """Remove a checkpoint folder luban wrote; one holding a file it did not write is kept (False).
+    It is first renamed to ``.removing-NAME`` (atomic), so a kill -9 during the removal leaves no
+    half-removed ``step_NNNNNNN`` (one without its manifest was no longer luban's to remove, and
+    stayed for good) but a hidden folder the next save's ``_sweep`` finishes."""
+    if folder.is_symlink() or not folder.is_dir():
+        return not os.path.lexists(folder)  # nothing there; a link or a file is not luban's folder
     if _foreign(folder) is not None:
         return False
-    shutil.rmtree(folder, ignore_errors=True)
+    doomed = folder if folder.name.startswith(REMOVING) else folder.with_name(REMOVING + folder.name)
+    if doomed != folder:
+        try:
+            _remove_own(doomed)  # one a killed removal left under that name
+            folder.rename(doomed)
+        except OSError:  # a foreign folder of that name, or a read-only root: removed where it is
+            doomed = folder
+    shutil.rmtree(doomed, ignore_errors=True)
     return True
+
+
+def _sweep(root: Path, final: Path) -> None:
+    """What a killed save or removal left (rank 0, after ``final`` is in place): ``.removing-*``
+    folders, and the ``.tmp-step_N`` of a save below ``final``'s step (saves run one at a time, so
+    that one can only have been killed) — each only if it holds luban's files alone."""
+    below = int(STEP_DIR.match(final.name).group(1))
+    for path in root.iterdir():
+        tmp = STEP_DIR.match(path.name.removeprefix(".tmp-")) if path.name.startswith(".tmp-") else None
+        if path.is_dir() and not path.is_symlink() and (path.name.startswith(REMOVING)
+                                                         or (tmp and int(tmp.group(1)) < below)):
+            _remove_own(path)
 
 
 def _save(root: Path, step: int, state: dict, meta: dict, keep: int, rng: dict, group=None,
@@ -418,11 +445,14 @@ def _save(root: Path, step: int, state: dict, meta: dict, keep: int, rng: dict, 
     if _rank() == 0:
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         write_manifest(tmp, {name: entry for entries in known for name, entry in entries.items()})
-        if final.exists():  # re-saving the same step (e.g. suspend right after a periodic save)
-            shutil.rmtree(final)  # luban's own: checked before this save began
+        replaced = final.with_name(REMOVING + final.name)
+        if final.exists():  # re-saving the same step (e.g. suspend right after a periodic save): luban's
+            _remove_own(replaced)  # own, checked before this save began; moved aside whole, never half gone
+            final.rename(replaced)
         tmp.rename(final)
         _fsync_dir(root)
         _VERIFIED[_verified_key(final)] = True  # its CRC32s were just taken from what was written
+        _sweep(root, final)
         _prune(root, final, keep)
     _barrier(group)
     return final

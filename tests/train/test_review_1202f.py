@@ -137,3 +137,43 @@ def test_a_demo_on_an_odd_number_of_ranks_says_it_shows_no_move(small_dataset, t
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "luban: warning: 1 rank(s): the demo's move to another layout" in proc.stderr, proc.stderr
     assert "resuming step" not in proc.stdout
+
+
+KILLED_REMOVAL = r"""
+import os, shutil, signal, sys
+from pathlib import Path
+import torch
+from luban.train import checkpoint
+
+root = Path(sys.argv[1])
+for step in (1, 2):
+    checkpoint.save(root, step, {"w": torch.zeros(64)}, {"step": step, "config": {"model": {}}, "world_size": 1}, keep=5)
+
+def killed(path, ignore_errors=False):  # the first file of the removal goes, then kill -9
+    os.unlink(os.path.join(path, "manifest.json"))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+shutil.rmtree = killed
+checkpoint.save(root, int(sys.argv[2]), {"w": torch.ones(64)}, {"step": 3, "config": {"model": {}}, "world_size": 1},
+                keep=int(sys.argv[3]))
+"""
+
+
+@pytest.mark.parametrize("step, keep, survivor", [(3, 1, "step_0000003"), (2, 5, "step_0000002")])
+def test_a_kill_during_a_removal_leaves_nothing_for_good(tmp_path, step, keep, survivor):
+    """kill -9 while retention (or a re-save of the same step) removed an old checkpoint left a
+    ``step_NNNNNNN`` without its manifest, which no later save would remove (not luban's any more):
+    litter for ever. Now the folder is renamed aside first; the next save finishes the removal."""
+    import sys
+
+    from tests.child import Child
+
+    root = tmp_path / "checkpoints"
+    script = tmp_path / "kill.py"
+    script.write_text(KILLED_REMOVAL)
+    with Child([sys.executable, script, root, step, keep]) as child:
+        assert child.wait(120) == -9, child.output()
+    assert not any(p.name.startswith("step_") and not (p / "manifest.json").is_file() for p in root.iterdir()), names(root)
+    assert checkpoint.latest_valid(root) == root / survivor
+    save(root, 4, keep=1)
+    assert names(root) == ["step_0000004"]  # the half-removed folder and any killed save's .tmp- are gone
