@@ -17,12 +17,27 @@ Counting rules (per token, one multiply-add = 2 FLOPs):
 * Mixture of experts (``luban.model.moe``): a MoE layer holds the router (E·h), E routed
   experts and the shared experts; a token runs the router, its k routed experts and the
   shared ones. *Total* parameters count every expert, *active* parameters (and all FLOPs,
-  hence MFU) only what a token runs. Dropped tokens (capacity factor) are not discounted.
+  hence MFU) only what a token runs. Dropped tokens (capacity factor) are not discounted, nor
+  the zero rows a capacity's fixed expert buffers compute (``expert_capacity``): MFU counts the
+  model's FLOPs, the planner's time the rows the runtime computes.
 """
 
 from __future__ import annotations
 
+import numpy as np
+
 from luban.model.config import ModelConfig
+
+
+def expert_capacity(capacity_factor: float, tokens, k: int, experts: int):
+    """Rows of each expert's fixed buffer for a micro-batch of ``tokens`` tokens under capacity
+    factor c (GShard, Lepikhin et al. 2020): C = ceil(c·T·k/E); 0 where nothing can be dropped
+    (dropless, c = 0; or C >= T: an expert gets a token at most once, so the layer runs dropless).
+    ``tokens`` a number or an array (the planner's grid); the runtime (``MoE.capacity``) and the
+    planner's expert rows both read it here."""
+    capacity = np.ceil(capacity_factor * np.asarray(tokens, dtype=float) * k / experts)
+    capped = (capacity_factor > 0) & (capacity < tokens)
+    return np.where(capped, capacity, 0).astype(np.int64)
 
 
 def attention_params(cfg: ModelConfig) -> int:

@@ -55,7 +55,6 @@ One ``MoE`` replaces the ``MLP`` of every block from ``dense_layers`` on:
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
 import torch.distributed as dist
@@ -63,6 +62,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from luban.model import flops
 from luban.model.config import ModelConfig
 
 
@@ -274,10 +274,8 @@ class MoE(nn.Module):
         """An expert's capacity for a micro-batch of ``tokens`` tokens; None where nothing can be dropped:
         dropless, or a capacity of ``tokens`` or more (an expert gets a token at most once), which as a
         fixed buffer would only compute zero rows (c = 1000: 1000x the GEMM rows of dropless)."""
-        if not self.capacity_factor:
-            return None
-        capacity = math.ceil(self.capacity_factor * tokens * self.k / self.num_experts)
-        return None if capacity >= tokens else capacity
+        capacity = int(flops.expert_capacity(self.capacity_factor, tokens, self.k, self.num_experts))
+        return capacity or None
 
     def run_experts(self, rows: torch.Tensor, counts: torch.Tensor, sizes: list[int] | None = None) -> torch.Tensor:
         """The experts on ``rows`` sorted by global expert: here (``sizes``: the counts on the host, if

@@ -150,6 +150,24 @@ def expert_work_split(problem: Problem, g: Grid):
     return g.tp if rt.expert_tp or rt.ep_folding else np.ones_like(g.tp)
 
 
+def expert_rows(problem: Problem, g: Grid):
+    """(share, capped): the rows a MoE layer's routed experts compute on a rank per routed
+    assignment (k per token), and where a capacity bounds them. Dropless: share 1, and the busiest
+    expert-parallel rank paces the layer (``expert_imbalance``). Under a capacity C
+    (``flops.expert_capacity`` of the T tokens a rank routes per micro-batch) every expert computes
+    a fixed buffer of C rows, zero-padded, and sends them through expert parallel's all-to-all
+    (``luban.model.moe.MoE.capped``; GShard's): E·C/(T·k) rows per assignment on every rank alike,
+    so no rank is busier than another."""
+    cfg = problem.model
+    ones = np.ones_like(g.micro_batch, dtype=float)
+    if not cfg.moe or not cfg.capacity_factor:
+        return ones, ones < 0
+    tokens = g.micro_batch * problem.seq / g.cp / np.where(problem.runtime_model.ep_folding, g.tp, 1)
+    capacity = flops.expert_capacity(cfg.capacity_factor, tokens, cfg.experts_per_token, cfg.experts)
+    capped = capacity > 0
+    return np.where(capped, cfg.experts * capacity / (tokens * cfg.experts_per_token), 1.0), capped
+
+
 def rank_experts(problem: Problem, g: Grid) -> tuple:
     """Routed-expert parameters held by the first and by the last pipeline rank."""
     first_layers, last_layers, _ = rank_layers(problem, g)
@@ -213,7 +231,11 @@ def moe_activation_bytes(problem: Problem, g: Grid, e, per_width: int, token_cop
         return 0.0
     k, fe = cfg.experts_per_token, cfg.expert_ffn_hidden
     tp_split = expert_work_split(problem, g)
-    experts = ((k + cfg.shared_experts) * per_width * e * fe + token_copies * k * e * cfg.hidden) / tp_split
+    # a capacity's zero-padded buffer rows are saved too: the experts' tensors and input (the first
+    # token copy); the combine's (luban's second) is of the T·k rows gathered back
+    rows = expert_rows(problem, g)[0]
+    experts = ((k * rows + cfg.shared_experts) * per_width * e * fe
+               + (rows + token_copies - 1) * k * e * cfg.hidden) / tp_split
     routing = (8.0 * cfg.experts + 12.0 * k) / tp_split  # the router sees the rank's sequence-parallel shard
     return problem.derived["moe_share"] * (experts + routing)
 

@@ -7,7 +7,8 @@ Equations and sources: docs/planner.md.
 
 Mixtures of experts: the routed experts' GEMMs run at the size one expert sees (its share of
 the tokens of the ep ranks it serves), paced by the busiest expert rank
-(``problem.expert_imbalance``); each MoE layer adds a dispatch and a combine all-to-all forward
+(``problem.expert_imbalance``), or under a capacity factor on fixed buffers of C rows per expert,
+zero-padded, on every rank alike (``memory.expert_rows``); each MoE layer adds a dispatch and a combine all-to-all forward
 and again backward over the EP group, on NVLink when the group's ranks (ep at stride tp, inside
 dp·cp) fit one NVLink domain, else over the network, not overlapped. The experts' gradients are
 reduced over the expert-data-parallel group (dp·cp / ep under luban, dp / ep under megatron).
@@ -21,7 +22,7 @@ from luban.parallel.layout import PRECISIONS
 from luban.parallel import schedules
 from luban.plan import DEDUPLICATING
 from luban.plan.grid import BLOCKS_OFFLOAD, FP32, FULL, PARAMS_OFFLOAD, SELECTIVE, Grid
-from luban.plan.memory import (activation_bytes, activations_in_tier, all_to_all_bytes, expert_work_split, expert_zero_shards,
+from luban.plan.memory import (activation_bytes, activations_in_tier, all_to_all_bytes, expert_rows, expert_work_split, expert_zero_shards,
                                folded_tp, host_state_offload, rank_layers, recomputed_share, zero_shards)
 from luban.plan.problem import Problem
 
@@ -121,9 +122,11 @@ def expert_gemm_seconds(problem: Problem, g: Grid, tokens, gemm_peak):
     the same GEMMs."""
     d, cfg = problem.derived, problem.model
     etp = expert_work_split(problem, g)
-    flops_ = tokens * d["expert_flops"] / etp
-    size = 2 * tokens * g.ep * d["expert_share"] * cfg.hidden * cfg.expert_ffn_hidden / etp
-    return problem.expert_imbalance * compute_seconds(problem, flops_, np.maximum(size, 1.0), gemm_peak)
+    rows, capped = expert_rows(problem, g)  # a capacity: fixed buffers of C rows per expert, on every rank
+    flops_ = rows * tokens * d["expert_flops"] / etp
+    size = 2 * rows * tokens * g.ep * d["expert_share"] * cfg.hidden * cfg.expert_ffn_hidden / etp
+    pace = np.where(capped, 1.0, problem.expert_imbalance)
+    return pace * compute_seconds(problem, flops_, np.maximum(size, 1.0), gemm_peak)
 
 
 def attention_share(problem: Problem) -> float:
@@ -295,8 +298,9 @@ def step_time(problem: Problem, g: Grid, mem: dict) -> dict:
     # expert parallel: dispatch + combine all-to-all per MoE layer (average layer: x moe_share);
     # the EP group's ranks sit at stride tp inside dp·cp, or (``Runtime.ep_folding``) on
     # consecutive ranks, each sending its sequence-parallel shard of the tokens
-    ep_one = (problem.expert_imbalance * d["moe_share"] * 2
-              * all_to_all(problem, ep_tokens * all_to_all_bytes(problem, g, act["e"]), g.ep, 1 if folded else t,
+    rows, capped = expert_rows(problem, g)  # a capacity's buffers go through the all-to-all whole, zero rows too
+    ep_one = (np.where(capped, 1.0, problem.expert_imbalance) * d["moe_share"] * 2
+              * all_to_all(problem, rows * ep_tokens * all_to_all_bytes(problem, g, act["e"]), g.ep, 1 if folded else t,
                            dispatcher=problem.dispatcher))
     ep_all = ep_one  # before any overlap
     if problem.ep_overlap:  # Megatron-Core --overlap-moe-expert-parallel-comm: in the 1F1B steady state one

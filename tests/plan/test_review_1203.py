@@ -38,3 +38,67 @@ def test_the_default_preset_fills_what_a_table_omits():
     assert ModelConfig.from_dict({}) == tiny and ModelConfig.from_dict({}).name == tiny.name
     full = get_preset("llama-8b").to_dict()  # a checkpoint's whole table is read as written
     assert ModelConfig.from_dict(full) == get_preset("llama-8b") and ModelConfig.from_dict(full).name == "llama-8b"
+
+
+# -- a capacity factor: the planner times the rows luban's experts compute ---------------------------
+
+def _runtime_rows(cfg, tokens: int) -> int:
+    """Rows luban's MoE layer hands its experts for a micro-batch of ``tokens`` tokens (one process)."""
+    import torch
+
+    from luban.model.moe import MoE
+
+    torch.manual_seed(0)
+    layer = MoE(cfg)
+    seen = []
+    real = layer.run_experts
+    layer.run_experts = lambda rows, *a, **k: seen.append(rows.shape[0]) or real(rows, *a, **k)
+    with torch.no_grad():
+        layer(torch.randn(tokens, cfg.hidden))
+    return seen[0]
+
+
+@pytest.mark.parametrize("factor", [0.0, 0.6, 1.0, 1.25, 2.0, 1000.0])
+@pytest.mark.parametrize("micro_batch, seq", [(1, 8), (2, 16), (4, 32)])
+def test_the_planners_expert_rows_are_the_runtimes(factor, micro_batch, seq):
+    """The planner costed a capacity factor as dropless (T·k rows, paced by the busiest rank) while
+    luban's experts compute fixed zero-padded buffers of C rows each (E·C rows on every rank alike)."""
+    from luban.model import flops
+    from luban.parallel.layout import ParallelLayout
+    from luban.plan.grid import Grid
+    from luban.plan.memory import expert_rows
+    from luban.plan.problem import Problem
+    from luban.plan.system import load_system
+
+    cfg = get_preset("tiny-moe").replace(capacity_factor=factor)
+    p = Problem(cfg, load_system("dgx-h100"), 1, seq, micro_batch, "luban")
+    share, capped = expert_rows(p, Grid.from_layout(ParallelLayout(micro_batch=micro_batch)))
+    tokens = micro_batch * seq
+    assert float(share) * tokens * cfg.experts_per_token == pytest.approx(_runtime_rows(cfg, tokens), rel=1e-12)
+    assert bool(capped) == bool(flops.expert_capacity(factor, tokens, cfg.experts_per_token, cfg.experts))
+
+
+def test_a_capacity_times_its_padded_buffers_and_no_imbalance():
+    """Dropless pays the busiest rank's load (``--expert-imbalance``); a capacity's fixed buffers are
+    the same on every rank, so the imbalance no longer paces it, and c = 2 computes and sends
+    twice dropless's rows."""
+    from luban.parallel.layout import ParallelLayout
+    from luban.plan.estimate import evaluate
+    from luban.plan.grid import Grid
+    from luban.plan.problem import Problem
+    from luban.plan.system import load_system
+
+    def parts(factor, imbalance=1.0):
+        cfg = get_preset("qwen3-30b-a3b").replace(capacity_factor=factor)
+        p = Problem(cfg, load_system("dgx-h100"), 16, 4096, 256, "luban", expert_imbalance=imbalance)
+        g = Grid.from_layout(ParallelLayout(dp=16, ep=8, zero=1, precision="bf16", recompute="full"))
+        r = evaluate(p, g)
+        return float(r["time"]["parts"]["ep_comm"]), float(r["memory"]["first"]["activations"])
+
+    (free, free_mem), (skew, _) = parts(0.0), parts(0.0, 1.5)
+    assert skew == pytest.approx(1.5 * free)
+    (two, two_mem), (two_skew, _) = parts(2.0), parts(2.0, 1.5)
+    # twice the bytes (C = 512 of 4096 tokens x 8 / 128 experts: E·C = 2·T·k); a larger message runs
+    # nearer the link's bandwidth, so the time is a little less than twice
+    assert 1.5 * free < two <= 2 * free and two_skew == pytest.approx(two)
+    assert two_mem > free_mem
