@@ -102,3 +102,15 @@ def test_a_capacity_times_its_padded_buffers_and_no_imbalance():
     # nearer the link's bandwidth, so the time is a little less than twice
     assert 1.5 * free < two <= 2 * free and two_skew == pytest.approx(two)
     assert two_mem > free_mem
+
+
+def test_a_width_override_re_derives_the_expert_width_it_was_derived_from():
+    """``{"hidden": 64}`` kept tiny's expert width 512 beside a re-derived ffn_hidden 256, so the table
+    was not the model its keys say (found when the default preset moved into ``from_dict``)."""
+    tiny = get_preset(DEFAULT_PRESET)
+    same = dict(layers=tiny.layers, vocab=tiny.vocab, seq_len=tiny.seq_len)
+    assert ModelConfig.from_dict({"hidden": 64, "heads": 4}) == ModelConfig(hidden=64, heads=4, **same)
+    assert ModelConfig.from_dict({"activation": "swiglu"}) == ModelConfig(activation="swiglu", hidden=tiny.hidden,
+                                                                          heads=tiny.heads, **same)
+    qwen = get_preset("qwen3-30b-a3b")  # an expert width of its own stays
+    assert ModelConfig.from_dict({"preset": "qwen3-30b-a3b", "hidden": 4096}).expert_ffn_hidden == qwen.expert_ffn_hidden

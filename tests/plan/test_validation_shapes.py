@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 
 from luban.model import flops
-from luban.model.config import ModelConfig
+from luban.model.config import DEFAULT_PRESET, ModelConfig
+from luban.model.presets import get_preset
 from luban.plan import validate
 
 # published sizes (billions of parameters): Llama 3 paper (arXiv 2407.21783) Table 3; Qwen3 technical
@@ -42,8 +43,11 @@ def test_llama_arch_means_llama_parts():
     cfg = ModelConfig(arch="llama", hidden=64, layers=1, heads=4)
     assert (cfg.norm, cfg.activation, cfg.position, cfg.bias, cfg.tie_embeddings) == ("rmsnorm", "swiglu", "rope", False, False)
     assert ModelConfig(arch="llama", hidden=64, heads=4, norm="layernorm", bias=True).norm == "layernorm"  # given: kept
-    assert ModelConfig() == ModelConfig.from_dict({})  # GPT-2's parts by default, as before
-    assert ModelConfig(arch="llama", hidden=64, heads=4) == ModelConfig.from_dict({"arch": "llama", "hidden": 64, "heads": 4})
+    # a table's keys not given come from the default preset (tiny: GPT-2's parts), for train and plan alike
+    tiny = get_preset(DEFAULT_PRESET)
+    assert ModelConfig.from_dict({}) == tiny and (tiny.arch, tiny.norm) == ("gpt2", "layernorm")
+    assert ModelConfig(arch="llama", hidden=64, heads=4, layers=tiny.layers, vocab=tiny.vocab, seq_len=tiny.seq_len) \
+        == ModelConfig.from_dict({"arch": "llama", "hidden": 64, "heads": 4})
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
