@@ -74,14 +74,18 @@ class EPDispatch:
         counts = counts.to(torch.long)
         recv_counts = torch.empty_like(counts)  # [source rank, local expert], flattened
         dist.all_to_all_single(recv_counts, counts, group=self.group)
-        send = counts.view(ep, local).sum(1).tolist()
-        recv_grid = recv_counts.view(ep, local)
-        recv = recv_grid.sum(1).tolist()
+        # one host read for the layer (it was three: the send sizes, the receive sizes, the loop's
+        # per-expert sizes, each a wait for the device on a GPU); the sums are taken on the host
+        host = torch.cat([counts, recv_counts]).tolist()
+        mine, theirs = host[:ep * local], host[ep * local:]  # each [rank][local expert]
+        send = [sum(mine[r * local:(r + 1) * local]) for r in range(ep)]
+        recv = [sum(theirs[r * local:(r + 1) * local]) for r in range(ep)]
         received = _all_to_all(rows, send, recv, self.group)
         # received is grouped by source rank, then local expert; the GEMMs want local expert first
+        recv_grid = recv_counts.view(ep, local)
         order = _regroup(recv_grid, sum(recv))
-        per_expert = recv_grid.sum(0)  # the grouped GEMMs' counts stay on the device; the loop's list is read here
-        out = experts(received[order], per_expert, per_expert.tolist())
+        per_expert = recv_grid.sum(0)  # the grouped GEMMs' counts stay on the device, the loop's are the list
+        out = experts(received[order], per_expert, [sum(theirs[e::local]) for e in range(local)])
         back = torch.empty_like(order)
         back[order] = torch.arange(order.numel(), device=order.device)
         return _all_to_all(out[back], recv, send, self.group)

@@ -40,3 +40,34 @@ def test_regroup_makes_no_tensor_off_the_grids_device():
     empty = torch.zeros(2, 2, dtype=torch.long)  # no row received at all
     with foreign_host():
         assert _regroup(empty, 0).device == grid.device
+
+
+def test_dispatch_reads_the_host_once_per_layer(tmp_path, monkeypatch):
+    """2026-12-03: ``EPDispatch`` read the device three times per MoE layer (the send sizes, the
+    receive sizes, the loop's per-expert sizes: each ``tolist`` a wait for the device on a GPU).
+    Now one read of the exchanged counts gives all three. On one gloo rank (ep = 1), the loop path."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from luban.model.config import ModelConfig
+    from luban.model.moe import Experts
+    from luban.parallel.expert_parallel import EPDispatch
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdv'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("ep",))
+        cfg = ModelConfig(hidden=16, layers=1, heads=2, experts=4, experts_per_token=2)
+        experts = Experts(cfg)
+        for p in experts.parameters():
+            torch.nn.init.normal_(p, std=0.1)
+        counts = torch.tensor([3, 0, 2, 1])
+        rows = torch.randn(int(counts.sum()), 16)
+        reads = []
+        real = torch.Tensor.tolist
+        monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(t.numel()) or real(t))
+        out = EPDispatch(mesh, 4)(experts, rows, counts)
+        assert len(reads) == 1, reads
+        monkeypatch.undo()
+        assert torch.allclose(out, experts.loop(rows, counts.tolist()), atol=1e-6)  # one process's answer
+    finally:
+        dist.destroy_process_group()
