@@ -405,10 +405,11 @@ def _sweep(root: Path, final: Path) -> None:
     that one can only have been killed) — each only if it holds luban's files alone."""
     below = int(STEP_DIR.match(final.name).group(1))
     for path in root.iterdir():
-        tmp = STEP_DIR.match(path.name.removeprefix(".tmp-")) if path.name.startswith(".tmp-") else None
-        if path.is_dir() and not path.is_symlink() and (path.name.startswith(REMOVING)
-                                                         or (tmp and int(tmp.group(1)) < below)):
-            _remove_own(path)
+        removing = path.name.startswith(REMOVING)
+        name = path.name.removeprefix(REMOVING)
+        step = STEP_DIR.match(name.removeprefix(".tmp-")) if removing or name.startswith(".tmp-") else None
+        if step and path.is_dir() and not path.is_symlink() and (removing or int(step.group(1)) < below):
+            _remove_own(path)  # only the names luban gives (a user's ".removing-notes" stays)
 
 
 def _save(root: Path, step: int, state: dict, meta: dict, keep: int, rng: dict, group=None,

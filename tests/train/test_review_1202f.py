@@ -177,3 +177,20 @@ def test_a_kill_during_a_removal_leaves_nothing_for_good(tmp_path, step, keep, s
     assert checkpoint.latest_valid(root) == root / survivor
     save(root, 4, keep=1)
     assert names(root) == ["step_0000004"]  # the half-removed folder and any killed save's .tmp- are gone
+
+
+def test_the_sweep_takes_only_what_luban_names_and_wrote(tmp_path):
+    root = tmp_path / "checkpoints"
+    save(root, 1, keep=5)
+    (root / ".removing-notes").mkdir()  # a user's, though it holds a name a save writes
+    (root / ".removing-notes" / "meta.json").write_text("{}")
+    (tmp_path / "mine").mkdir()
+    (root / ".tmp-step_0000001").symlink_to(tmp_path / "mine")  # a link: never followed, never removed
+    (root / ".removing-step_0000000").mkdir()  # a killed removal's leftover, with a user's file in it
+    (root / ".removing-step_0000000" / "notes.txt").write_text("mine")
+    (root / ".tmp-step_0000000").mkdir()  # a killed save's leftover: luban's files only
+    (root / ".tmp-step_0000000" / "meta.json").write_text("{}")
+    save(root, 2, keep=5)
+    assert names(root) == [".removing-notes", ".removing-step_0000000", ".tmp-step_0000001", "step_0000001",
+                           "step_0000002"]
+    assert (tmp_path / "mine").is_dir() and (root / ".removing-step_0000000" / "notes.txt").is_file()
