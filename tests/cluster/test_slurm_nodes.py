@@ -21,6 +21,7 @@ from luban.cluster.models import Event
 from luban.cluster.scheduler import UNAVAILABLE
 from tests.cluster.conftest import api_client, kill_jobs, migrate, require, wait_for
 from tests.cluster.fake_slurm import job, no_tracebacks, running_job, ticks
+from tests.cluster.test_dashboard import browser  # noqa: F401 - a fixture
 
 
 @pytest.mark.parametrize("state, why", [
@@ -247,3 +248,27 @@ def test_the_node_unavailable_migration_keeps_the_nodes_of_an_older_schema(db_ur
     with engine.connect() as conn:
         assert conn.execute(text("SELECT state, unavailable FROM nodes")).all() == [("drain", None)]
     engine.dispose()
+
+
+@pytest.mark.exclusive("slurm")
+def test_the_dashboard_says_why_real_slurm_starts_nothing_on_a_node(service, browser):
+    """Slurm's drain reason on the dashboard's node box, end to end: real ``scontrol`` drain, the
+    service's first node reading, the API's ``why``, the page (the one path no test had run whole)."""
+    from selenium.webdriver.common.by import By
+
+    require(bool(shutil.which("scontrol")) and bool(_slurm_state("node4")), "a Slurm cluster (node1..node4)")
+    wait_for(lambda: all(node_unavailable(_slurm_state(f"node{i}")) is None for i in range(1, 5)), 60, 1,
+             "node1..node4 usable in Slurm")
+    try:
+        assert _scontrol("update", "nodename=node4", "state=drain", "reason=luban dashboard test").returncode == 0
+        svc = service("--executor", "slurm", "--tick", "0.3")  # its first tick reads the nodes
+        wait_for(lambda: any(n["name"] == "node4" and n["why"] for n in svc.admin().nodes()), 60, 0.5,
+                 "node4's why in the API")
+        browser.get(f"{svc.url}/?token={svc.admin_token}")
+        wait_for(lambda: browser.execute_script("return document.body.dataset.ready") == "1", 30, what="dashboard")
+        boxes = {e.get_attribute("data-node"): e.text for e in browser.find_elements(By.CSS_SELECTOR, ".node")}
+        assert "slurm: drained (luban dashboard test" in boxes["node4"], boxes
+        assert "drain" in browser.find_element(By.CSS_SELECTOR, '.node[data-node="node4"]').get_attribute("class")
+        assert not any("slurm:" in text for name, text in boxes.items() if name != "node4"), boxes
+    finally:
+        _resume("node4")  # other tests share the cluster
