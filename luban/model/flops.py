@@ -24,6 +24,8 @@ Counting rules (per token, one multiply-add = 2 FLOPs):
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from luban.model.config import ModelConfig
@@ -33,11 +35,14 @@ def expert_capacity(capacity_factor: float, tokens, k: int, experts: int):
     """Rows of each expert's fixed buffer for a micro-batch of ``tokens`` tokens under capacity
     factor c (GShard, Lepikhin et al. 2020): C = ceil(c·T·k/E); 0 where nothing can be dropped
     (dropless, c = 0; or C >= T: an expert gets a token at most once, so the layer runs dropless).
-    ``tokens`` a number or an array (the planner's grid); the runtime (``MoE.capacity``) and the
-    planner's expert rows both read it here."""
-    capacity = np.ceil(capacity_factor * np.asarray(tokens, dtype=float) * k / experts)
-    capped = (capacity_factor > 0) & (capacity < tokens)
-    return np.where(capped, capacity, 0).astype(np.int64)
+    ``tokens`` a numpy array or scalar (the planner's grid), or a Python or symbolic integer (the
+    runtime, ``MoE.capacity``: plain ``math`` there, which ``torch.compile`` traces without a graph
+    break; numpy on a traced size broke the graph at a data-dependent read). One formula, both ways."""
+    if isinstance(tokens, (np.ndarray, np.generic)):
+        capacity = np.ceil(capacity_factor * tokens * k / experts)
+        return np.where((capacity_factor > 0) & (capacity < tokens), capacity, 0).astype(np.int64)
+    capacity = math.ceil(capacity_factor * tokens * k / experts)
+    return capacity if capacity_factor > 0 and capacity < tokens else 0
 
 
 def attention_params(cfg: ModelConfig) -> int:

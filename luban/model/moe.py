@@ -274,7 +274,7 @@ class MoE(nn.Module):
         """An expert's capacity for a micro-batch of ``tokens`` tokens; None where nothing can be dropped:
         dropless, or a capacity of ``tokens`` or more (an expert gets a token at most once), which as a
         fixed buffer would only compute zero rows (c = 1000: 1000x the GEMM rows of dropless)."""
-        capacity = int(flops.expert_capacity(self.capacity_factor, tokens, self.k, self.num_experts))
+        capacity = flops.expert_capacity(self.capacity_factor, tokens, self.k, self.num_experts)
         return capacity or None
 
     def run_experts(self, rows: torch.Tensor, counts: torch.Tensor, sizes: list[int] | None = None) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """Review of 2026-12-03: one model table, one model, whoever reads it."""
 
 import json
+import math
 
 import pytest
 
@@ -114,3 +115,27 @@ def test_a_width_override_re_derives_the_expert_width_it_was_derived_from():
                                                                           heads=tiny.heads, **same)
     qwen = get_preset("qwen3-30b-a3b")  # an expert width of its own stays
     assert ModelConfig.from_dict({"preset": "qwen3-30b-a3b", "hidden": 4096}).expert_ffn_hidden == qwen.expert_ffn_hidden
+
+
+def test_the_shared_capacity_formula_traces_without_a_graph_break():
+    """``flops.expert_capacity`` first took numpy for the runtime too: under ``torch.compile`` the
+    layer's size became a tensor and its read a data-dependent graph break (16 graphs, not 10, for
+    four micro-batch sizes). The layer's answer is the eager one either way."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    from luban.model.config import ModelConfig
+    from luban.model.moe import MoE
+
+    torch.manual_seed(0)
+    layer = MoE(ModelConfig(hidden=16, layers=1, heads=2, experts=4, experts_per_token=2, capacity_factor=1.25))
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(layer)
+    for tokens in (32, 48, 64):  # the second size makes Dynamo trace the size symbolically
+        x = torch.randn(tokens, 16)
+        assert torch.allclose(compiled(x), layer(x), atol=1e-6)
+        assert layer.capacity(tokens) == math.ceil(1.25 * tokens * 2 / 4)
+    assert not [why for why in counters["graph_break"] if "Data dependent" in why], dict(counters["graph_break"])
