@@ -143,11 +143,10 @@ class ModelConfig:
         for key, sources in DERIVED.items():  # re-derive what the overrides change
             if key not in raw and any(src in raw for src in sources):
                 values[key] = 0
-        # the expert width follows ffn_hidden where the preset's did (0: ffn_hidden); tiny's 512 stayed
-        # beside a re-derived ffn_hidden, so {"hidden": 64} was not the model ModelConfig(hidden=64) is
-        if ("expert_ffn_hidden" not in raw and any(src in raw for src in ("ffn_hidden", *DERIVED["ffn_hidden"]))
-                and base["expert_ffn_hidden"] == base["ffn_hidden"]):
-            values["expert_ffn_hidden"] = 0
+        # expert_ffn_hidden is not re-derived: a preset's is its own (Mixtral's 14336 is HF's
+        # intermediate_size, not "ffn_hidden"), and a run's checkpoints record the one it resolved to
+        # (``Trainer._check_compatible`` compares it: re-deriving refused the resume of every run that
+        # overrides hidden, 2026-12-03)
         if raw.get("experts") == 0:  # a MoE preset made dense: its MoE-only keys go with its experts
             values.update({key: 0 for key in MOE_ONLY if key not in raw})
         for f in dataclasses.fields(cls):

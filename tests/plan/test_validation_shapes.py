@@ -46,8 +46,9 @@ def test_llama_arch_means_llama_parts():
     # a table's keys not given come from the default preset (tiny: GPT-2's parts), for train and plan alike
     tiny = get_preset(DEFAULT_PRESET)
     assert ModelConfig.from_dict({}) == tiny and (tiny.arch, tiny.norm) == ("gpt2", "layernorm")
-    assert ModelConfig(arch="llama", hidden=64, heads=4, layers=tiny.layers, vocab=tiny.vocab, seq_len=tiny.seq_len) \
-        == ModelConfig.from_dict({"arch": "llama", "hidden": 64, "heads": 4})
+    assert ModelConfig(arch="llama", hidden=64, heads=4, layers=tiny.layers, vocab=tiny.vocab, seq_len=tiny.seq_len,
+                       expert_ffn_hidden=tiny.expert_ffn_hidden) == ModelConfig.from_dict({"arch": "llama", "hidden": 64,
+                                                                                           "heads": 4})
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
