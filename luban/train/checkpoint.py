@@ -34,6 +34,8 @@ the next one waits.
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 import logging
 import os
@@ -395,8 +397,52 @@ def _remove_own(folder: Path) -> bool:
             folder.rename(doomed)
         except OSError:  # a foreign folder of that name, or a read-only root: removed where it is
             doomed = folder
+    try:  # the manifest first: a hidden folder that still has one is a whole checkpoint (``_sweep`` keeps it)
+        (doomed / "manifest.json").unlink(missing_ok=True)
+    except OSError:
+        pass
     shutil.rmtree(doomed, ignore_errors=True)
     return True
+
+
+# renameat2(2)'s RENAME_EXCHANGE (linux/fs.h; Linux 3.15, glibc 2.28): two paths swapped in one step
+_RENAME_EXCHANGE, _AT_FDCWD = 2, -100
+_NO_EXCHANGE = (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP)  # this system or filesystem has none
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap the folders ``a`` and ``b`` atomically; False (nothing moved) where the system cannot."""
+    try:
+        call = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    call.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if call(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in _NO_EXCHANGE:
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def _replace(tmp: Path, final: Path) -> None:
+    """``tmp`` (a whole new checkpoint) becomes ``final``. A re-save of the same step swaps the two
+    in one step (``_exchange``; the old one, now at ``tmp``, is then removed), so no kill leaves the
+    step without its checkpoint; where the filesystem cannot swap, the old one is first renamed to
+    ``.removing-step_N``, and a kill between the two renames leaves both whole, hidden, and kept
+    (``_sweep``), for a user to rename back."""
+    if not final.exists():
+        tmp.rename(final)
+    elif _exchange(tmp, final):
+        _remove_own(tmp)
+    else:
+        aside = final.with_name(REMOVING + final.name)
+        final.rename(aside)
+        try:
+            tmp.rename(final)
+        except OSError:
+            aside.rename(final)  # the previous checkpoint back in its place (the save's error follows)
+            raise
 
 
 def _sweep(root: Path, final: Path) -> None:
@@ -408,8 +454,11 @@ def _sweep(root: Path, final: Path) -> None:
         removing = path.name.startswith(REMOVING)
         name = path.name.removeprefix(REMOVING)
         step = STEP_DIR.match(name.removeprefix(".tmp-")) if removing or name.startswith(".tmp-") else None
-        if step and path.is_dir() and not path.is_symlink() and (removing or int(step.group(1)) < below):
-            _remove_own(path)  # only the names luban gives (a user's ".removing-notes" stays)
+        if not (step and path.is_dir() and not path.is_symlink() and (removing or int(step.group(1)) < below)):
+            continue  # only the names luban gives (a user's ".removing-notes" stays)
+        if (path / "manifest.json").is_file() and not (root / step.group(0)).exists():
+            continue  # whole (a removal unlinks the manifest first) and its step has no other copy: kept
+        _remove_own(path)
 
 
 def _save(root: Path, step: int, state: dict, meta: dict, keep: int, rng: dict, group=None,
@@ -418,7 +467,9 @@ def _save(root: Path, step: int, state: dict, meta: dict, keep: int, rng: dict, 
     tmp = root / f".tmp-{final.name}"
     # tmp: left by a save that was killed; final: re-saved below. Every rank looks before rank 0
     # touches either, so all of them stop alike when one holds a file luban did not write
-    foreign = next(((folder.name, name) for folder in (tmp, final) if (name := _foreign(folder)) is not None), None)
+    aside = final.with_name(REMOVING + final.name)  # where a re-save without an atomic swap moves the old one
+    foreign = next(((folder.name, name) for folder in (tmp, final, aside) if (name := _foreign(folder)) is not None),
+                   None)
     _barrier(group)
     if foreign is not None:
         raise CheckpointWriteError(f"checkpoint step {step} could not be written under {root}: {foreign[0]} holds "
@@ -427,6 +478,8 @@ def _save(root: Path, step: int, state: dict, meta: dict, keep: int, rng: dict, 
     if _rank() == 0:
         root.mkdir(parents=True, exist_ok=True)
         _remove_own(tmp)
+        if final.exists():
+            _remove_own(aside)  # a leftover of an earlier re-save: its step has a checkpoint
         tmp.mkdir()
     _barrier(group)
     dcp.save(state, checkpoint_id=str(tmp), process_group=group)
@@ -446,11 +499,7 @@ def _save(root: Path, step: int, state: dict, meta: dict, keep: int, rng: dict, 
     if _rank() == 0:
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         write_manifest(tmp, {name: entry for entries in known for name, entry in entries.items()})
-        replaced = final.with_name(REMOVING + final.name)
-        if final.exists():  # re-saving the same step (e.g. suspend right after a periodic save): luban's
-            _remove_own(replaced)  # own, checked before this save began; moved aside whole, never half gone
-            final.rename(replaced)
-        tmp.rename(final)
+        _replace(tmp, final)  # a re-save of the same step (suspend right after a periodic save) too
         _fsync_dir(root)
         _VERIFIED[_verified_key(final)] = True  # its CRC32s were just taken from what was written
         _sweep(root, final)

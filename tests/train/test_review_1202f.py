@@ -149,8 +149,9 @@ root = Path(sys.argv[1])
 for step in (1, 2):
     checkpoint.save(root, step, {"w": torch.zeros(64)}, {"step": step, "config": {"model": {}}, "world_size": 1}, keep=5)
 
-def killed(path, ignore_errors=False):  # the first file of the removal goes, then kill -9
-    os.unlink(os.path.join(path, "manifest.json"))
+def killed(path, ignore_errors=False):  # the manifest goes first (if luban has not unlinked it), then kill -9
+    names = sorted(os.listdir(path), key=lambda name: name != "manifest.json")
+    os.unlink(os.path.join(path, names[0]))
     os.kill(os.getpid(), signal.SIGKILL)
 
 shutil.rmtree = killed
@@ -194,3 +195,88 @@ def test_the_sweep_takes_only_what_luban_names_and_wrote(tmp_path):
     assert names(root) == [".removing-notes", ".removing-step_0000000", ".tmp-step_0000001", "step_0000001",
                            "step_0000002"]
     assert (tmp_path / "mine").is_dir() and (root / ".removing-step_0000000" / "notes.txt").is_file()
+
+
+KILLED_RESAVE = r"""
+import os, signal, sys
+from pathlib import Path
+import torch
+from luban.train import checkpoint
+
+root, where = Path(sys.argv[1]), sys.argv[2]
+meta = lambda step, note: {"step": step, "config": {"model": {}}, "world_size": 1, "note": note}
+checkpoint.save(root, 1, {"w": torch.zeros(64)}, meta(1, "first"), keep=5)
+checkpoint.save(root, 2, {"w": torch.zeros(64)}, meta(2, "old"), keep=5)
+if where == "no swap":  # a filesystem without RENAME_EXCHANGE: two renames, killed between them
+    checkpoint._exchange = lambda a, b: False
+    real = Path.rename
+    def rename(self, target):
+        if self.name.startswith(".tmp-"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(self, target)
+    Path.rename = rename
+else:  # killed right after the swap, before the old copy is removed
+    swap = checkpoint._exchange
+    def swapped(a, b):
+        assert swap(a, b), "this filesystem has no RENAME_EXCHANGE"
+        os.kill(os.getpid(), signal.SIGKILL)
+    checkpoint._exchange = swapped
+checkpoint.save(root, 2, {"w": torch.ones(64)}, meta(2, "new"), keep=int(sys.argv[3]))
+"""
+
+
+@pytest.mark.parametrize("keep", [1, 5])
+@pytest.mark.parametrize("where", ["after the swap", "no swap"])
+def test_a_kill_during_a_resave_of_the_same_step_keeps_a_whole_copy(tmp_path, where, keep):
+    """A re-save renamed the old step_N aside, then the new one into place: a kill between the two
+    left step N only under hidden names, which ``--resume auto`` does not see (with keep = 1 it then
+    started afresh) and the next save's sweep deleted (a hostile review, 2026-12-03). Now the two are
+    swapped in one step where the filesystem can (renameat2 RENAME_EXCHANGE); where it cannot, both
+    hidden copies are kept for the user, whatever is saved next."""
+    import json
+    import sys
+
+    from tests.child import Child
+
+    root = tmp_path / "checkpoints"
+    script = tmp_path / "kill.py"
+    script.write_text(KILLED_RESAVE)
+    with Child([sys.executable, script, root, where, keep]) as child:
+        assert child.wait(120) == -9, child.output()
+    if where == "after the swap":
+        assert json.loads((root / "step_0000002" / "meta.json").read_text())["note"] == "new"
+        assert checkpoint.latest_valid(root) == root / "step_0000002"
+        save(root, 3, keep=5)
+        assert names(root) == ["step_0000001", "step_0000002", "step_0000003"]  # the old copy swept
+    else:
+        hidden = {p.name: json.loads((p / "meta.json").read_text())["note"] for p in root.iterdir()
+                  if p.name.startswith(".")}
+        assert hidden == {".removing-step_0000002": "old", ".tmp-step_0000002": "new"}, hidden
+        assert all(checkpoint.verify(root / name) is None for name in hidden)
+        save(root, 3, keep=1)
+        assert set(hidden) < set(names(root))  # neither whole copy is deleted by a later save
+
+
+def test_a_resave_swaps_in_the_new_checkpoint_and_leaves_nothing_behind(tmp_path):
+    import json
+
+    root = tmp_path / "checkpoints"
+    save(root, 1, keep=5)
+    path = checkpoint.save(root, 1, {"w": torch.ones(64)}, {**meta(1), "note": "again"}, keep=5)
+    assert json.loads((path / "meta.json").read_text())["note"] == "again" and checkpoint.verify(path) is None
+    assert names(root) == ["step_0000001"]
+
+
+def test_a_users_file_in_the_aside_folder_stops_a_resave_naming_it(tmp_path):
+    """A user's file in ``.removing-step_N`` made every re-save of step N fail with 'Directory not
+    empty' and the advice to free space; it is now named before anything is written."""
+    from luban.errors import CheckpointWriteError
+
+    root = tmp_path / "checkpoints"
+    save(root, 1, keep=5)
+    (root / ".removing-step_0000001").mkdir()
+    (root / ".removing-step_0000001" / "notes.txt").write_text("mine")
+    with pytest.raises(CheckpointWriteError, match=r"\.removing-step_0000001 holds 'notes\.txt'"):
+        save(root, 1, keep=5)
+    assert checkpoint.latest_valid(root) == root / "step_0000001"
+    assert (root / ".removing-step_0000001" / "notes.txt").read_text() == "mine"
