@@ -2,12 +2,14 @@
 
 The same object builds the network (``luban.model.transformer``), feeds the FLOPs and
 parameter formulas (``luban.model.flops``) used by the trainer's MFU and by the planner.
-Schema (TOML ``[model]`` or JSON; every key optional when ``preset`` is given):
+Schema (TOML ``[model]`` or JSON; every key optional: ``from_dict`` takes the keys a table does
+not give from ``preset``, ``DEFAULT_PRESET`` = tiny when none is named; the defaults below are the
+constructor's, ``ModelConfig(...)``, which is GPT-2 124M's shape):
 
 ==================  =========================================================  =============
 key                 meaning                                                    default
 ==================  =========================================================  =============
-preset              start from a named preset (``luban.model.presets``)        none
+preset              start from a named preset (``luban.model.presets``)        tiny (a table)
 arch                ``gpt2`` or ``llama`` (sets the defaults of the next keys)  ``gpt2``
 hidden              model width h                                              768
 layers              transformer blocks l                                       12

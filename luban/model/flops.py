@@ -39,10 +39,14 @@ def expert_capacity(capacity_factor: float, tokens, k: int, experts: int):
     runtime, ``MoE.capacity``: plain ``math`` there, which ``torch.compile`` traces without a graph
     break; numpy on a traced size broke the graph at a data-dependent read). One formula, both ways."""
     if isinstance(tokens, (np.ndarray, np.generic)):
-        capacity = np.ceil(capacity_factor * tokens * k / experts)
+        with np.errstate(over="ignore"):  # c = 1e308: inf rows, which no expert reaches (dropless)
+            capacity = np.ceil(capacity_factor * tokens * k / experts)
         return np.where((capacity_factor > 0) & (capacity < tokens), capacity, 0).astype(np.int64)
-    capacity = math.ceil(capacity_factor * tokens * k / experts)
-    return capacity if capacity_factor > 0 and capacity < tokens else 0
+    share = capacity_factor * tokens * k / experts
+    if not (capacity_factor > 0 and share < tokens):  # dropless, or C >= T (an overflow to inf too: c = 1e308)
+        return 0
+    capacity = math.ceil(share)
+    return capacity if capacity < tokens else 0
 
 
 def attention_params(cfg: ModelConfig) -> int:

@@ -144,7 +144,8 @@ def register(sub) -> None:
 
 
 def load_model(spec: str):
-    """A preset name or a TOML/JSON file holding a ModelConfig (flat, or under [model])."""
+    """A preset name or a TOML/JSON file holding a ModelConfig (flat, or a run config's [model])."""
+    from luban.config import SECTIONS
     from luban.model.config import ModelConfig
     from luban.model.presets import PRESETS, get_preset
     from luban.plan.system import is_json, read_small_text
@@ -162,10 +163,13 @@ def load_model(spec: str):
         raise LubanError(f"--model = {spec!r}: cannot parse: {err}".replace("\n", " ")) from None
     except OSError as err:
         raise bad_value("--model", spec, f"a readable {kind} file ({err.strerror})") from None
-    table = raw.get("model", raw) if isinstance(raw, dict) else raw
-    if not isinstance(table, dict) or not table:
+    run_config = isinstance(raw, dict) and raw and set(raw) <= set(SECTIONS)
+    # a run config plans the model `luban train` builds: its [model] on the default preset (none, or an
+    # empty one: the preset's); a flat table is the model's keys
+    table = raw.get("model", {}) if run_config else raw
+    if not isinstance(table, dict) or not (table or run_config):
         what = type(table).__name__ if not isinstance(table, dict) else "an empty table"
-        raise bad_value("--model", spec, f"a {kind} table of model keys (flat, or under \"model\"), not {what}")
+        raise bad_value("--model", spec, f"a {kind} table of model keys (flat, or a run config's [model]), not {what}")
     try:
         return ModelConfig.from_dict(table)
     except LubanError as err:

@@ -143,3 +143,47 @@ def test_the_shared_capacity_formula_traces_without_a_graph_break():
         assert torch.allclose(compiled(x), layer(x), atol=1e-6)
         assert layer.capacity(tokens) == math.ceil(1.25 * tokens * 2 / 4)
     assert not [why for why in counters["graph_break"] if "Data dependent" in why], dict(counters["graph_break"])
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("[train]\nlr = 0.001\n", "tiny"),  # a run config without [model]: train builds tiny; plan said "model.train: unknown key"
+    ("[model]\n", "tiny"),  # an empty [model]: plan refused "an empty table"
+    ("[model]\nhidden = 64\nheads = 4\n[data]\nseq_len = 32\n", "tiny-custom"),
+])
+def test_any_run_config_plans_what_train_builds(tmp_path, text, expected):
+    run = tmp_path / "run.toml"
+    run.write_text(text)
+    assert load_model(str(run)) == load_config(str(run)).model and load_model(str(run)).name == expected
+
+
+@pytest.mark.parametrize("text, what", [("model = 5\n", "not int"), ("", "not an empty table")])
+def test_a_model_file_that_is_no_table_is_one_line(tmp_path, text, what):
+    from luban.errors import LubanError
+
+    bad = tmp_path / "m.toml"
+    bad.write_text(text)
+    with pytest.raises(LubanError, match=what):
+        load_model(str(bad))
+
+
+def test_a_huge_capacity_factor_runs_dropless_without_a_warning_or_overflow(tmp_path):
+    """``capacity_factor = 1e308`` (accepted: finite) overflowed: an OverflowError traceback in the
+    layer (math.ceil of inf), a RuntimeWarning on the planner's stderr."""
+    import warnings
+
+    import numpy as np
+    import torch
+
+    from luban.model import flops
+    from luban.model.moe import MoE
+
+    cfg = get_preset("tiny-moe").replace(capacity_factor=1e308)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert flops.expert_capacity(1e308, 64, 2, 4) == 0
+        assert flops.expert_capacity(1e308, np.array([64.0, 128.0]), 2, 4).tolist() == [0, 0]
+        layer = MoE(cfg)
+        assert layer.capacity(64) is None
+        for p in layer.parameters():
+            torch.nn.init.normal_(p, std=0.1)
+        assert torch.isfinite(layer(torch.randn(8, cfg.hidden))).all()
