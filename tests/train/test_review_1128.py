@@ -254,9 +254,13 @@ def _before_luban(returncode: int, err: str) -> bool:
     """A KeyboardInterrupt traceback with no frame of luban's: runpy compiling ``luban/__main__.py``
     before its first line (its ``try``) runs. Seen in CI on a fresh clone, 2026-12-02: with
     PYTHONDONTWRITEBYTECODE=1 (this machine's environment) no .pyc is kept, so every ``python -m luban``
-    compiles ``__main__.py`` and a 0.2 s Ctrl-C on a loaded machine landed in ``source_to_code``."""
+    compiles ``__main__.py`` and a 0.2 s Ctrl-C on a loaded machine landed in ``source_to_code``.
+    Or, earlier still, CPython importing ``runpy`` itself for ``-m``: "Could not import runpy module",
+    the traceback in ``importlib._bootstrap`` and exit 1 (CI, 2026-12-03, at 0.05 s): the interpreter's
+    own start-up, which no code of luban's can reach."""
     frames = re.findall(r'^\s*File "([^"]+)"', err, re.MULTILINE)
-    return (returncode == -signal.SIGINT and err.rstrip().endswith("KeyboardInterrupt") and bool(frames)
+    runpy = returncode == 1 and err.startswith("Could not import runpy module")
+    return ((returncode == -signal.SIGINT or runpy) and err.rstrip().endswith("KeyboardInterrupt") and bool(frames)
             and all(frame.startswith("<frozen ") for frame in frames))
 
 
