@@ -145,7 +145,7 @@ def register(sub) -> None:
 
 def load_model(spec: str):
     """A preset name or a TOML/JSON file holding a ModelConfig (flat, or a run config's [model])."""
-    from luban.config import SECTIONS
+    from luban.config import SECTIONS, config_from_dict
     from luban.model.config import ModelConfig
     from luban.model.presets import PRESETS, get_preset
     from luban.plan.system import is_json, read_small_text
@@ -163,15 +163,13 @@ def load_model(spec: str):
         raise LubanError(f"--model = {spec!r}: cannot parse: {err}".replace("\n", " ")) from None
     except OSError as err:
         raise bad_value("--model", spec, f"a readable {kind} file ({err.strerror})") from None
-    run_config = isinstance(raw, dict) and raw and set(raw) <= set(SECTIONS)
-    # a run config plans the model `luban train` builds: its [model] on the default preset (none, or an
-    # empty one: the preset's); a flat table is the model's keys
-    table = raw.get("model", {}) if run_config else raw
-    if not isinstance(table, dict) or not (table or run_config):
-        what = type(table).__name__ if not isinstance(table, dict) else "an empty table"
+    if not isinstance(raw, dict) or not raw:
+        what = type(raw).__name__ if not isinstance(raw, dict) else "an empty table"
         raise bad_value("--model", spec, f"a {kind} table of model keys (flat, or a run config's [model]), not {what}")
     try:
-        return ModelConfig.from_dict(table)
+        if any(key in SECTIONS for key in raw):  # a run config: the model `luban train` builds of it, checked as
+            return config_from_dict(raw).model  # train checks the file (sections, tables, keys)
+        return ModelConfig.from_dict(raw)  # a flat table: the model's keys
     except LubanError as err:
         raise LubanError(f"{spec}: {err}") from None
 

@@ -397,7 +397,7 @@ def _remove_own(folder: Path) -> bool:
             folder.rename(doomed)
         except OSError:  # a foreign folder of that name, or a read-only root: removed where it is
             doomed = folder
-    try:  # the manifest first: a hidden folder that still has one is a whole checkpoint (``_sweep`` keeps it)
+    try:  # the manifest first: what a kill then leaves fails verification wherever it is
         (doomed / "manifest.json").unlink(missing_ok=True)
     except OSError:
         pass
@@ -428,12 +428,15 @@ def _exchange(a: Path, b: Path) -> bool:
 def _replace(tmp: Path, final: Path) -> None:
     """``tmp`` (a whole new checkpoint) becomes ``final``. A re-save of the same step swaps the two
     in one step (``_exchange``; the old one, now at ``tmp``, is then removed), so no kill leaves the
-    step without its checkpoint; where the filesystem cannot swap, the old one is first renamed to
-    ``.removing-step_N``, and a kill between the two renames leaves both whole, hidden, and kept
-    (``_sweep``), for a user to rename back."""
+    step without its checkpoint. Where the filesystem cannot swap (NFS, FUSE), the step keeps the
+    checkpoint it has if that one verifies (the same step of the same run: the state it holds is
+    the one just saved again) and the new one goes; two renames, with a moment between them when
+    the step has no checkpoint, only replace one that is damaged."""
     if not final.exists():
         tmp.rename(final)
     elif _exchange(tmp, final):
+        _remove_own(tmp)
+    elif _verifies(final):
         _remove_own(tmp)
     else:
         aside = final.with_name(REMOVING + final.name)
@@ -456,8 +459,8 @@ def _sweep(root: Path, final: Path) -> None:
         step = STEP_DIR.match(name.removeprefix(".tmp-")) if removing or name.startswith(".tmp-") else None
         if not (step and path.is_dir() and not path.is_symlink() and (removing or int(step.group(1)) < below)):
             continue  # only the names luban gives (a user's ".removing-notes" stays)
-        if (path / "manifest.json").is_file() and not (root / step.group(0)).exists():
-            continue  # whole (a removal unlinks the manifest first) and its step has no other copy: kept
+        if not removing and (path / "manifest.json").is_file() and not (root / step.group(0)).exists():
+            continue  # a save killed after its manifest, before its rename: whole, its step's only copy, kept
         _remove_own(path)
 
 

@@ -156,7 +156,12 @@ def test_any_run_config_plans_what_train_builds(tmp_path, text, expected):
     assert load_model(str(run)) == load_config(str(run)).model and load_model(str(run)).name == expected
 
 
-@pytest.mark.parametrize("text, what", [("model = 5\n", "not int"), ("", "not an empty table")])
+@pytest.mark.parametrize("text, what", [
+    ("model = 5\n", "model = 5: must be a table of keys"),  # a run config's faults as train names them
+    ("train = 3\n", "train = 3: must be a table of keys"),  # planned as tiny before (the sections' names alone were looked at)
+    ("[model]\nhidden = 64\nheads = 4\n[eval]\nx = 1\n", "section = 'eval': unknown"),  # was "model.model: unknown key"
+    ("", "not an empty table"),
+])
 def test_a_model_file_that_is_no_table_is_one_line(tmp_path, text, what):
     from luban.errors import LubanError
 

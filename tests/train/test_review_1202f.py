@@ -207,8 +207,10 @@ root, where = Path(sys.argv[1]), sys.argv[2]
 meta = lambda step, note: {"step": step, "config": {"model": {}}, "world_size": 1, "note": note}
 checkpoint.save(root, 1, {"w": torch.zeros(64)}, meta(1, "first"), keep=5)
 checkpoint.save(root, 2, {"w": torch.zeros(64)}, meta(2, "old"), keep=5)
-if where == "no swap":  # a filesystem without RENAME_EXCHANGE: two renames, killed between them
+if where in ("no swap", "no swap, damaged"):  # a filesystem without RENAME_EXCHANGE: killed at a rename of .tmp-
     checkpoint._exchange = lambda a, b: False
+    if where == "no swap, damaged":  # the old copy fails its checks: replaced by two renames
+        checkpoint._verifies = lambda ckpt: False
     real = Path.rename
     def rename(self, target):
         if self.name.startswith(".tmp-"):
@@ -226,13 +228,14 @@ checkpoint.save(root, 2, {"w": torch.ones(64)}, meta(2, "new"), keep=int(sys.arg
 
 
 @pytest.mark.parametrize("keep", [1, 5])
-@pytest.mark.parametrize("where", ["after the swap", "no swap"])
+@pytest.mark.parametrize("where", ["after the swap", "no swap", "no swap, damaged"])
 def test_a_kill_during_a_resave_of_the_same_step_keeps_a_whole_copy(tmp_path, where, keep):
     """A re-save renamed the old step_N aside, then the new one into place: a kill between the two
     left step N only under hidden names, which ``--resume auto`` does not see (with keep = 1 it then
-    started afresh) and the next save's sweep deleted (a hostile review, 2026-12-03). Now the two are
-    swapped in one step where the filesystem can (renameat2 RENAME_EXCHANGE); where it cannot, both
-    hidden copies are kept for the user, whatever is saved next."""
+    started afresh) and the next save's sweep deleted (hostile reviews, 2026-12-03). Now the two are
+    swapped in one step where the filesystem can (renameat2 RENAME_EXCHANGE); where it cannot, the
+    step keeps its valid checkpoint (no rename at all); only a damaged one is replaced by two
+    renames, and a kill between them keeps the new whole copy, hidden, whatever is saved next."""
     import json
     import sys
 
@@ -248,13 +251,20 @@ def test_a_kill_during_a_resave_of_the_same_step_keeps_a_whole_copy(tmp_path, wh
         assert checkpoint.latest_valid(root) == root / "step_0000002"
         save(root, 3, keep=5)
         assert names(root) == ["step_0000001", "step_0000002", "step_0000003"]  # the old copy swept
+    elif where == "no swap":  # no rename of .tmp- was reached: the old copy stays, nothing else
+        assert child.output() == "" or "Traceback" not in child.output()
+        assert checkpoint.latest_valid(root) == root / "step_0000002"
+        assert json.loads((root / "step_0000002" / "meta.json").read_text())["note"] == "old"
+        save(root, 3, keep=5)
+        assert names(root) == ["step_0000001", "step_0000002", "step_0000003"]
     else:
         hidden = {p.name: json.loads((p / "meta.json").read_text())["note"] for p in root.iterdir()
                   if p.name.startswith(".")}
         assert hidden == {".removing-step_0000002": "old", ".tmp-step_0000002": "new"}, hidden
-        assert all(checkpoint.verify(root / name) is None for name in hidden)
+        assert checkpoint.verify(root / ".tmp-step_0000002") is None
         save(root, 3, keep=1)
-        assert set(hidden) < set(names(root))  # neither whole copy is deleted by a later save
+        assert ".tmp-step_0000002" in names(root)  # the new whole copy is not deleted by a later save
+        assert ".removing-step_0000002" not in names(root)  # the damaged old one is
 
 
 def test_a_resave_swaps_in_the_new_checkpoint_and_leaves_nothing_behind(tmp_path):
@@ -280,3 +290,39 @@ def test_a_users_file_in_the_aside_folder_stops_a_resave_naming_it(tmp_path):
         save(root, 1, keep=5)
     assert checkpoint.latest_valid(root) == root / "step_0000001"
     assert (root / ".removing-step_0000001" / "notes.txt").read_text() == "mine"
+
+
+KILLED_AFTER_ASIDE = r"""
+import os, signal, sys
+from pathlib import Path
+import torch
+from luban.train import checkpoint
+
+root = Path(sys.argv[1])
+for step in (1, 2):
+    checkpoint.save(root, step, {"w": torch.zeros(64)}, {"step": step, "config": {"model": {}}, "world_size": 1}, keep=5)
+real = Path.unlink
+def unlink(self, missing_ok=False):
+    if self.name == "manifest.json" and self.parent.name.startswith(".removing-"):
+        os.kill(os.getpid(), signal.SIGKILL)  # renamed aside, still whole
+    return real(self, missing_ok=missing_ok)
+Path.unlink = unlink
+checkpoint.save(root, 3, {"w": torch.ones(64)}, {"step": 3, "config": {"model": {}}, "world_size": 1}, keep=1)
+"""
+
+
+def test_a_kill_between_retentions_rename_and_unlink_leaks_nothing(tmp_path):
+    """Retention renamed step_2 aside, then was killed before its manifest went: the whole hidden
+    copy was kept by the sweep for good (a hostile review, 2026-12-03). ``.removing-`` is always swept."""
+    import sys
+
+    from tests.child import Child
+
+    root = tmp_path / "checkpoints"
+    script = tmp_path / "kill.py"
+    script.write_text(KILLED_AFTER_ASIDE)
+    with Child([sys.executable, script, root]) as child:
+        assert child.wait(120) == -9, child.output()
+    assert ".removing-step_0000002" in names(root) and checkpoint.latest_valid(root) == root / "step_0000003"
+    save(root, 4, keep=1)
+    assert names(root) == ["step_0000004"]
