@@ -176,6 +176,34 @@ def in_process(tmp_path, monkeypatch):
         api.engine.dispose()
 
 
+def listens(pid: int, port: int) -> bool:
+    """Whether process ``pid`` holds a TCP socket listening on ``port``. A free port is free only
+    when it is chosen: another test's service or rendezvous may bind it first, and then answers
+    this test's requests (2026-12-03 CI: a service "up" with no admin.token — the answer was
+    another worker's service, and this one exited 2 on the taken port)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()  # sl local_address rem_address st ... inode (the 10th)
+            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # 0A: TCP_LISTEN
+                inodes.add(f"socket:[{fields[9]}]")
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}") in inodes:
+                return True
+        except OSError:
+            continue
+    return False
+
+
 class Service:
     """A real `luban cluster serve` process; restartable on the same state and database."""
 
@@ -189,23 +217,35 @@ class Service:
         self.proc: subprocess.Popen | None = None
         self.log = state.with_name(state.name + ".service.log")  # beside STATE: luban writes only its own files there
 
+    PORT_TRIES = 5  # a first start whose free port another test took meanwhile tries a new one
+
     def start(self) -> "Service":
         self.state.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log, "a") as log:
-            self.proc = subprocess.Popen(
-                [*LUBAN, "cluster", "serve", "--state", str(self.state), "--port", str(self.port),
-                 "--log-level", "info", *self.args], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
-        try:
-            wait_for(self._up, 60, 0.2, f"service on {self.url} (log {self.log})")
-        except BaseException:
-            self.proc.kill()  # a service that did not come up in time must not outlive the test
-            self.proc.wait(30)
-            raise
-        return self
+        first = self.proc is None  # a restart keeps its port: its jobs know the service's URL
+        for _ in range(self.PORT_TRIES if first else 1):
+            seen = self.log.stat().st_size if self.log.exists() else 0
+            with open(self.log, "a") as log:
+                self.proc = subprocess.Popen(
+                    [*LUBAN, "cluster", "serve", "--state", str(self.state), "--port", str(self.port),
+                     "--log-level", "info", *self.args], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+            try:
+                wait_for(self._up, 60, 0.2, f"service on {self.url} (log {self.log})")
+                return self
+            except BaseException:
+                self.proc.kill()  # a service that did not come up in time must not outlive the test
+                self.proc.wait(30)
+                if not (first and self.proc.returncode == 2 and "another process listens on"
+                        in self.log.read_text(errors="replace")[seen:]):
+                    raise
+            self.port = free_port()
+            self.url = f"http://127.0.0.1:{self.port}"
+        raise AssertionError(f"no free port in {self.PORT_TRIES} tries (log {self.log})")
 
     def _up(self) -> bool:
         if self.proc.poll() is not None:
             raise AssertionError(f"service exited with {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
+        if not listens(self.proc.pid, self.port):
+            return False  # not yet, or another process holds the port: its answers are not this service's
         try:
             return httpx.get(self.url + "/api/whoami", timeout=1).status_code == 401
         except httpx.HTTPError:
