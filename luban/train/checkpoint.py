@@ -9,7 +9,10 @@ Layout of ``<run>/checkpoints/step_0000100/``:
 
 A save goes to ``.tmp-step_0000100`` and is renamed into place only once every rank has
 written and the manifest is on disk, so a crash or kill during a save never touches the
-previous checkpoint; a directory is valid only if its manifest's checksums match.
+previous checkpoint; a directory is valid only if its manifest's checksums match. Each step of a
+save ends with the ranks sharing its outcome (``_agree``): a step that fails on one rank (a full
+disk on one node, EIO from rank 0's rename) raises that rank's error on every rank, never leaves
+the others waiting in a barrier.
 ``latest_valid`` finds the newest valid one for ``--resume auto``; the last K *valid* ones are kept
 (``_prune``: a damaged or foreign folder never counts, nor is removed in place of a good one).
 
@@ -41,6 +44,7 @@ import logging
 import os
 import re
 import shutil
+import sys
 import warnings
 import threading
 import time
@@ -87,11 +91,6 @@ def _is_dist() -> bool:
 
 def _rank() -> int:
     return dist.get_rank() if _is_dist() else 0
-
-
-def _barrier(group=None) -> None:
-    if _is_dist():
-        dist.barrier(group=group)
 
 
 HOLD_ENV = "LUBAN_TEST_HOLD_CHECKPOINT_WRITE"  # tests only: a background write waits here (see _test_hold)
@@ -337,10 +336,12 @@ def save(root: Path, step: int, state: dict, meta: dict, keep: int) -> Path:
 
 
 def _write_error(root: Path, step: int, err: BaseException) -> CheckpointWriteError:
-    _remove_own(root / f".tmp-{step_dir(root, step).name}")
-    return CheckpointWriteError(f"checkpoint step {step} could not be written under {root}: {_storage_error(err)}; "
-                                "the previous checkpoint is intact — free space or fix the folder, then "
-                                "resume with --resume auto")
+    """The error every rank raises alike (``_agree``); rank 0 removes the half-written folder."""
+    if _rank() == 0:
+        _remove_own(root / f".tmp-{step_dir(root, step).name}")
+    return everywhere(CheckpointWriteError(
+        f"checkpoint step {step} could not be written under {root}: {_storage_error(err)}; the previous "
+        "checkpoint is intact — free space or fix the folder, then resume with --resume auto"))
 
 
 def rng_state() -> dict:
@@ -464,30 +465,89 @@ def _sweep(root: Path, final: Path) -> None:
         _remove_own(path)
 
 
-def _save(root: Path, step: int, state: dict, meta: dict, keep: int, rng: dict, group=None,
-          background: bool = False) -> Path:
-    final = step_dir(root, step)
-    tmp = root / f".tmp-{final.name}"
-    # tmp: left by a save that was killed; final: re-saved below. Every rank looks before rank 0
-    # touches either, so all of them stop alike when one holds a file luban did not write
-    aside = final.with_name(REMOVING + final.name)  # where a re-save without an atomic swap moves the old one
-    foreign = next(((folder.name, name) for folder in (tmp, final, aside) if (name := _foreign(folder)) is not None),
-                   None)
-    _barrier(group)
+def _agree(group, part) -> None:
+    """Run this rank's ``part`` of a save, then learn every rank's outcome (a collective, in place of
+    a barrier): a part that failed on one rank raises on every rank, as that rank's storage error
+    named with its rank. A rank failing alone used to leave the others in the save's next barrier
+    until gloo's timeout (30 min), while it waited in its own next collective (async: ``wait``'s
+    all-reduce): a hang; the ranks that got out reported other errors than the one that failed."""
+    err = None
+    try:
+        part()
+    except Exception as e:  # noqa: BLE001 - every failure is shared, then raised below
+        err = e
+    if not _is_dist():
+        if err is not None:
+            raise err
+        return
+    refused = isinstance(err, CheckpointWriteError)
+    mine = None if err is None else (type(err).__name__, getattr(err, "errno", None),
+                                     str(err) if refused else _storage_error(err),
+                                     isinstance(err, (OSError, dcp.api.CheckpointException)), refused)
+    told = [None] * dist.get_world_size(group)
+    dist.all_gather_object(told, mine, group=group)
+    failed = next(((rank, what) for rank, what in enumerate(told) if what is not None), None)
+    if failed is None:
+        return
+    rank, (kind, code, text, storage, refused) = failed  # the first rank that failed speaks for all
+    if refused:  # a folder holding a user's file: the same refusal everywhere
+        raise everywhere(CheckpointWriteError(text))
+    if storage:
+        raise OSError(code or 0, f"{text} (rank {rank})") from err  # one message on every rank
+    if err is not None:
+        raise err  # a bug, not the storage: its own traceback
+    raise RuntimeError(f"the checkpoint write failed on rank {rank}: {kind}: {text}")
+
+
+def _refuse_foreign(root: Path, step: int, folders: tuple[Path, ...]) -> None:
+    """tmp (left by a save that was killed), final (re-saved) and aside: every rank looks before rank 0
+    touches any, so all of them stop alike when one holds a file luban did not write."""
+    foreign = next(((folder.name, name) for folder in folders if (name := _foreign(folder)) is not None), None)
     if foreign is not None:
         raise CheckpointWriteError(f"checkpoint step {step} could not be written under {root}: {foreign[0]} holds "
                                    f"{foreign[1]!r}, which luban did not write; move it away, then resume with "
                                    "--resume auto (the previous checkpoint is intact)")
-    if _rank() == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        _remove_own(tmp)
-        if final.exists():
-            _remove_own(aside)  # a leftover of an earlier re-save: its step has a checkpoint
-        tmp.mkdir()
-    _barrier(group)
-    dcp.save(state, checkpoint_id=str(tmp), process_group=group)
-    torch.save(rng, tmp / f"rng_rank{_rank()}.pt")
-    _barrier(group)
+
+
+def _prepare(root: Path, tmp: Path, final: Path, aside: Path) -> None:
+    """Rank 0, before any rank writes: an empty ``tmp``."""
+    root.mkdir(parents=True, exist_ok=True)
+    _remove_own(tmp)
+    if final.exists():
+        _remove_own(aside)  # a leftover of an earlier re-save: its step has a checkpoint
+    tmp.mkdir()
+
+
+def _publish(root: Path, tmp: Path, final: Path, meta: dict, known: list[dict], keep: int) -> None:
+    """Rank 0, once every rank's files are written: manifest, rename into place, clean-up."""
+    (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+    write_manifest(tmp, {name: entry for entries in known for name, entry in entries.items()})
+    _replace(tmp, final)  # a re-save of the same step (suspend right after a periodic save) too
+    _fsync_dir(root)
+    _VERIFIED[_verified_key(final)] = True  # its CRC32s were just taken from what was written
+    try:  # the checkpoint is saved: what fails now is the removal of older folders, not the save
+        _sweep(root, final)
+        _prune(root, final, keep)
+    except OSError as err:
+        print(f"luban: warning: checkpoint {final.name} is saved, but older checkpoints under {root} could "
+              f"not be cleaned up ({_storage_error(err)}); the next save tries again", file=sys.stderr, flush=True)
+
+
+def _save(root: Path, step: int, state: dict, meta: dict, keep: int, rng: dict, group=None,
+          background: bool = False) -> Path:
+    """Each step ends in ``_agree``: all ranks go on together, or all raise the same error."""
+    final = step_dir(root, step)
+    tmp = root / f".tmp-{final.name}"
+    aside = final.with_name(REMOVING + final.name)  # where a re-save without an atomic swap moves the old one
+    rank0 = _rank() == 0
+    _agree(group, lambda: _refuse_foreign(root, step, (tmp, final, aside)))
+    _agree(group, lambda: rank0 and _prepare(root, tmp, final, aside))
+
+    def write() -> None:
+        dcp.save(state, checkpoint_id=str(tmp), process_group=group)
+        torch.save(rng, tmp / f"rng_rank{_rank()}.pt")
+
+    _agree(group, write)
     # each rank checksums the files it wrote (one rank read the whole checkpoint back at every save)
     try:
         mine = file_entries(tmp, _own_files(tmp, group))
@@ -499,15 +559,7 @@ def _save(root: Path, step: int, state: dict, meta: dict, keep: int, rng: dict, 
         dist.all_gather_object(known, mine, group=group)
     if background:
         _test_hold(tmp, step)
-    if _rank() == 0:
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-        write_manifest(tmp, {name: entry for entries in known for name, entry in entries.items()})
-        _replace(tmp, final)  # a re-save of the same step (suspend right after a periodic save) too
-        _fsync_dir(root)
-        _VERIFIED[_verified_key(final)] = True  # its CRC32s were just taken from what was written
-        _sweep(root, final)
-        _prune(root, final, keep)
-    _barrier(group)
+    _agree(group, lambda: rank0 and _publish(root, tmp, final, meta, known, keep))
     return final
 
 

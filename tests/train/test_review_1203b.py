@@ -1,0 +1,65 @@
+"""A checkpoint save that fails on one rank only (a hostile review, 2026-12-03).
+
+``_save`` ran rank 0's parts (the empty ``.tmp-`` folder; the manifest, the rename, retention)
+and each rank's RNG file between barriers. When one rank's part failed (EIO from the rename, a
+full disk on one node), that rank raised while the others waited in the next barrier until
+gloo's timeout (30 minutes): a background save deadlocked outright — rank 0 in ``wait``'s
+all-reduce, rank 1 in ``_save``'s last barrier — and the ranks that got out named another error
+than the one that failed. Now every part ends in ``checkpoint._agree``: the ranks share the
+outcome, all raise the first failing rank's error, and the next save works.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+
+import torch
+
+from luban.train import checkpoint
+from tests.child import launch
+from tests.train import save_fail_ranks
+
+
+def test_a_save_failing_on_one_rank_fails_alike_on_every_rank_and_the_next_one_works(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    code, output = launch([tmp_path / "checkpoints", out], 2, "tests.train.save_fail_ranks", timeout=420)
+    assert code == 0, output[-4000:]
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    assert ranks[0] == ranks[1], ranks  # the same outcome, word for word, on both ranks
+    results = ranks[0]
+    cases = [f"{mode} {point} on rank {where}" for mode in ("sync", "async")
+             for point, where in save_fail_ranks.POINTS]
+    for number, case in enumerate(cases, start=2):
+        message = results[case]
+        assert message is not None, (case, results)  # it failed ...
+        assert f"checkpoint step {number} could not be written" in message, (case, message)
+        where = case.rsplit(" ", 1)[1]
+        assert f"Input/output error (rank {where})" in message, (case, message)  # ... naming the rank
+        assert message.endswith("everywhere=True"), (case, message)  # printed once, by rank 0
+        # the last good checkpoint stays the newest valid one (a failed re-save keeps its step's)
+        expected = f"step_{number:07d}" if "_exchange" in case else None
+        newest = results[case + ": newest"]
+        assert newest == expected or (expected is None and newest < f"step_{number:07d}"), (case, newest)
+    assert results["after"] == f"step_{len(cases) + 2:07d}", results
+    assert "Traceback" not in output, output[-4000:]
+
+
+def test_a_failed_clean_up_after_the_rename_warns_and_the_save_stands(tmp_path, monkeypatch, capsys):
+    root = tmp_path / "checkpoints"
+    meta = lambda step: {"step": step, "config": {"model": {}}, "world_size": 1}  # noqa: E731
+    checkpoint.save(root, 1, {"w": torch.zeros(8)}, meta(1), keep=1)
+
+    def failing(*args):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(checkpoint, "_prune", failing)
+    final = checkpoint.save(root, 2, {"w": torch.ones(8)}, meta(2), keep=1)
+    assert checkpoint.latest_valid(root) == final and checkpoint.verify(final) is None
+    err = capsys.readouterr().err
+    assert "luban: warning: checkpoint step_0000002 is saved, but older checkpoints" in err, err
+    assert "Input/output error" in err, err
+    monkeypatch.undo()
+    checkpoint.save(root, 3, {"w": torch.ones(8)}, meta(3), keep=1)  # the next save cleans up
+    assert sorted(p.name for p in root.iterdir()) == ["step_0000003"]
