@@ -408,7 +408,10 @@ def _remove_own(folder: Path) -> bool:
 
 # renameat2(2)'s RENAME_EXCHANGE (linux/fs.h; Linux 3.15, glibc 2.28): two paths swapped in one step
 _RENAME_EXCHANGE, _AT_FDCWD = 2, -100
-_NO_EXCHANGE = (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP)  # this system or filesystem has none
+# this system or filesystem has none; EPERM: a seccomp filter that predates renameat2 (older
+# Docker/container runtimes) answers so — if it is a real permission problem, the renames of the
+# fallback fail with it and the save says so
+_NO_EXCHANGE = (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EPERM)
 
 
 def _exchange(a: Path, b: Path) -> bool:
@@ -452,7 +455,10 @@ def _replace(tmp: Path, final: Path) -> None:
 def _sweep(root: Path, final: Path) -> None:
     """What a killed save or removal left (rank 0, after ``final`` is in place): ``.removing-*``
     folders, and the ``.tmp-step_N`` of a save below ``final``'s step (saves run one at a time, so
-    that one can only have been killed) — each only if it holds luban's files alone."""
+    that one can only have been killed) — each only if it holds luban's files alone. A whole
+    ``.tmp-step_N`` (its manifest written, killed before the rename) whose ``step_N`` is absent is
+    kept: it is that step's only copy. ``--resume auto`` does not adopt it (it resumes from the
+    newest ``step_*``); the resumed run's own save of step N replaces it."""
     below = int(STEP_DIR.match(final.name).group(1))
     for path in root.iterdir():
         removing = path.name.startswith(REMOVING)
@@ -501,11 +507,21 @@ def _agree(group, part) -> None:
 
 def _refuse_foreign(root: Path, step: int, folders: tuple[Path, ...]) -> None:
     """tmp (left by a save that was killed), final (re-saved) and aside: every rank looks before rank 0
-    touches any, so all of them stop alike when one holds a file luban did not write."""
-    foreign = next(((folder.name, name) for folder in folders if (name := _foreign(folder)) is not None), None)
+    touches any, so all of them stop alike when one holds a file luban did not write, or is itself a
+    file or a link (a re-save swapped a user's file named ``step_N`` into ``.tmp-step_N``, where it
+    then failed every later save of that step with "File exists")."""
+    def what(folder: Path) -> str | None:
+        if folder.is_symlink():
+            return "is a link"
+        if os.path.lexists(folder) and not folder.is_dir():
+            return "is a file"
+        name = _foreign(folder)
+        return None if name is None else f"holds {name!r}"
+
+    foreign = next(((folder.name, found) for folder in folders if (found := what(folder)) is not None), None)
     if foreign is not None:
-        raise CheckpointWriteError(f"checkpoint step {step} could not be written under {root}: {foreign[0]} holds "
-                                   f"{foreign[1]!r}, which luban did not write; move it away, then resume with "
+        raise CheckpointWriteError(f"checkpoint step {step} could not be written under {root}: {foreign[0]} "
+                                   f"{foreign[1]}, which luban did not write; move it away, then resume with "
                                    "--resume auto (the previous checkpoint is intact)")
 
 

@@ -11,11 +11,14 @@ outcome, all raise the first failing rank's error, and the next save works.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import json
 
+import pytest
 import torch
 
+from luban.errors import CheckpointWriteError
 from luban.train import checkpoint
 from tests.child import launch
 from tests.train import save_fail_ranks
@@ -48,7 +51,7 @@ def test_a_save_failing_on_one_rank_fails_alike_on_every_rank_and_the_next_one_w
 
 def test_a_failed_clean_up_after_the_rename_warns_and_the_save_stands(tmp_path, monkeypatch, capsys):
     root = tmp_path / "checkpoints"
-    meta = lambda step: {"step": step, "config": {"model": {}}, "world_size": 1}  # noqa: E731
+    meta = _meta
     checkpoint.save(root, 1, {"w": torch.zeros(8)}, meta(1), keep=1)
 
     def failing(*args):
@@ -63,3 +66,55 @@ def test_a_failed_clean_up_after_the_rename_warns_and_the_save_stands(tmp_path, 
     monkeypatch.undo()
     checkpoint.save(root, 3, {"w": torch.ones(8)}, meta(3), keep=1)  # the next save cleans up
     assert sorted(p.name for p in root.iterdir()) == ["step_0000003"]
+
+
+def _meta(step):
+    return {"step": step, "config": {"model": {}}, "world_size": 1}
+
+
+@pytest.mark.parametrize("name", ["step_0000002", ".tmp-step_0000002", ".removing-step_0000002"])
+@pytest.mark.parametrize("kind", ["file", "link to a folder", "dangling link"])
+def test_a_user_s_file_or_link_where_a_save_goes_is_refused_and_left_as_it_is(tmp_path, name, kind):
+    """A re-save swapped a user's regular file named step_N into .tmp-step_N; every later save of
+    that step then failed with "File exists" (a link went the same way)."""
+    root = tmp_path / "checkpoints"
+    checkpoint.save(root, 1, {"w": torch.zeros(8)}, _meta(1), keep=3)
+    if name == ".removing-step_0000002":
+        checkpoint.save(root, 2, {"w": torch.zeros(8)}, _meta(2), keep=3)  # where a re-save moves the old one
+    theirs, elsewhere = root / name, tmp_path / "mine"
+    elsewhere.mkdir()
+    if kind == "file":
+        theirs.write_text("my notes")
+    else:
+        theirs.symlink_to(elsewhere if kind == "link to a folder" else tmp_path / "nowhere")
+    before = sorted(p.name for p in root.iterdir())
+    with pytest.raises(CheckpointWriteError) as refused:
+        checkpoint.save(root, 2, {"w": torch.ones(8)}, _meta(2), keep=3)
+    what = "a file" if kind == "file" else "a link"
+    assert f"{name} is {what}, which luban did not write; move it away" in str(refused.value), refused.value
+    assert sorted(p.name for p in root.iterdir()) == before  # nothing moved, nothing removed
+    assert (theirs.read_text() == "my notes") if kind == "file" else theirs.is_symlink()
+    assert list(elsewhere.iterdir()) == []
+    theirs.unlink()  # moved away: the same save works
+    checkpoint.save(root, 2, {"w": torch.ones(8)}, _meta(2), keep=3)
+    assert checkpoint.latest_valid(root).name == "step_0000002"
+
+
+def test_a_re_save_where_renameat2_is_refused_with_eperm_keeps_the_valid_checkpoint(tmp_path, monkeypatch):
+    """A seccomp filter older than renameat2 answers EPERM: every re-save failed with exit 74."""
+    root = tmp_path / "checkpoints"
+    first = checkpoint.save(root, 2, {"w": torch.zeros(8)}, _meta(2), keep=3)
+    calls = []
+
+    class NoRenameat2:
+        def __init__(self, *args, **kwargs):
+            def renameat2(*args):
+                calls.append(args)
+                ctypes.set_errno(errno.EPERM)
+                return -1
+            self.renameat2 = renameat2
+
+    monkeypatch.setattr(checkpoint.ctypes, "CDLL", NoRenameat2)
+    assert checkpoint.save(root, 2, {"w": torch.ones(8)}, _meta(2), keep=3) == first  # no exit 74
+    assert calls and checkpoint.verify(first) is None
+    assert sorted(p.name for p in root.iterdir()) == ["step_0000002"]
