@@ -54,13 +54,15 @@ def test_closed_stdout_of_jobs_and_logs_is_quiet(service, tmp_path):
 
 
 def test_ctrl_c_on_serve_shuts_down_then_130(tmp_path):
-    from tests.cluster.conftest import free_port
+    from tests.cluster.conftest import free_port, listens
     import httpx
 
     state, port = tmp_path / "state", free_port()
     serve = Proc(["cluster", "serve", "--state", state, "--port", port, "--run-jobs-as", "service"])
 
     def up():
+        if not listens(serve.proc.pid, port):  # not yet, or another test's process took the port
+            return False
         try:
             return httpx.get(f"http://127.0.0.1:{port}/api/whoami", timeout=1).status_code == 401
         except httpx.HTTPError:
