@@ -323,6 +323,9 @@ def everywhere(err: LubanError) -> LubanError:
     return err
 
 
+_STORAGE = (OSError, dcp.api.CheckpointException)  # the storage's answer (CheckpointException: DCP's, per rank)
+
+
 def save(root: Path, step: int, state: dict, meta: dict, keep: int) -> Path:
     """Collective: every rank calls it with its own ``state``; returns the final directory.
 
@@ -331,7 +334,7 @@ def save(root: Path, step: int, state: dict, meta: dict, keep: int) -> Path:
     checkpoint is untouched."""
     try:
         return _save(root, step, state, meta, keep, rng_state())
-    except (OSError, dcp.api.CheckpointException) as err:
+    except _STORAGE as err:
         raise _write_error(root, step, err) from None
 
 
@@ -379,6 +382,11 @@ def _foreign(folder: Path) -> str | None:
         return None
 
 
+def _real_dir(path: Path) -> bool:
+    """A folder, not a link to one: the only kind of entry under a run's checkpoints that luban moves or removes."""
+    return path.is_dir() and not path.is_symlink()
+
+
 REMOVING = ".removing-"  # a checkpoint folder being removed: hidden from step_dirs before its first file goes
 
 
@@ -387,7 +395,7 @@ def _remove_own(folder: Path) -> bool:
     It is first renamed to ``.removing-NAME`` (atomic), so a kill -9 during the removal leaves no
     half-removed ``step_NNNNNNN`` (one without its manifest was no longer luban's to remove, and
     stayed for good) but a hidden folder the next save's ``_sweep`` finishes."""
-    if folder.is_symlink() or not folder.is_dir():
+    if not _real_dir(folder):
         return not os.path.lexists(folder)  # nothing there; a link or a file is not luban's folder
     if _foreign(folder) is not None:
         return False
@@ -409,8 +417,7 @@ def _remove_own(folder: Path) -> bool:
 # renameat2(2)'s RENAME_EXCHANGE (linux/fs.h; Linux 3.15, glibc 2.28): two paths swapped in one step
 _RENAME_EXCHANGE, _AT_FDCWD = 2, -100
 # this system or filesystem has none; EPERM: a seccomp filter that predates renameat2 (older
-# Docker/container runtimes) answers so — if it is a real permission problem, the renames of the
-# fallback fail with it and the save says so
+# container runtimes) answers so — treated as a filesystem without the swap (``_replace``'s fallback)
 _NO_EXCHANGE = (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EPERM)
 
 
@@ -464,45 +471,56 @@ def _sweep(root: Path, final: Path) -> None:
         removing = path.name.startswith(REMOVING)
         name = path.name.removeprefix(REMOVING)
         step = STEP_DIR.match(name.removeprefix(".tmp-")) if removing or name.startswith(".tmp-") else None
-        if not (step and path.is_dir() and not path.is_symlink() and (removing or int(step.group(1)) < below)):
+        if not (step and _real_dir(path) and (removing or int(step.group(1)) < below)):
             continue  # only the names luban gives (a user's ".removing-notes" stays)
         if not removing and (path / "manifest.json").is_file() and not (root / step.group(0)).exists():
             continue  # a save killed after its manifest, before its rename: whole, its step's only copy, kept
         _remove_own(path)
 
 
-def _agree(group, part) -> None:
-    """Run this rank's ``part`` of a save, then learn every rank's outcome (a collective, in place of
-    a barrier): a part that failed on one rank raises on every rank, as that rank's storage error
-    named with its rank. A rank failing alone used to leave the others in the save's next barrier
-    until gloo's timeout (30 min), while it waited in its own next collective (async: ``wait``'s
-    all-reduce): a hang; the ranks that got out reported other errors than the one that failed."""
-    err = None
+def _agree(group, part) -> list:
+    """Run this rank's ``part`` of a save, then learn every rank's outcome (one collective, in place of
+    a barrier); returns every rank's result, in rank order. A part that failed on one rank raises on
+    every rank: a storage error (or a refusal of a user's file) as the first failing rank's, word for
+    word, named with that rank; a bug as its own error where it happened, elsewhere as a
+    ``RuntimeError`` naming it. A rank failing alone used to leave the others waiting in the save's
+    next barrier until gloo's timeout (30 min) while it waited in its own next collective (async:
+    ``wait``'s all-reduce): a hang, and the ranks that got out named another error."""
+    err = value = None
     try:
-        part()
-    except Exception as e:  # noqa: BLE001 - every failure is shared, then raised below
+        value = part()
+    except BaseException as e:  # noqa: BLE001 - shared first (CheckpointException is a BaseException)
         err = e
     if not _is_dist():
         if err is not None:
             raise err
-        return
-    refused = isinstance(err, CheckpointWriteError)
-    mine = None if err is None else (type(err).__name__, getattr(err, "errno", None),
-                                     str(err) if refused else _storage_error(err),
-                                     isinstance(err, (OSError, dcp.api.CheckpointException)), refused)
+        return [value]
     told = [None] * dist.get_world_size(group)
-    dist.all_gather_object(told, mine, group=group)
-    failed = next(((rank, what) for rank, what in enumerate(told) if what is not None), None)
-    if failed is None:
-        return
-    rank, (kind, code, text, storage, refused) = failed  # the first rank that failed speaks for all
-    if refused:  # a folder holding a user's file: the same refusal everywhere
-        raise everywhere(CheckpointWriteError(text))
-    if storage:
-        raise OSError(code or 0, f"{text} (rank {rank})") from err  # one message on every rank
-    if err is not None:
-        raise err  # a bug, not the storage: its own traceback
-    raise RuntimeError(f"the checkpoint write failed on rank {rank}: {kind}: {text}")
+    dist.all_gather_object(told, (value, None if err is None else _failure(err)), group=group)
+    failures = [(rank, failure) for rank, (_, failure) in enumerate(told) if failure is not None]
+    if not failures:
+        return [result for result, _ in told]
+    bugs = [(rank, failure) for rank, failure in failures if failure["kind"] == "bug"]
+    if err is not None and _failure(err)["kind"] == "bug":
+        raise err  # a bug (or an interrupt), not the storage: its own traceback, here
+    if bugs:
+        rank, failure = bugs[0]
+        raise RuntimeError(f"the checkpoint save failed on rank {rank}: {failure['text']}") from err
+    rank, failure = failures[0]  # the first rank that failed speaks for all
+    if failure["kind"] == "refused":  # a folder holding a user's file: the same refusal everywhere
+        raise everywhere(CheckpointWriteError(failure["text"]))
+    raise OSError(failure["errno"] or 0, f"{failure['text']} (rank {failure.get('rank', rank)})") from err
+
+
+def _failure(err: BaseException) -> dict:
+    """What the other ranks learn of this rank's failure (plain values: it is pickled to them)."""
+    if isinstance(err, CheckpointWriteError):
+        return {"kind": "refused", "text": str(err)}
+    if isinstance(err, _STORAGE):
+        failed = getattr(err, "failures", None)  # DCP names the ranks whose write failed
+        where = {"rank": min(failed)} if isinstance(failed, dict) and failed else {}
+        return {"kind": "storage", "errno": getattr(err, "errno", None), "text": _storage_error(err), **where}
+    return {"kind": "bug", "text": f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"}
 
 
 def _refuse_foreign(root: Path, step: int, folders: tuple[Path, ...]) -> None:
@@ -539,7 +557,11 @@ def _publish(root: Path, tmp: Path, final: Path, meta: dict, known: list[dict], 
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
     write_manifest(tmp, {name: entry for entries in known for name, entry in entries.items()})
     _replace(tmp, final)  # a re-save of the same step (suspend right after a periodic save) too
-    _fsync_dir(root)
+    try:
+        _fsync_dir(root)
+    except OSError as err:
+        raise OSError(err.errno, f"{err.strerror}, syncing the folder once {final.name} was in place (it may "
+                                 "not survive a power loss)") from err
     _VERIFIED[_verified_key(final)] = True  # its CRC32s were just taken from what was written
     try:  # the checkpoint is saved: what fails now is the removal of older folders, not the save
         _sweep(root, final)
@@ -550,32 +572,40 @@ def _publish(root: Path, tmp: Path, final: Path, meta: dict, known: list[dict], 
 
 
 def _save(root: Path, step: int, state: dict, meta: dict, keep: int, rng: dict, group=None,
-          background: bool = False) -> Path:
-    """Each step ends in ``_agree``: all ranks go on together, or all raise the same error."""
+          background: bool = False, failed: BaseException | None = None) -> Path:
+    """Each step ends in ``_agree``: all ranks go on together, or all raise the same error.
+    ``failed``: what went wrong on this rank before (the background copy), raised at the first step."""
     final = step_dir(root, step)
     tmp = root / f".tmp-{final.name}"
     aside = final.with_name(REMOVING + final.name)  # where a re-save without an atomic swap moves the old one
     rank0 = _rank() == 0
-    _agree(group, lambda: _refuse_foreign(root, step, (tmp, final, aside)))
-    _agree(group, lambda: rank0 and _prepare(root, tmp, final, aside))
 
-    def write() -> None:
+    def look() -> None:
+        if failed is not None:
+            raise failed
+        _refuse_foreign(root, step, (tmp, final, aside))
+
+    def prepare() -> None:
+        if rank0:
+            _prepare(root, tmp, final, aside)
+
+    def write() -> dict:
         dcp.save(state, checkpoint_id=str(tmp), process_group=group)
         torch.save(rng, tmp / f"rng_rank{_rank()}.pt")
+        # each rank fsyncs and checksums the files it wrote (one rank read the whole checkpoint back
+        # at every save); an fsync that fails fails the save: another rank's fsync cannot flush them
+        return file_entries(tmp, _own_files(tmp, group))
 
-    _agree(group, write)
-    # each rank checksums the files it wrote (one rank read the whole checkpoint back at every save)
-    try:
-        mine = file_entries(tmp, _own_files(tmp, group))
-    except OSError:  # rank 0 reads them again below, and names the error if it is still there
-        mine = {}
-    known = [mine]
-    if _is_dist():  # every rank reaches the gather
-        known = [None] * dist.get_world_size(group)
-        dist.all_gather_object(known, mine, group=group)
-    if background:
-        _test_hold(tmp, step)
-    _agree(group, lambda: rank0 and _publish(root, tmp, final, meta, known, keep))
+    def publish() -> None:
+        if background:
+            _test_hold(tmp, step)
+        if rank0:
+            _publish(root, tmp, final, meta, known, keep)
+
+    _agree(group, look)
+    _agree(group, prepare)
+    known = _agree(group, write)
+    _agree(group, publish)
     return final
 
 
@@ -760,14 +790,17 @@ class AsyncCheckpointer:
 
     def _job(self, step, staged, pairs, ready, copied, meta, rng, record) -> Path:
         t0 = time.perf_counter()
+        failed = None
         try:
             delay = float(os.environ.get(STAGE_DELAY_ENV, 0) or 0)
             if delay:
                 time.sleep(delay)
             self.stager.copy(pairs, ready)
+        except Exception as err:  # noqa: BLE001 - raised on every rank by _save's first step
+            failed = err
         finally:
             copied.set()  # on failure too: training must not wait forever; the write below fails
-        path = _save(self.root, step, staged, meta, self.keep, rng, self.group, background=True)
+        path = _save(self.root, step, staged, meta, self.keep, rng, self.group, background=True, failed=failed)
         record.write_s = time.perf_counter() - t0
         with self._lock:
             self.finished.append(record)
@@ -798,7 +831,7 @@ class AsyncCheckpointer:
         failed = torch.tensor([int(err is not None)])
         if _is_dist():
             dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self.group)
-        if err is not None and not isinstance(err, (OSError, dcp.api.CheckpointException)):
+        if err is not None and not isinstance(err, _STORAGE):
             raise err
         if failed.item():
             raise _write_error(self.root, record.step, err or OSError(0, "the write failed on another rank"))
