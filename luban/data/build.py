@@ -24,8 +24,9 @@ import fcntl
 import math
 import os
 import re
-import shutil
 import stat
+import sys
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -139,13 +140,21 @@ def check_output(out_dir: Path) -> None:
     dataset); a dataset is replaced whole, so even luban's own folder must hold nothing else."""
     _check_swappable(out_dir)
     owned.check(out_dir, "dataset", "--out")
-    if not out_dir.is_dir():
-        return
-    foreign = sorted(p.name for p in out_dir.iterdir() if not dataset_file(p))
+    _refuse_foreign(out_dir, "a rebuild replaces the dataset folder whole: move it out or choose a new or empty "
+                             "folder (nothing was changed)")
+
+
+def _foreign(folder: Path) -> list[str]:
+    """The names in ``folder`` that are not a dataset's files (a user's), sorted; none for no folder."""
+    if not folder.is_dir():
+        return []
+    return sorted(p.name for p in folder.iterdir() if not dataset_file(p))
+
+
+def _refuse_foreign(out_dir: Path, then: str) -> None:
+    foreign = _foreign(out_dir)
     if foreign:
-        raise bad_value("--out", str(out_dir), f"holds {foreign[0]!r}, which luban did not write; a rebuild replaces "
-                                                "the dataset folder whole: move it out or choose a new or empty "
-                                                "folder (nothing was changed)")
+        raise bad_value("--out", str(out_dir), f"holds {foreign[0]!r}, which luban did not write; {then}")
 
 
 def _check_swappable(out_dir: Path) -> None:
@@ -249,41 +258,52 @@ def _remove(stage: Path) -> None:
     """Delete a stage (``_delete``); a file a native call was still writing into it can make one pass fail."""
     for _ in range(3):
         try:
-            _delete(stage)
+            if _delete(stage):
+                return  # a user's files are in it: kept
         except OSError:
             pass
         if not os.path.lexists(stage):
             return
 
 
-def _delete(folder: Path) -> None:
+def _delete(folder: Path) -> list[str]:
     """Delete a dataset folder of luban's (a stage, a dead build's, the old copy a swap put aside) so that a
     kill part-way leaves one the next build still knows as luban's and removes (``_dead_siblings``): marked
     first (an old copy built before the marker), then the manifest (a part-deleted copy is never taken for a
     complete one by ``recover``), the other files, the marker last. ``shutil.rmtree`` deleted in the
     directory's order: a kill after the marker and the manifest were gone left the shards, and no later
-    build removed them (2026-11-28)."""
+    build removed them (2026-11-28). Only a dataset's files go (``dataset_file``): what else is there (a
+    user's file put into ``--out`` while a rebuild ran, 2026-12-03: deleted with the old copy) stays, with
+    the folder; returns its names."""
     try:
         owned.mark(folder, "dataset")
     except OSError:  # a full disk: deleted unmarked (a stage is marked first thing, so only an old copy)
         pass
     (folder / MANIFEST).unlink(missing_ok=True)
+    kept = []
     with os.scandir(folder) as entries:
         for entry in list(entries):
             if entry.name == owned.MARKER:
                 continue
-            if entry.is_dir(follow_symlinks=False):
-                shutil.rmtree(entry.path)
-            else:
+            if dataset_file(Path(entry.path)):
                 os.unlink(entry.path)
+            else:
+                kept.append(entry.name)
     (folder / owned.MARKER).unlink(missing_ok=True)
-    os.rmdir(folder)
+    if not kept:
+        os.rmdir(folder)
+    return sorted(kept)
 
 
 def _swap_in(staging: Path, out_dir: Path) -> None:
     """Make ``staging`` the dataset at ``out_dir`` in one step: rename when there is none, else
     exchange the two paths atomically (Linux renameat2 RENAME_EXCHANGE) and delete the old one.
-    A kill at any moment leaves the old dataset or the new one at ``out_dir``, never neither."""
+    A kill at any moment leaves the old dataset or the new one at ``out_dir``, never neither. A file
+    of the user's that appeared in ``out_dir`` during the build refuses the swap (exit 2, the new
+    dataset is not kept); one that appears in the instant before the swap stays in the old copy's
+    folder, which is then kept as ``NAME.kept-TIME`` beside it and named in a warning."""
+    _refuse_foreign(out_dir, "it appeared during the build: the new dataset was not swapped in; move it out, "
+                             "then build again (the dataset already there is kept)")
     if not out_dir.exists():
         try:
             os.rename(staging, out_dir)
@@ -293,13 +313,26 @@ def _swap_in(staging: Path, out_dir: Path) -> None:
             if err.errno not in (errno.ENOTEMPTY, errno.EEXIST):
                 raise
     if _exchange(staging, out_dir):
-        _delete(staging)  # now the old dataset
+        old = staging  # now the old dataset
     else:  # no renameat2: two renames; recover() finds the new one if a crash falls between
         old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
         os.rename(out_dir, old)
         os.rename(staging, out_dir)
-        _delete(old)
+    kept = _delete(old)
+    if kept:  # under a name of its own, in sight: a hidden stage name is the next build's of that PID
+        aside = _free_name(out_dir.parent, f"{out_dir.name}.kept-{time.strftime('%Y%m%d-%H%M%S')}")
+        os.rename(old, aside)
+        print(f"luban: warning: --out = {str(out_dir)!r}: {kept[0]!r}, which luban did not write, appeared in it "
+              f"during the build; it is kept in {str(aside)!r}", file=sys.stderr, flush=True)
     _fsync_dir(out_dir.parent)
+
+
+def _free_name(parent: Path, name: str) -> Path:
+    """``parent / name``, or ``name~2``, ``name~3``, ... : the first that does not exist."""
+    path, k = parent / name, 2
+    while os.path.lexists(path):
+        path, k = parent / f"{name}~{k}", k + 1
+    return path
 
 
 def _exchange(a: Path, b: Path) -> bool:

@@ -10,6 +10,7 @@ downloaded; the selection is deterministic for a given Python installation.
 from __future__ import annotations
 
 import os
+import sys
 import sysconfig
 from collections.abc import Iterable
 from pathlib import Path
@@ -37,27 +38,36 @@ def default_corpus_files(max_bytes: int = DEFAULT_MAX_BYTES) -> list[Path]:
 
 
 def collect_files(inputs: Iterable[str | Path], exclude: str | Path | None = None) -> list[Path]:
-    """Expand files and folders (recursively, sorted, hidden entries skipped) into files, but for those
-    inside ``exclude`` (the dataset being built: a rebuild of ``corpus/`` into ``corpus/ds`` tokenised
-    the previous dataset's shards and manifest as text, growing with every rebuild). A file named twice
-    (``a.txt a.txt``, or a folder and a file in it) is one document, at its first place."""
+    """Expand files and folders (recursively, sorted, hidden entries skipped, links to folders not
+    followed) into files, but for those inside ``exclude`` (the dataset being built: a rebuild of
+    ``corpus/`` into ``corpus/ds`` tokenised the previous dataset's shards and manifest as text,
+    growing with every rebuild) and inside any folder luban wrote (another dataset, a run, an
+    export: binary, not text; skipped with a warning). A file named twice (``a.txt a.txt``, or a
+    folder and a file in it) is one document, at its first place. A folder that cannot be listed is
+    the user's input, named (it was skipped without a word)."""
+    from luban import owned
+
     inputs = list(inputs)
     for item in inputs:
         if not str(item).strip():  # Path("") is ".": an unset shell variable would tokenise the working folder
             raise bad_value("INPUTS", str(item), "a file or folder path, not an empty string")
     inputs = [Path(i) for i in inputs]
     files: list[Path] = []
+    skipped: list[Path] = []
     for item in inputs:
         if item.is_file():
             files.append(item)
         elif item.is_dir():
-            files.extend(sorted(
-                (p for p in item.rglob("*") if p.is_file()
-                 and not any(part.startswith(".") for part in p.relative_to(item).parts)),
-                key=lambda p: p.relative_to(item).as_posix(),
-            ))
+            kind = owned.owner(item)
+            if kind not in ("empty", None):
+                raise bad_value("INPUTS", str(item), f"a folder of text files, not {owned.KINDS[kind]} luban wrote "
+                                                     "(its files are not text); nothing was changed")
+            files.extend(_walk(item, skipped))
         else:
             raise bad_value("INPUTS", str(item), "an existing text file or folder")
+    if skipped:
+        print(f"luban: warning: INPUTS: {len(skipped)} folder(s) that luban wrote (a dataset, a run, an export: not "
+              f"text) skipped, e.g. {str(skipped[0])!r}", file=sys.stderr, flush=True)
     if exclude is not None:
         own = Path(exclude).resolve()
         files = [f for f in files if own not in f.resolve().parents]
@@ -66,6 +76,30 @@ def collect_files(inputs: Iterable[str | Path], exclude: str | Path | None = Non
     if not files:
         raise LubanError(f"INPUTS = {[str(i) for i in inputs]}: no files found to tokenise")
     return files
+
+
+def _walk(root: Path, skipped: list[Path]) -> list[Path]:
+    """The files below ``root``, sorted by relative path; the folders luban wrote go to ``skipped``."""
+    from luban import owned
+
+    def refuse(err: OSError):
+        raise bad_value("INPUTS", str(err.filename or root), f"a readable folder ({err.strerror or err}); "
+                                                             "nothing was changed")
+
+    found = []
+    for folder, dirs, names in os.walk(root, onerror=refuse):  # links to folders: not followed
+        here = Path(folder)
+        keep = []
+        for name in sorted(dirs):
+            if name.startswith("."):
+                continue
+            if owned.owner(here / name) not in ("empty", None):
+                skipped.append(here / name)
+            else:
+                keep.append(name)
+        dirs[:] = keep
+        found += [here / n for n in names if not n.startswith(".") and (here / n).is_file()]
+    return sorted(found, key=lambda p: p.relative_to(root).as_posix())
 
 
 def cap_files(files: list[Path], max_bytes: int | None) -> list[Path]:
