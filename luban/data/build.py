@@ -519,9 +519,13 @@ def _build_into(out_dir: Path, files, source, tokenizer, vocab_size, shard_size_
     writers = {s: _SplitWriter(out_dir, s, dtype, shard_bytes, chunk_tokens) for s in SPLITS}
     try:
         for batch in _batches(files):
-            texts = [read_text(files[i]) for i in batch]
-            for i, ids in zip(batch, tok.encode_batch(texts)):
-                writers["val" if is_val[i] else "train"].add_document(_document(ids, tok.eos_id, dtype))
+            try:
+                texts = [read_text(files[i]) for i in batch]
+                for i, ids in zip(batch, tok.encode_batch(texts)):
+                    writers["val" if is_val[i] else "train"].add_document(_document(ids, tok.eos_id, dtype))
+            except MemoryError:
+                texts = None  # what it held goes before the message is made
+                raise _too_big(max((files[i] for i in batch), key=file_size)) from None
         splits = {s: w.close() for s, w in writers.items()}
     except BaseException:
         for w in writers.values():
@@ -533,6 +537,15 @@ def _build_into(out_dir: Path, files, source, tokenizer, vocab_size, shard_size_
         "val_fraction": val_fraction, "seed": seed, "splits": splits,
     }
     return write_manifest(out_dir, manifest)
+
+
+def _too_big(path: Path) -> LubanError:
+    """A document that does not fit in this machine's memory (each file is one document, read and
+    tokenised whole: several times its size at the peak). A tokenizer's native code that runs out
+    aborts the process instead, which no message can follow."""
+    return bad_value("INPUTS", str(path), f"a file this machine can tokenise ({file_size(path)} bytes ran out of "
+                                          "memory: each file is one document, read and tokenised whole); split it "
+                                          "into smaller files (the dataset already there is kept)")
 
 
 def _document(ids: np.ndarray, eos_id: int, dtype: np.dtype) -> np.ndarray:

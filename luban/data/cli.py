@@ -60,10 +60,13 @@ def register(subparsers) -> None:
 def _build(args: argparse.Namespace) -> int:
     from luban.data.build import build_dataset
 
+    from luban import interrupt
+
     started = time.perf_counter()
-    manifest = build_dataset(args.inputs, args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
-                             shard_size_mb=args.shard_size_mb, val_fraction=args.val_fraction, seed=args.seed,
-                             max_bytes=args.max_bytes, chunk_tokens=args.chunk_tokens)
+    with interrupt.sigterm_unwinds():  # SIGTERM (a job's stop): the stage is removed, then 143 (it was left behind)
+        manifest = build_dataset(args.inputs, args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
+                                 shard_size_mb=args.shard_size_mb, val_fraction=args.val_fraction, seed=args.seed,
+                                 max_bytes=args.max_bytes, chunk_tokens=args.chunk_tokens)
     seconds = time.perf_counter() - started
     src = manifest["source"]
     print(f"built {args.out}: {src['files']} files, {src['bytes']} bytes in {seconds:.2f} s "
