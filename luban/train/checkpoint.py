@@ -231,6 +231,7 @@ def meta_problem(meta, training: bool = False) -> str | None:
         field("loader", table, "a table with the data loader's position (consumed_samples)", training),
         field("layout", table, "a table (the parallel layout)"),
         field("dataset", lambda v: v is None or isinstance(v, str), "a path (text) or null"),
+        field("dataset_checksum", lambda v: v is None or isinstance(v, str), "the dataset manifest's checksum (text) or null"),
         field("tokenizer", table_or_null, "a table (the tokenizer's identity) or null"),
         field("peak", table_or_null, "a table or null"),
         field("hf_extra", table_or_null, "a table or null"),

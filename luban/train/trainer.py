@@ -113,6 +113,9 @@ class Trainer:
         from luban.data.tokenizer import tokenizer_identity
 
         self.tokenizer = tokenizer_identity(data_dir)  # in every checkpoint: `luban sample --data` checks it
+        from luban.data.manifest import load_manifest
+
+        self.data_checksum = load_manifest(data_dir)["checksum"]  # in every checkpoint: a resume on other data is named
         t = cfg.train
         optim = OptimizerConfig(name=t.optimizer, weight_decay=t.weight_decay, betas=(t.beta1, t.beta2),
                                 momentum=t.momentum)
@@ -157,7 +160,8 @@ class Trainer:
     def meta(self) -> dict:
         return {"step": self.step, "loader": self.loader.state_dict(), "config": self.cfg.to_dict(),
                 "world_size": self.engine.world_size, "layout": self.cfg.parallel.to_dict(),
-                "dataset": str(self.data_dir.absolute()), "tokenizer": self.tokenizer, "peak": getattr(self, "peak", None)}
+                "dataset": str(self.data_dir.absolute()), "dataset_checksum": self.data_checksum, "tokenizer": self.tokenizer,
+                "peak": getattr(self, "peak", None)}
 
     def save(self, blocking: bool = False) -> Path:
         """Collective. Asynchronous unless ``blocking`` (suspend, end of training) or async is off/unsafe;
@@ -255,6 +259,11 @@ class Trainer:
             self.resume_notes = [f"[train] {k} = {meta['config']['train'].get(k)!r} in the checkpoint, {v!r} now"
                                  for k, v in self.cfg.to_dict()["train"].items()
                                  if meta["config"].get("train", {}).get(k) != v]
+            if meta.get("dataset_checksum") not in (None, self.data_checksum):  # another dataset of as many samples
+                self.resume_notes.append(
+                    f"the dataset is not the one the checkpoint was trained on ({escaped(str(meta.get('dataset')))}: "
+                    f"another manifest checksum): the run goes on at sample {self.loader.consumed_samples} of "
+                    f"{self.data_dir}'s order")
         if resume != "auto":
             self._branch_from(ckpt, meta["step"])
         return ckpt
