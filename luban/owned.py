@@ -26,6 +26,7 @@ from pathlib import Path
 from luban.errors import bad_value
 
 MARKER = ".luban"
+MARKER_TEMP = re.compile(r"\.luban\.tmp-\d+")  # ``mark``'s temporary: all a kill while marking leaves
 
 KINDS = {"run": "a training run", "dataset": "a dataset", "hf-export": "a Hugging Face export",
          "cluster-state": "a cluster service's state", "plan-study": "a planner study"}
@@ -122,7 +123,7 @@ def owner(path: str | Path) -> str | None:
     if not path.is_dir():
         return None
     try:
-        if not any(path.iterdir()):
+        if all(MARKER_TEMP.fullmatch(p.name) for p in path.iterdir()):  # (a start killed while marking it)
             return "empty"
         kind = marked_kind(path)
         if kind is not None:
@@ -170,12 +171,12 @@ _SOLE = ("dataset", "hf-export", "run")
 
 def _enclosing(path: Path) -> tuple[Path, str] | None:
     """The nearest folder above ``path`` that luban marked as one of ``_SOLE``'s kinds, and its kind."""
-    try:
-        for parent in path.absolute().parents:
+    try:  # through links too: ``ln -s run/checkpoints latest; export ... latest/hf`` wrote into the run
+        for parent in [*path.absolute().parents, *path.resolve().parents]:
             kind = marked_kind(parent) if (parent / MARKER).is_file() else None
             if kind in _SOLE:
                 return parent, kind
-    except OSError:
+    except (OSError, RuntimeError):  # RuntimeError: a link loop (Python < 3.13)
         return None
     return None
 
@@ -208,6 +209,10 @@ def mark(path: str | Path, kind: str) -> None:
     tmp.write_text(json.dumps({"luban": kind}) + "\n")
     os.chmod(tmp, 0o644)
     tmp.replace(marker)
+    for stale in Path(path).iterdir():  # what an earlier start killed while marking left (its process gone)
+        if MARKER_TEMP.fullmatch(stale.name) and stale.is_file() and \
+                not os.path.exists(f"/proc/{stale.name.rsplit('-', 1)[1]}"):
+            stale.unlink(missing_ok=True)
 
 
 def claim(path: str | Path, kind: str, key: str) -> Path:

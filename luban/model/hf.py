@@ -697,10 +697,34 @@ def export_folder(cfg: ModelConfig, state: dict, out: Path, tokenizer=None, extr
             record.update({n: _identity(out / n) for n in names[:names.index(name)]}, **{name: None})
             _write_record(out, record)
 
+    from luban import interrupt
+
+    def new_temporaries() -> set[str]:
+        """safetensors (0.7+) writes its own ``.tmpXXXXXX`` beside ``temp`` first, then renames it: a
+        forced exit (a Ctrl-C the native write does not answer) in between left it, as big as the model."""
+        try:
+            return {n for n in os.listdir(out) if n.startswith(".tmp")} - before
+        except OSError:
+            return set()
+
+    def remove_temporaries() -> None:
+        for path in [temp, *(out / n for n in new_temporaries())]:
+            try:
+                path.unlink(missing_ok=True)
+            except OSError:
+                pass
+
+    before: set[str] = set()
     try:
         out.mkdir(parents=True, exist_ok=True)
         claim("model.safetensors")
-        save_file(tensors, str(temp), metadata={"format": "pt"})
+        before = new_temporaries()  # (all of them, now) a user's .tmp* files there before this export stay
+        with interrupt.on_abort(remove_temporaries):
+            try:
+                save_file(tensors, str(temp), metadata={"format": "pt"})
+            except BaseException:
+                remove_temporaries()
+                raise
         os.chmod(temp, 0o666 & ~umask)  # safetensors creates its file 600; the other files follow the umask
         os.replace(temp, out / "model.safetensors")
         for name, text in files.items():
@@ -711,10 +735,7 @@ def export_folder(cfg: ModelConfig, state: dict, out: Path, tokenizer=None, extr
                 (out / name).unlink(missing_ok=True)
             _write_record(out, {n: _identity(out / n) for n in names})
     except (OSError, SafetensorError) as err:  # safetensors reports a full disk as its own error
-        try:
-            temp.unlink(missing_ok=True)
-        except OSError:
-            pass
+        remove_temporaries()
         raise OutputWriteError(f"OUT = {str(out)!r}: the Hugging Face folder could not be written "
                                f"({getattr(err, 'strerror', None) or err}); free space or choose another folder") from None
     return names

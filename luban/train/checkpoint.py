@@ -337,12 +337,35 @@ def save(root: Path, step: int, state: dict, meta: dict, keep: int) -> Path:
         return _save(root, step, state, meta, keep, rng_state())
     except _STORAGE as err:
         raise _write_error(root, step, err) from None
+    except KeyboardInterrupt:  # (one DCP wrapped as its error: ``_agree`` unwraps it; it was exit 74)
+        _drop_tmp(root, step)
+        raise
+
+
+def _drop_tmp(root: Path, step: int) -> None:
+    """Rank 0: the half-written folder of a save that failed goes."""
+    if _rank() == 0:
+        _remove_own(root / f".tmp-{step_dir(root, step).name}")
+
+
+def _interrupted(err: BaseException) -> bool:
+    """Whether ``err`` is a Ctrl-C's: one came (``luban.interrupt``: the native file writer turns the
+    ``KeyboardInterrupt`` raised in its callback into "unexpected pos" RuntimeErrors, which DCP then
+    wraps), or DCP's ``CheckpointException`` wraps one."""
+    from luban import interrupt
+
+    if interrupt.interrupted():
+        return True
+    failures = getattr(err, "failures", None)
+    if not isinstance(err, dcp.api.CheckpointException) or not isinstance(failures, dict):
+        return False
+    found = [x for f in failures.values() for x in (f if isinstance(f, tuple) else (f,))]
+    return any(isinstance(x, BaseException) and not isinstance(x, Exception) for x in found)
 
 
 def _write_error(root: Path, step: int, err: BaseException) -> CheckpointWriteError:
     """The error every rank raises alike (``_agree``); rank 0 removes the half-written folder."""
-    if _rank() == 0:
-        _remove_own(root / f".tmp-{step_dir(root, step).name}")
+    _drop_tmp(root, step)
     return everywhere(CheckpointWriteError(
         f"checkpoint step {step} could not be written under {root}: {_storage_error(err)}; the previous "
         "checkpoint is intact — free space or fix the folder, then resume with --resume auto"))
@@ -491,7 +514,7 @@ def _agree(group, part) -> list:
     try:
         value = part()
     except BaseException as e:  # noqa: BLE001 - shared first (CheckpointException is a BaseException)
-        err = e
+        err = KeyboardInterrupt() if _interrupted(e) else e
     if not _is_dist():
         if err is not None:
             raise err

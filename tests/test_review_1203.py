@@ -1,0 +1,93 @@
+"""Hugging Face import/export and luban's folder rule, a hostile review of 2026-12-03.
+
+- A Ctrl-C during ``luban export`` that the native safetensors write did not answer ended the
+  process (the watchdog's forced exit) and left safetensors' own ``.tmpXXXXXX`` in OUT, as big as
+  the model, for good: the export now removes the temporaries its write made, on a forced exit too.
+- A Ctrl-C during ``luban import``'s checkpoint save was exit 74, "could not be written ...": the
+  native writer turns the ``KeyboardInterrupt`` into a RuntimeError that DCP wraps; it is an
+  interrupt (130) now, and the half-written folder goes.
+- A link got round "nothing else inside a run folder" (``latest -> run/checkpoints``; export into
+  ``latest/hf``); a folder left holding only the marker's temporary (a kill while marking) was
+  refused for good as holding a file luban did not write.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from luban import interrupt, owned
+from luban.errors import LubanError
+from luban.model import hf
+from luban.model.config import ModelConfig
+from luban.model.transformer import build_model
+from luban.train import checkpoint
+
+
+@pytest.mark.parametrize("how", ["Ctrl-C", "forced exit"])
+def test_an_interrupted_export_leaves_no_temporary(tmp_path, monkeypatch, how):
+    cfg = ModelConfig.from_dict({"preset": "tiny"})
+    out = tmp_path / "hf"
+    owned.claim(out, "hf-export", "OUT")
+    (out / ".tmpmine").write_text("a user's file")  # there before: not this export's
+
+    def interrupted_save_file(tensors, filename, metadata=None):
+        (Path(filename).parent / ".tmpa1B2c3").write_bytes(b"\0" * 1024)  # safetensors' own temporary
+        if how == "forced exit":  # what the watchdog runs before os._exit(130)
+            for cleanup in list(interrupt._STATE.cleanups.values()):
+                cleanup()
+            assert not (out / ".tmpa1B2c3").exists()
+        raise KeyboardInterrupt
+
+    import safetensors.torch
+
+    monkeypatch.setattr(safetensors.torch, "save_file", interrupted_save_file)
+    with pytest.raises(KeyboardInterrupt):
+        hf.export_folder(cfg, build_model(cfg, seed=0).state_dict(), out, record=True)
+    assert sorted(p.name for p in out.iterdir()) == [".luban", ".tmpmine"]
+
+
+def test_a_ctrl_c_inside_a_checkpoint_write_is_an_interrupt_not_a_storage_error(tmp_path, monkeypatch):
+    real = checkpoint.dcp.save
+
+    def ctrl_c_in_the_native_writer(*args, **kwargs):
+        monkeypatch.setattr(interrupt._STATE, "interrupted_at", time.monotonic())
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+
+    monkeypatch.setattr(checkpoint.dcp, "save", ctrl_c_in_the_native_writer)
+    root = tmp_path / "checkpoints"
+    meta = {"step": 0, "config": {"model": {}}, "world_size": 1}
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save(root, 0, {"w": torch.zeros(8)}, meta, keep=1)
+    assert list(root.iterdir()) == []  # the half-written folder went
+    monkeypatch.setattr(checkpoint.dcp, "save", real)
+    monkeypatch.setattr(interrupt._STATE, "interrupted_at", None)
+    checkpoint.save(root, 0, {"w": torch.zeros(8)}, meta, keep=1)
+
+
+def test_a_link_does_not_get_round_the_run_folder_rule(tmp_path):
+    run = tmp_path / "run"
+    owned.claim(run, "run", "run.dir")
+    (run / "checkpoints").mkdir()
+    (tmp_path / "latest").symlink_to(run / "checkpoints")
+    with pytest.raises(LubanError) as refused:
+        owned.claim(tmp_path / "latest" / "hf", "hf-export", "OUT")
+    assert f"is inside {str(run)!r}, luban's folder for a training run" in str(refused.value), refused.value
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == []
+
+
+def test_a_folder_holding_only_a_dead_start_s_marker_temporary_is_empty(tmp_path):
+    folder = tmp_path / "out"
+    folder.mkdir()
+    (folder / ".luban.tmp-4194303").write_text('{"luban": "hf-e')  # a kill while marking (a pid no one has)
+    assert owned.owner(folder) == "empty"
+    owned.claim(folder, "hf-export", "OUT")
+    assert sorted(p.name for p in folder.iterdir()) == [".luban"]  # the stale temporary went
+    alive = folder.parent / "live"
+    alive.mkdir()
+    (alive / ".luban.tmp-1").write_text("")  # a live process's (pid 1 always is): not touched
+    owned.mark(alive, "run")
+    assert sorted(p.name for p in alive.iterdir()) == [".luban", ".luban.tmp-1"]
