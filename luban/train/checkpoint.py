@@ -366,9 +366,11 @@ def _interrupted(err: BaseException) -> bool:
 def _write_error(root: Path, step: int, err: BaseException) -> CheckpointWriteError:
     """The error every rank raises alike (``_agree``); rank 0 removes the half-written folder."""
     _drop_tmp(root, step)
-    return everywhere(CheckpointWriteError(
+    error = everywhere(CheckpointWriteError(
         f"checkpoint step {step} could not be written under {root}: {_storage_error(err)}; the previous "
         "checkpoint is intact — free space or fix the folder, then resume with --resume auto"))
+    error.cause = _storage_error(err)  # for a caller whose remedy is another (``luban import``: import again)
+    return error
 
 
 def rng_state() -> dict:

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from luban import schema
-from luban.errors import EXIT_SUSPENDED, LubanError, bad_value, for_terminal
+from luban.errors import EXIT_SUSPENDED, CheckpointWriteError, LubanError, bad_value, for_terminal
 from luban.model.config import MAX_SIZE
 
 DEMO_CONFIG = Path(__file__).with_name("demo.toml")
@@ -362,6 +362,11 @@ def cmd_import(args) -> int:
     meta = {"step": 0, "config": {"model": imported.cfg.to_dict()}, "world_size": 1, "source": str(args.folder),
             "hf_extra": imported.extra}
     owned.claim(out, "run", "OUT")
-    path = checkpoint.save(out / "checkpoints", 0, {"model": imported.state}, meta, keep=1)
+    try:
+        path = checkpoint.save(out / "checkpoints", 0, {"model": imported.state}, meta, keep=1)
+    except CheckpointWriteError as err:  # there is no previous checkpoint, nor a run to resume
+        raise CheckpointWriteError(f"OUT = {str(out)!r}: the imported checkpoint could not be written "
+                                   f"({getattr(err, 'cause', err)}); free space or choose another folder, then "
+                                   "import again") from None
     print(f"wrote {path}")
     return 0

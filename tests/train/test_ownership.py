@@ -139,6 +139,20 @@ def test_a_full_disk_during_an_export_is_one_line_and_exit_74(trained, tmp_path)
     assert not [p for p in (tmp_path / "hf").iterdir() if p.name != ".luban"]
 
 
+def test_a_full_disk_during_an_import_says_import_again(trained, tmp_path):
+    """It said "the previous checkpoint is intact ... resume with --resume auto": an import has neither."""
+    import resource
+
+    def small_files():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+    out = luban("import", trained / "hf", tmp_path / "run", preexec_fn=small_files)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 74 and len(lines) == 1, out.stderr
+    assert lines[0] == f"luban: error: OUT = '{tmp_path / 'run'}': the imported checkpoint could not be written " \
+                       "(File too large); free space or choose another folder, then import again", lines[0]
+    assert not list((tmp_path / "run" / "checkpoints").iterdir())
+
+
 def test_export_never_overwrites_a_users_folder(trained, tmp_path):
     """Issue 24: export into a folder holding the user's own config.json and model.safetensors
     overwrote both."""
