@@ -50,6 +50,25 @@ def test_an_interrupted_export_leaves_no_temporary(tmp_path, monkeypatch, how):
     assert sorted(p.name for p in out.iterdir()) == [".luban", ".tmpmine"]
 
 
+def test_an_export_failing_before_its_write_keeps_a_users_temporaries(tmp_path, monkeypatch):
+    """(2026-12-04) The names there before were taken only after the record's first write: when that
+    write failed (a full disk), every ``.tmp*`` in OUT passed for safetensors' own and was deleted."""
+    import errno
+
+    cfg = ModelConfig.from_dict({"preset": "tiny"})
+    out = tmp_path / "hf"
+    owned.claim(out, "hf-export", "OUT")
+    (out / ".tmpmine").write_text("a user's file")
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(hf, "_write_record", full_disk)
+    with pytest.raises(hf.OutputWriteError, match="No space left"):
+        hf.export_folder(cfg, build_model(cfg, seed=0).state_dict(), out, record=True)
+    assert (out / ".tmpmine").read_text() == "a user's file"
+
+
 def test_a_ctrl_c_inside_a_checkpoint_write_is_an_interrupt_not_a_storage_error(tmp_path, monkeypatch):
     real = checkpoint.dcp.save
 

@@ -361,17 +361,8 @@ def _dead_siblings(out_dir: Path) -> list[Path]:
     except OSError:
         return []
     return [p for p in found if p.is_dir() and not p.is_symlink()
-            and (owned.owner(p) in ("empty", "dataset") or _marking(p))
+            and owned.owner(p) in ("empty", "dataset")
             and _ended(int(p.name.rsplit("-", 1)[-1])) and not _held(p)]
-
-
-def _marking(stage: Path) -> bool:
-    """A stage killed while ``owned.mark`` wrote its marker: it holds the marker's temporary alone."""
-    try:
-        names = os.listdir(stage)
-    except OSError:
-        return False
-    return len(names) == 1 and re.fullmatch(rf"{re.escape(owned.MARKER)}\.tmp-\d+", names[0]) is not None
 
 
 def _ended(pid: int) -> bool:

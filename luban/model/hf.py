@@ -699,32 +699,28 @@ def export_folder(cfg: ModelConfig, state: dict, out: Path, tokenizer=None, extr
 
     from luban import interrupt
 
-    def new_temporaries() -> set[str]:
-        """safetensors (0.7+) writes its own ``.tmpXXXXXX`` beside ``temp`` first, then renames it: a
-        forced exit (a Ctrl-C the native write does not answer) in between left it, as big as the model."""
-        try:
-            return {n for n in os.listdir(out) if n.startswith(".tmp")} - before
-        except OSError:
-            return set()
+    before: set[str] | None = None  # the ``.tmp*`` names there before this export: a user's, they stay
 
     def remove_temporaries() -> None:
-        for path in [temp, *(out / n for n in new_temporaries())]:
+        """``temp``, and what safetensors (0.7+) writes first beside it, its own ``.tmpXXXXXX`` (renamed
+        onto ``temp`` at the end): a forced exit in between (a Ctrl-C the native write does not answer)
+        left it, as big as the model."""
+        try:
+            theirs = [n for n in os.listdir(out) if n.startswith(".tmp") and n not in before] if before is not None else []
+        except OSError:
+            theirs = []
+        for path in [temp, *(out / n for n in theirs)]:
             try:
                 path.unlink(missing_ok=True)
             except OSError:
                 pass
 
-    before: set[str] = set()
     try:
         out.mkdir(parents=True, exist_ok=True)
+        before = {n for n in os.listdir(out) if n.startswith(".tmp")}
         claim("model.safetensors")
-        before = new_temporaries()  # (all of them, now) a user's .tmp* files there before this export stay
         with interrupt.on_abort(remove_temporaries):
-            try:
-                save_file(tensors, str(temp), metadata={"format": "pt"})
-            except BaseException:
-                remove_temporaries()
-                raise
+            save_file(tensors, str(temp), metadata={"format": "pt"})
         os.chmod(temp, 0o666 & ~umask)  # safetensors creates its file 600; the other files follow the umask
         os.replace(temp, out / "model.safetensors")
         for name, text in files.items():
@@ -734,10 +730,13 @@ def export_folder(cfg: ModelConfig, state: dict, out: Path, tokenizer=None, extr
             for name in set(ours) - set(names):
                 (out / name).unlink(missing_ok=True)
             _write_record(out, {n: _identity(out / n) for n in names})
-    except (OSError, SafetensorError) as err:  # safetensors reports a full disk as its own error
+    except BaseException as err:  # (a Ctrl-C too)
         remove_temporaries()
-        raise OutputWriteError(f"OUT = {str(out)!r}: the Hugging Face folder could not be written "
-                               f"({getattr(err, 'strerror', None) or err}); free space or choose another folder") from None
+        if isinstance(err, (OSError, SafetensorError)):  # safetensors reports a full disk as its own error
+            raise OutputWriteError(f"OUT = {str(out)!r}: the Hugging Face folder could not be written "
+                                   f"({getattr(err, 'strerror', None) or err}); free space or choose another "
+                                   "folder") from None
+        raise
     return names
 
 

@@ -521,13 +521,14 @@ def _agree(group, part) -> list:
         if err is not None:
             raise err
         return [value]
+    mine = None if err is None else _failure(err)
     told = [None] * dist.get_world_size(group)
-    dist.all_gather_object(told, (value, None if err is None else _failure(err)), group=group)
+    dist.all_gather_object(told, (value, mine), group=group)
     failures = [(rank, failure) for rank, (_, failure) in enumerate(told) if failure is not None]
     if not failures:
         return [result for result, _ in told]
     bugs = [(rank, failure) for rank, failure in failures if failure["kind"] == "bug"]
-    if err is not None and _failure(err)["kind"] == "bug":
+    if mine is not None and mine["kind"] == "bug":
         raise err  # a bug (or an interrupt), not the storage: its own traceback, here
     if bugs:
         rank, failure = bugs[0]

@@ -133,9 +133,11 @@ def test_a_build_removes_only_its_own_dead_staging(tmp_path, write_docs):
     dead.mkdir()
     owned.mark(dead, "dataset")
     (tmp_path / ".ds.building-999997").mkdir()  # killed between its mkdir and its marker
+    (tmp_path / ".ds.building-999996").mkdir()  # killed while writing its marker
+    (tmp_path / ".ds.building-999996" / ".luban.tmp-999996").write_text('{"luban": "da')
     build_dataset([text], tmp_path / "ds")
     assert all((f / "important.txt").read_text() == "mine" for f in theirs)
-    assert not dead.exists() and not (tmp_path / ".ds.building-999997").exists()
+    assert not any((tmp_path / f".ds.building-{pid}").exists() for pid in (999998, 999997, 999996))
 
 
 @pytest.mark.parametrize("kwargs,message", [
