@@ -247,8 +247,12 @@ def apply_overrides(raw: dict, sets, key: str = "--system-set") -> dict:
             continue
         if name not in fields_ and name not in ALIASES:
             raise bad_value(key, item, f"unknown key {name!r}; {allowed}")
+        target = ALIASES[name][0] if name in ALIASES else name
+        if target in INTEGERS and not (value.is_integer() and 1 <= value <= MAX_GROUP):
+            raise bad_value(f"{key} {name}", text, f"an integer from 1 to {MAX_GROUP}")
         if not value > 0:
-            raise bad_value(f"{key} {name}", text, "a positive number (inf for unlimited)")
+            raise bad_value(f"{key} {name}", text, "a positive number" + (" (inf for unlimited)" if target in UNLIMITED
+                                                                           else ""))
         if name in fields_:
             out[name] = int(value) if name in INTEGERS and value.is_integer() and value <= MAX_GROUP else value
         else:  # an alias, checked in the unit typed (hbm_gbps=1e-300 was refused as hbm_bandwidth = 1e-291)

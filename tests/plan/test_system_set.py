@@ -51,12 +51,16 @@ def test_optional_fields_default_from_the_others():
 @pytest.mark.parametrize("item,match", [
     ("hbm_gb=80", "unknown key 'hbm_gb'"), ("peak_tflops.int4=1", "unknown key"), ("efficiency.matmul=1", "unknown key"),
     ("hbm_gib", "KEY=VALUE"), ("hbm_gib=lots", "a number"), ("hbm_gib=-1", "a positive number"),
-    ("offload_gbps=nan", "a positive number"), ("nvlink_domain=2.5", "positive integer"),
+    ("offload_gbps=nan", "a positive number"), ("nvlink_domain=2.5", "^--system-set nvlink_domain = '2.5': an integer from 1 to 16777216$"),
     ("efficiency.pp_overlap=inf", "unknown key"), ("efficiency.hbm_efficiency=0", "a number >= 1e-09 and <= 1$"),
-    ("nvlink_domain=inf", "a number > 0 and <= 1e"), ("gpus_per_node=inf", "a number > 0 and <= 1e"),
+    # an integer, never "(inf for unlimited)" (it said so, then refused inf, 2026-12-04)
+    ("nvlink_domain=inf", "^--system-set nvlink_domain = 'inf': an integer from 1 to 16777216$"),
+    ("gpus_per_node=inf", "^--system-set gpus_per_node = 'inf': an integer from 1 to 16777216$"),
+    ("gpus_per_node=0", "^--system-set gpus_per_node = '0': an integer from 1 to 16777216$"),
+    ("nvlink_latency=-1", "^--system-set nvlink_latency = '-1': a positive number$"),
     ("framework_overhead_bytes=inf", "a number > 0 and <= 1e"), ("peak_tflops.bf16=inf", r"from 1e-12 to 1e\+12 \(TFLOP/s"),
     # what once overflowed into a traceback or printed inf / NaN (a hostile sweep, 2026-11-27)
-    ("nvlink_domain=1e19", "positive integer up to 16,777,216"), ("nvlink_latency=1e308", "<= 3600"),
+    ("nvlink_domain=1e19", "an integer from 1 to 16777216"), ("nvlink_latency=1e308", "<= 3600"),
     ("nvlink_gbps=1e-300", "a number >= 1e-09 and"), ("peak_flops.bf16=1e-300", r"a number from 1 to 1e\+24"),
     ("peak_flops.bf16=1e308", r"a number from 1 to 1e\+24"), ("efficiency.elementwise_traffic=1e300", "<= 1000"),
     ("efficiency.hbm_efficiency=5", "a number >= 1e-09 and <= 1"),
