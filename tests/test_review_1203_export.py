@@ -69,6 +69,37 @@ def test_an_export_failing_before_its_write_keeps_a_users_temporaries(tmp_path, 
     assert (out / ".tmpmine").read_text() == "a user's file"
 
 
+@pytest.mark.parametrize("before", ["a new folder", "an earlier export"])
+def test_an_interrupted_export_does_not_claim_a_file_put_there_afterwards(tmp_path, monkeypatch, before):
+    """(2026-12-04) The record kept the interrupted write's ``model.safetensors`` as luban's, identity
+    unknown: a user's file put there afterwards passed for luban's and the next export replaced it. The
+    record is settled when an export stops: the earlier export's file (still there) keeps its identity."""
+    import safetensors.torch
+
+    cfg = ModelConfig.from_dict({"preset": "tiny"})
+    state = build_model(cfg, seed=0).state_dict()
+    out = tmp_path / "hf"
+    owned.claim(out, "hf-export", "OUT")
+    if before == "an earlier export":
+        hf.export_folder(cfg, state, out, record=True)
+    real = safetensors.torch.save_file
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(safetensors.torch, "save_file", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        hf.export_folder(cfg, state, out, record=True)
+    monkeypatch.setattr(safetensors.torch, "save_file", real)
+    if before == "an earlier export":  # still luban's: the next export replaces it
+        assert hf.export_folder(cfg, state, out, record=True)[0] == "model.safetensors"
+        return
+    (out / "model.safetensors").write_bytes(b"the user's weights")
+    with pytest.raises(LubanError, match="holds 'model.safetensors', which luban did not write"):
+        hf.export_folder(cfg, state, out, record=True)
+    assert (out / "model.safetensors").read_bytes() == b"the user's weights"
+
+
 def test_a_ctrl_c_inside_a_checkpoint_write_is_an_interrupt_not_a_storage_error(tmp_path, monkeypatch):
     real = checkpoint.dcp.save
 

@@ -715,11 +715,28 @@ def export_folder(cfg: ModelConfig, state: dict, out: Path, tokenizer=None, extr
             except OSError:
                 pass
 
+    def settle() -> None:
+        """The record of an export that stops: the file it was writing (listed as unknown, None) is listed
+        by its identity if it is there (the earlier export's, or this one's), else no longer. Left as
+        None, a user's file put there afterwards passed for luban's and the next export replaced it
+        (a kill -9 still leaves None: nothing runs then)."""
+        if ours is None or None not in record.values():
+            return
+        try:
+            _write_record(out, {n: _identity(out / n) for n in record
+                                if (out / n).is_file() and not (out / n).is_symlink()})
+        except OSError:
+            pass
+
+    def stop() -> None:
+        remove_temporaries()
+        settle()
+
     try:
         out.mkdir(parents=True, exist_ok=True)
         before = {n for n in os.listdir(out) if n.startswith(".tmp")}
         claim("model.safetensors")
-        with interrupt.on_abort(remove_temporaries):
+        with interrupt.on_abort(stop):
             save_file(tensors, str(temp), metadata={"format": "pt"})
         os.chmod(temp, 0o666 & ~umask)  # safetensors creates its file 600; the other files follow the umask
         os.replace(temp, out / "model.safetensors")
@@ -731,7 +748,7 @@ def export_folder(cfg: ModelConfig, state: dict, out: Path, tokenizer=None, extr
                 (out / name).unlink(missing_ok=True)
             _write_record(out, {n: _identity(out / n) for n in names})
     except BaseException as err:  # (a Ctrl-C too)
-        remove_temporaries()
+        stop()
         if isinstance(err, (OSError, SafetensorError)):  # safetensors reports a full disk as its own error
             raise OutputWriteError(f"OUT = {str(out)!r}: the Hugging Face folder could not be written "
                                    f"({getattr(err, 'strerror', None) or err}); free space or choose another "
