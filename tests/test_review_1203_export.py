@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from pathlib import Path
 
@@ -98,6 +100,53 @@ def test_an_interrupted_export_does_not_claim_a_file_put_there_afterwards(tmp_pa
     with pytest.raises(LubanError, match="holds 'model.safetensors', which luban did not write"):
         hf.export_folder(cfg, state, out, record=True)
     assert (out / "model.safetensors").read_bytes() == b"the user's weights"
+
+
+KILLED_EXPORT = """
+import os, signal, sys
+from pathlib import Path
+import safetensors.torch
+from luban import owned
+from luban.model import hf
+from luban.model.config import ModelConfig
+from luban.model.transformer import build_model
+
+out = Path(sys.argv[1])
+def killed_while_writing(tensors, filename, metadata=None):  # safetensors' own temporary, half written
+    data = safetensors.torch.save(tensors, metadata=metadata)
+    (Path(filename).parent / ".tmpQ7xZ2k").write_bytes(data[: len(data) // 2])
+    os.kill(os.getpid(), signal.SIGKILL)
+safetensors.torch.save_file = killed_while_writing
+cfg = ModelConfig.from_dict({"preset": "tiny"})
+hf.export_folder(cfg, build_model(cfg, seed=0).state_dict(), out, record=True)
+"""
+
+
+def test_a_kill_9_during_an_export_leaves_a_temporary_the_next_export_removes(tmp_path):
+    """(2026-12-04) A kill -9 while safetensors wrote the weights left its ``.tmpXXXXXX``, as big as the
+    model, for good (nothing runs on a kill -9). The record now says the weights are being written
+    (by whom, since when, the ``.tmp*`` names there before); the next export removes a file that is
+    safetensors' by name, time and header, and nothing else."""
+    import signal
+    import subprocess
+    import sys
+
+    cfg = ModelConfig.from_dict({"preset": "tiny"})
+    out = tmp_path / "hf"
+    owned.claim(out, "hf-export", "OUT")
+    import safetensors.torch
+
+    weights = safetensors.torch.save({"w": torch.zeros(4)}, metadata={"format": "pt"})
+    (out / ".tmpMine01").write_bytes(weights)  # a user's, there before: kept, safetensors or not
+    proc = subprocess.run([sys.executable, "-c", KILLED_EXPORT, str(out)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    assert (out / ".tmpQ7xZ2k").stat().st_size > 0
+    (out / ".tmpLater1").write_text("a user's file, put there afterwards")  # not safetensors
+    (out / ".tmpOlder1").write_bytes(weights)  # safetensors, but older than the export that was killed
+    os.utime(out / ".tmpOlder1", ns=(0, 0))
+    hf.export_folder(cfg, build_model(cfg, seed=0).state_dict(), out, record=True)
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".tmp")) == [".tmpLater1", ".tmpMine01", ".tmpOlder1"]
+    assert "writing" not in json.loads((out / ".luban").read_text())
 
 
 def test_a_ctrl_c_inside_a_checkpoint_write_is_an_interrupt_not_a_storage_error(tmp_path, monkeypatch):

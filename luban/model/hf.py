@@ -692,10 +692,12 @@ def export_folder(cfg: ModelConfig, state: dict, out: Path, tokenizer=None, extr
     def claim(name: str) -> None:
         """Before each file: the record lists it as luban's, whenever the export stops (identity
         unknown: None), and the files written before it with theirs. Listing every name up front
-        let a user's file, put there after an export stopped short of writing it, pass for luban's."""
+        let a user's file, put there after an export stopped short of writing it, pass for luban's.
+        While the weights are written, it also says so (``_writing``): what a kill -9 then leaves
+        is found by the next export."""
         if ours is not None:
             record.update({n: _identity(out / n) for n in names[:names.index(name)]}, **{name: None})
-            _write_record(out, record)
+            _write_record(out, record, _writing(before) if name == "model.safetensors" else None)
 
     from luban import interrupt
 
@@ -734,6 +736,8 @@ def export_folder(cfg: ModelConfig, state: dict, out: Path, tokenizer=None, extr
 
     try:
         out.mkdir(parents=True, exist_ok=True)
+        if ours is not None:
+            _remove_killed_temporaries(out)
         before = {n for n in os.listdir(out) if n.startswith(".tmp")}
         claim("model.safetensors")
         with interrupt.on_abort(stop):
@@ -817,8 +821,67 @@ def _legacy_export(out: Path, present: list[str]) -> dict:
     return listed
 
 
-def _write_record(out: Path, files: dict) -> None:
+def _write_record(out: Path, files: dict, writing: dict | None = None) -> None:
     from luban.data.atomic import write_bytes
     from luban.owned import MARKER
 
-    write_bytes(out / MARKER, (json.dumps({"luban": "hf-export", "files": files}) + "\n").encode())
+    record = {"luban": "hf-export", "files": files, **({"writing": writing} if writing else {})}
+    write_bytes(out / MARKER, (json.dumps(record) + "\n").encode())
+
+
+# safetensors (0.7+; Rust's ``tempfile``) writes ``.tmp`` and six letters or digits beside the file it saves
+SAFETENSORS_TEMP = re.compile(r"\.tmp[A-Za-z0-9]{6}")
+MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit on a header (its ``MAX_HEADER_SIZE``)
+# a file's time comes from the kernel's coarse clock, up to a tick (1-10 ms) behind time.time_ns(): a margin
+COARSE_CLOCK_NS = 1_000_000_000
+
+
+def _writing(before: set[str]) -> dict:
+    """What the record says while this process writes the weights: who, since when, and the ``.tmp*``
+    names that were there before (a user's)."""
+    import time
+
+    return {"pid": os.getpid(), "since_ns": time.time_ns(), "temporaries": sorted(before)}
+
+
+def _remove_killed_temporaries(out: Path) -> list[str]:
+    """Remove what an export killed while it wrote the weights (kill -9: nothing ran) left in ``out``:
+    safetensors' own temporary, as big as the model. Only a file that is all of: named as safetensors
+    names it, made by then (modified after that export began to write), not there before it, and a
+    safetensors file by its header (written first: a file killed before its header stays). Returns the
+    names removed."""
+    from luban.owned import MARKER
+
+    try:
+        writing = json.loads((out / MARKER).read_text()).get("writing")
+        pid, since, kept = int(writing["pid"]), int(writing["since_ns"]), set(writing["temporaries"])
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError, AttributeError, KeyError, TypeError):
+        return []
+    if pid != os.getpid() and os.path.exists(f"/proc/{pid}"):  # (that export still runs)
+        return []
+    removed = []
+    for name in sorted(os.listdir(out)):
+        path = out / name
+        try:
+            if not SAFETENSORS_TEMP.fullmatch(name) or name in kept or path.is_symlink() or not path.is_file() \
+                    or path.stat().st_mtime_ns < since - COARSE_CLOCK_NS or not _is_safetensors(path):
+                continue
+            path.unlink()
+            removed.append(name)
+        except OSError:
+            continue
+    return removed
+
+
+def _is_safetensors(path: Path) -> bool:
+    """Whether ``path`` begins as a safetensors file: an 8-byte little-endian header length, then that
+    many bytes of a JSON object naming its tensors and luban's metadata (``{"format": "pt"}``)."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8 or not 2 <= (n := int.from_bytes(head, "little")) <= MAX_HEADER_BYTES:
+            return False
+        try:
+            header = json.loads(f.read(n))
+        except (ValueError, UnicodeDecodeError, RecursionError):
+            return False
+    return isinstance(header, dict) and header.get("__metadata__") == {"format": "pt"}
