@@ -122,11 +122,13 @@ hf.export_folder(cfg, build_model(cfg, seed=0).state_dict(), out, record=True)
 """
 
 
-def test_a_kill_9_during_an_export_leaves_a_temporary_the_next_export_removes(tmp_path):
+@pytest.mark.parametrize("before", ["a new folder", "an earlier export"])
+def test_a_kill_9_during_an_export_leaves_a_temporary_the_next_export_removes(tmp_path, before):
     """(2026-12-04) A kill -9 while safetensors wrote the weights left its ``.tmpXXXXXX``, as big as the
     model, for good (nothing runs on a kill -9). The record now says the weights are being written
     (by whom, since when, the ``.tmp*`` names there before); the next export removes a file that is
-    safetensors' by name, time and header, and nothing else."""
+    safetensors' by name, time and header, and nothing else. And the file it was writing is luban's
+    only if it is the one that was there (an earlier export's): a user's put there afterwards is kept."""
     import signal
     import subprocess
     import sys
@@ -138,12 +140,20 @@ def test_a_kill_9_during_an_export_leaves_a_temporary_the_next_export_removes(tm
 
     weights = safetensors.torch.save({"w": torch.zeros(4)}, metadata={"format": "pt"})
     (out / ".tmpMine01").write_bytes(weights)  # a user's, there before: kept, safetensors or not
+    if before == "an earlier export":
+        hf.export_folder(cfg, build_model(cfg, seed=1).state_dict(), out, record=True)
     proc = subprocess.run([sys.executable, "-c", KILLED_EXPORT, str(out)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     assert (out / ".tmpQ7xZ2k").stat().st_size > 0
     (out / ".tmpLater1").write_text("a user's file, put there afterwards")  # not safetensors
     (out / ".tmpOlder1").write_bytes(weights)  # safetensors, but older than the export that was killed
     os.utime(out / ".tmpOlder1", ns=(0, 0))
+    if before == "a new folder":  # a user's weights, put there after the kill: refused, kept
+        (out / "model.safetensors").write_bytes(b"the user's weights")
+        with pytest.raises(LubanError, match="holds 'model.safetensors', which luban did not write"):
+            hf.export_folder(cfg, build_model(cfg, seed=0).state_dict(), out, record=True)
+        assert (out / "model.safetensors").read_bytes() == b"the user's weights"
+        (out / "model.safetensors").unlink()
     hf.export_folder(cfg, build_model(cfg, seed=0).state_dict(), out, record=True)
     assert sorted(p.name for p in out.iterdir() if p.name.startswith(".tmp")) == [".tmpLater1", ".tmpMine01", ".tmpOlder1"]
     assert "writing" not in json.loads((out / ".luban").read_text())

@@ -693,11 +693,13 @@ def export_folder(cfg: ModelConfig, state: dict, out: Path, tokenizer=None, extr
         """Before each file: the record lists it as luban's, whenever the export stops (identity
         unknown: None), and the files written before it with theirs. Listing every name up front
         let a user's file, put there after an export stopped short of writing it, pass for luban's.
-        While the weights are written, it also says so (``_writing``): what a kill -9 then leaves
-        is found by the next export."""
+        It also says which file is being written (``_writing``): after a kill -9 there, the next
+        export knows the file it may replace (the one there before, by its identity) and the
+        temporary it may remove."""
         if ours is not None:
+            was = record.get(name)
             record.update({n: _identity(out / n) for n in names[:names.index(name)]}, **{name: None})
-            _write_record(out, record, _writing(before) if name == "model.safetensors" else None)
+            _write_record(out, record, _writing(name, was, before))
 
     from luban import interrupt
 
@@ -778,12 +780,15 @@ def _earlier_export(out: Path, names: list[str]) -> dict:
     except (OSError, ValueError, UnicodeDecodeError, RecursionError):
         marker = None
     listed = marker.get("files") if isinstance(marker, dict) else None
+    writing = marker.get("writing") if isinstance(marker, dict) else None
     present = [n for n in EXPORT_NAMES if (out / n).exists() or (out / n).is_symlink()]
     if not isinstance(listed, dict):
         listed = _legacy_export(out, present)
     ours = {}
     for name in present:
         seen = listed.get(name, False)
+        if seen is None and isinstance(writing, dict) and writing.get("name") == name:  # a kill -9 while writing it:
+            seen = writing.get("was") or False  # luban's if it is the file that was there (its new one: refused)
         try:
             same = seen is None or (seen is not False and not (out / name).is_symlink()
                                     and _identity(out / name) == seen)
@@ -836,12 +841,13 @@ MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit on a header (its ``MAX_
 COARSE_CLOCK_NS = 1_000_000_000
 
 
-def _writing(before: set[str]) -> dict:
-    """What the record says while this process writes the weights: who, since when, and the ``.tmp*``
-    names that were there before (a user's)."""
+def _writing(name: str, was: list | None, before: set[str]) -> dict:
+    """What the record says while this process writes ``name``: the identity of the file it replaces
+    (an earlier export's, or None), who writes it since when, and the ``.tmp*`` names that were there
+    before (a user's)."""
     import time
 
-    return {"pid": os.getpid(), "since_ns": time.time_ns(), "temporaries": sorted(before)}
+    return {"name": name, "was": was, "pid": os.getpid(), "since_ns": time.time_ns(), "temporaries": sorted(before)}
 
 
 def _remove_killed_temporaries(out: Path) -> list[str]:
