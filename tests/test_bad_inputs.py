@@ -87,7 +87,7 @@ def test_train_file_and_flag_cases(capsys, tmp_path):
     (["--expert-imbalance", "50"], "--expert-imbalance = 50.0: only for a mixture-of-experts model"),  # gpt2: dense
     (["--tp-overlap", "on"], "--tp-overlap = 'on': needs tensor + sequence parallel"),
     (["--explain", "--json"], "--explain = 'with --json': one or the other"),
-    (["--system-set", "nvlink_domain=1e19"], "nvlink_domain = 1e+19: must be a positive integer up to"),
+    (["--system-set", "nvlink_domain=1e19"], "nvlink_domain = '1e19': an integer from 1 to 16777216"),
     (["--system-set", "oversubscription_exponent=2"], "unknown key"),
 ])
 def test_planner_flag_cases(capsys, extra, words):

@@ -62,7 +62,7 @@ def collect_files(inputs: Iterable[str | Path], exclude: str | Path | None = Non
             if kind not in ("empty", None):
                 raise bad_value("INPUTS", str(item), f"a folder of text files, not {owned.KINDS[kind]} luban wrote "
                                                      "(its files are not text); nothing was changed")
-            files.extend(_walk(item, skipped))
+            files.extend(_walk(item, skipped, exclude))
         else:
             raise bad_value("INPUTS", str(item), "an existing text file or folder")
     if skipped:
@@ -78,20 +78,22 @@ def collect_files(inputs: Iterable[str | Path], exclude: str | Path | None = Non
     return files
 
 
-def _walk(root: Path, skipped: list[Path]) -> list[Path]:
-    """The files below ``root``, sorted by relative path; the folders luban wrote go to ``skipped``."""
+def _walk(root: Path, skipped: list[Path], exclude: str | Path | None = None) -> list[Path]:
+    """The files below ``root``, sorted by relative path; the folders luban wrote go to ``skipped``, but
+    ``exclude`` (the dataset being rebuilt: no warning for it, docs/data.md)."""
     from luban import owned
 
     def refuse(err: OSError):
         raise bad_value("INPUTS", str(err.filename or root), f"a readable folder ({err.strerror or err}); "
                                                              "nothing was changed")
 
+    own = Path(exclude).resolve() if exclude is not None else None
     found = []
     for folder, dirs, names in os.walk(root, onerror=refuse):  # links to folders: not followed
         here = Path(folder)
         keep = []
         for name in sorted(dirs):
-            if name.startswith("."):
+            if name.startswith(".") or (here / name).resolve() == own:
                 continue
             if owned.owner(here / name) not in ("empty", None):
                 skipped.append(here / name)

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from luban.data.atomic import write_bytes
 from luban.data.shards import DTYPES, MAX_CHUNK_TOKENS, READ_VERSIONS, ShardReader, dtype_for_vocab
+from luban.data.tokenizer import BPE_FILE
 from luban.errors import LubanError, bad_value
 
 MANIFEST = "manifest.json"
@@ -40,6 +41,11 @@ SHARD_NAME = re.compile(r"^(train|val)-\d{5,}\.bin$")  # {:05d}: a 100001st shar
 COUNTS = ("tokens", "documents", "bytes")
 SHARD_CRC = "header_crc32"  # ShardInfo's; manifests written before it was recorded are checked without it
 SOURCE_KINDS = ("default-corpus", "files")
+MAX_COUNT = (1 << 63) - 1  # a count or size of bytes: what a file offset (off_t) holds
+# a manifest is 5 levels deep (splits.train.shards[i].file); deeper is not one, and deep enough
+# (~990 levels) passed json.loads only to overflow the stack in content_checksum's json.dumps
+MAX_DEPTH = 16
+TOKENIZER_FILES = {"byte": None, "bpe": BPE_FILE}  # what ``tokenizer.file`` names, by kind
 
 
 def content_checksum(manifest: dict) -> str:
@@ -73,20 +79,35 @@ def _check_splits(path: Path, splits) -> None:
                 raise bad(f"splits.{split}.shards[{i}].file", shard.get("file") if isinstance(shard, dict) else shard,
                           f"{want!r} (shards are named in order inside the dataset folder)")
             for key in COUNTS:
-                if isinstance(shard.get(key), bool) or not isinstance(shard.get(key), int) or shard[key] < 0:
-                    raise bad(f"splits.{split}.shards[{i}].{key}", shard.get(key), "an integer >= 0")
+                if not _count(shard.get(key)):
+                    raise bad(f"splits.{split}.shards[{i}].{key}", shard.get(key), f"an integer from 0 to {MAX_COUNT}")
             if SHARD_CRC in shard and not (_whole(shard[SHARD_CRC]) and 0 <= shard[SHARD_CRC] < 1 << 32):
                 raise bad(f"splits.{split}.shards[{i}].{SHARD_CRC}", shard[SHARD_CRC],
                           "an integer from 0 to 4294967295")
             for key in totals:
                 totals[key] += shard[key]
         for key, total in totals.items():
-            if entry.get(key) != total:
+            if not _whole(entry.get(key)) or entry[key] != total:  # (9407.0 and true passed as totals)
                 raise bad(f"splits.{split}.{key}", entry.get(key), f"{total}, the sum over its shards")
 
 
 def _whole(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _count(value) -> bool:
+    return _whole(value) and 0 <= value <= MAX_COUNT
+
+
+def _deeper_than(value, limit: int) -> bool:
+    """Whether JSON ``value`` nests more than ``limit`` levels (without recursion)."""
+    level = [value]
+    for _ in range(limit):
+        level = [v for item in level if isinstance(item, (dict, list))
+                 for v in (item.values() if isinstance(item, dict) else item)]
+        if not level:
+            return False
+    return any(isinstance(item, (dict, list)) and item for item in level)
 
 
 def _check_header(path: Path, manifest: dict) -> None:
@@ -106,8 +127,13 @@ def _check_header(path: Path, manifest: dict) -> None:
     if manifest["dtype"] != dtype_for_vocab(vocab).name:
         raise bad("dtype", manifest["dtype"], f"{dtype_for_vocab(vocab).name!r}, the token type of a {vocab}-token "
                                               f"vocabulary (one of {sorted(d.name for d in DTYPES.values())})")
-    if "sha256" in tok and not (isinstance(tok["sha256"], str) and re.fullmatch(r"[0-9a-f]{64}", tok["sha256"])):
-        raise bad("tokenizer.sha256", tok["sha256"], "the 64 hex digits of tokenizer.json's SHA-256")
+    if tok.get("file") != TOKENIZER_FILES[tok["kind"]]:  # (verify printed any text there to the terminal)
+        want = TOKENIZER_FILES[tok["kind"]]
+        want = "null (no file)" if want is None else repr(want)
+        raise bad("tokenizer.file", tok.get("file"), f"{want} for a {tok['kind']} tokenizer")
+    if "sha256" in tok and (tok["kind"] != "bpe" or not (isinstance(tok["sha256"], str)
+                                                         and re.fullmatch(r"[0-9a-f]{64}", tok["sha256"]))):
+        raise bad("tokenizer.sha256", tok["sha256"], "the 64 hex digits of tokenizer.json's SHA-256 (bpe only)")
     chunk = manifest.get("chunk_tokens", 1)
     if not _whole(chunk) or not 1 <= chunk <= MAX_CHUNK_TOKENS:
         raise bad("chunk_tokens", chunk, f"an integer from 1 to {MAX_CHUNK_TOKENS}")
@@ -123,8 +149,8 @@ def _check_description(path: Path, manifest: dict) -> None:
     if not isinstance(source, dict) or source.get("kind") not in SOURCE_KINDS:
         raise bad("source", source, f"a table with kind one of {list(SOURCE_KINDS)}, files and bytes")
     for key in ("files", "bytes"):
-        if not _whole(source.get(key)) or source[key] < 0:
-            raise bad(f"source.{key}", source.get(key), "an integer >= 0")
+        if not _count(source.get(key)):
+            raise bad(f"source.{key}", source.get(key), f"an integer from 0 to {MAX_COUNT}")
     fraction = manifest.get("val_fraction")
     if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction < 1:
         raise bad("val_fraction", fraction, "a number in [0, 1)")
@@ -152,6 +178,8 @@ def load_manifest(dataset_dir: str | Path, key: str = "dataset_dir") -> dict:
         raise LubanError(f"{path}: unreadable ({err})") from None
     if not isinstance(manifest, dict):
         raise LubanError(f"{path}: not a {FORMAT} manifest (not a JSON object)")
+    if _deeper_than(manifest, MAX_DEPTH):
+        raise LubanError(f"{path}: not a {FORMAT} manifest (nested deeper than {MAX_DEPTH} levels)")
     missing = [key for key in _REQUIRED if key not in manifest]
     if manifest.get("format") != FORMAT or missing:
         raise LubanError(f"{path}: not a {FORMAT} manifest (missing {missing or 'format'})")
@@ -189,6 +217,8 @@ def open_split(dataset_dir: str | Path, manifest: dict, split: str) -> list[Shar
         found = {"tokens": reader.tokens, "documents": reader.documents, "bytes": reader.size,
                  SHARD_CRC: reader.header_crc}
         wrong = {k: v for k, v in found.items() if k in entry and v != entry[k]}
+        if "chunk_tokens" in manifest and reader.chunk_tokens != manifest["chunk_tokens"]:
+            wrong["chunk_tokens"], entry = reader.chunk_tokens, {**entry, "chunk_tokens": manifest["chunk_tokens"]}
         if wrong:
             raise LubanError(f"{reader.path}: {wrong} disagrees with {MANIFEST} "
                              f"({ {k: entry[k] for k in wrong} }); rebuild the dataset")

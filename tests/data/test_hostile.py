@@ -187,7 +187,7 @@ def test_shards_swapped_on_disk_are_caught(tmp_path):
     (lambda m: m["tokenizer"].update(sha256=7), "tokenizer.sha256 = 7: the 64 hex digits"),
     (lambda m: m.update(source=None), "source = None: a table with kind"),
     (lambda m: m.update(source=[]), "source = []: a table with kind"),
-    (lambda m: m["source"].update(files="many"), "source.files = 'many': an integer >= 0"),
+    (lambda m: m["source"].update(files="many"), "source.files = 'many': an integer from 0 to 9223372036854775807"),
     (lambda m: m.pop("val_fraction"), "val_fraction = None: a number in [0, 1)"),
     (lambda m: m.pop("seed"), "seed = None: an integer >= 0"),
 ])

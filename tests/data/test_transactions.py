@@ -90,7 +90,7 @@ def _tamper(dataset: Path, change) -> None:
     ("totals", lambda m: m["splits"]["train"].update(tokens=1), "the sum over its shards"),
     ("outside", lambda m: m["splits"]["train"]["shards"][0].update(file="../../etc/passwd"), "in order inside"),
     ("splits", lambda m: m.update(splits=[1, 2]), "a mapping of train/val"),
-    ("count", lambda m: m["splits"]["val"]["shards"][0].update(bytes="many"), "an integer >= 0"),
+    ("count", lambda m: m["splits"]["val"]["shards"][0].update(bytes="many"), "an integer from 0 to 9223372036854775807"),
     # accepted, and trained on, before (a hostile sweep, 2026-11-27)
     ("dtype", lambda m: m.update(dtype="float64"), "dtype = 'float64': 'uint16', the token type of a 257-token"),
     ("chunk", lambda m: m.update(chunk_tokens=0), "chunk_tokens = 0: an integer from 1 to"),
