@@ -62,7 +62,7 @@ from luban.parallel.mesh import LayoutMesh, build_mesh, coordinate
 from luban.parallel.microbatch import MicroBatchLoop, PipelineSchedule, Schedule
 from luban.parallel.activation_offload import ActivationOffload
 from luban.parallel.offload import OffloadedOptimizer
-from luban.parallel.optimizer import OptimizerConfig, build_optimizer, init_state
+from luban.parallel.optimizer import OptimizerConfig, build_optimizer, init_state, load_keeping_hyperparameters
 from luban.parallel.recompute import apply_recompute
 from luban.parallel.pipeline import Pipeline, TransformerPipeline
 from luban.parallel.precision import LossScaler, autocast
@@ -424,7 +424,8 @@ class Engine:
         for part, opt in zip(self.parts, self.optimizers):
             set_model_state_dict(part, state["model"], options=StateDictOptions(strict=False))
             if "optim" in state:  # absent: weights only (an imported checkpoint), the optimizer starts fresh
-                set_optimizer_state_dict(part, opt, self.tied.load_names(part, state["optim"]), options=OPTIM_OPTIONS)
+                load_keeping_hyperparameters(opt, lambda part=part, opt=opt: set_optimizer_state_dict(
+                    part, opt, self.tied.load_names(part, state["optim"]), options=OPTIM_OPTIONS))
         if state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
 

@@ -6,6 +6,7 @@ state of an optimizer that has not stepped yet, for its checkpoint."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -64,6 +65,19 @@ def init_state(optimizer: torch.optim.Optimizer) -> None:
             state["step"].zero_()
         elif "step" in state:
             state["step"] = 0
+
+
+def load_keeping_hyperparameters(optimizer: torch.optim.Optimizer, load: Callable[[], None]) -> None:
+    """Run ``load()`` (a state dict into ``optimizer``), then give every group back its own
+    hyperparameters: the checkpoint brings the states, the config the settings. torch's
+    ``load_state_dict`` takes the checkpoint's (betas, eps, weight decay, momentum, and ``fused`` /
+    ``foreach``): a resume with a changed ``train.beta1`` trained on with the old one while saying it
+    applied the new, and a checkpoint of a fused AdamW (plain tensors) resumed under tensor parallel
+    (DTensor parameters, which take ``foreach``) ran the fused kernel on DTensors: a crash."""
+    own = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    load()
+    for group, kept in zip(optimizer.param_groups, own):
+        group.update(kept)
 
 
 def _optimizer(groups: list[dict], cfg: OptimizerConfig, device: torch.device) -> torch.optim.Optimizer:

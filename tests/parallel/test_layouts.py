@@ -101,6 +101,20 @@ RESHARD = [
 ]
 MOMENTUM = {"name": "sgd", "momentum": 0.9}
 ADAMW = {"name": "adamw"}
+# AdamW into tensor parallel from plain-tensor layouts: the checkpoint's param groups said fused (a fused
+# AdamW's), torch's load_state_dict took that over the foreach a DTensor optimizer has, and the first step
+# crashed ("got mixed torch.Tensor and DTensor"); found by a hostile review, 2026-12-04. AdamW divides each
+# element's step by its own gradient's size, so at the harness's lr 0.1 a gradient at rounding level (summed
+# in another order under tp, dp) moves its weight by up to lr: two steps resumed under tp 2 land 1.3e-4 from
+# one process, under tp 2 + sp + dp 2 + ZeRO-1 8.7e-3, where a resume that lost the moments (zeroed after the
+# load) lands 0.30 away and one that lost the step count 0.23 (2026-12-04, tiny-llama, one process):
+# ADAMW_TOL tells them apart (losses: within 1e-3 of one process)
+ADAMW_TOL = 0.05
+RESHARD_ADAMW = [
+    ("single-to-tp2-adamw", {}, {"tp": 2}, "tiny-llama"),
+    ("single-to-tp2-sp-dp2-zero1-adamw", {}, {"tp": 2, "sp": True, "dp": 2, "zero": 1}, "tiny"),  # (saved under
+    # dp 2 it would be 0.1 from one process already: the noise above, two steps of it)
+]
 # memory accounting: same model, AdamW (two state tensors per parameter), 1 step, 2 ranks
 MEMORY = [{**job(f"memory-zero{z}", dp=2, zero=z), "optim": ADAMW, "steps": 1} for z in (0, 1, 2, 3)]
 MEMORY.append({**job("memory-zero2-offload-optimizer", dp=2, zero=2, offload="optimizer"), "optim": ADAMW, "steps": 1})
@@ -114,8 +128,8 @@ def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("layouts")
     jobs = {n: list(js) for n, js in MATRIX.items()}
     jobs[2] += [*MEMORY, TOY]
-    reshard = [(name, save, load, {"preset": preset, "optim": MOMENTUM, "steps": 2})
-               for name, save, load, preset in RESHARD]
+    reshard = [(name, save, load, {"preset": preset, "optim": optim, "steps": 2})
+               for cases, optim in ((RESHARD, MOMENTUM), (RESHARD_ADAMW, ADAMW)) for name, save, load, preset in cases]
     return run_phases(jobs, reshard, out)
 
 
@@ -152,14 +166,16 @@ def test_layout_matches_single_process(runs, nproc, spec):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("name,save,load,preset", RESHARD, ids=[r[0] for r in RESHARD])
-def test_resharding(runs, name, save, load, preset):
+@pytest.mark.parametrize("name,save,load,preset,optim", [(*r, MOMENTUM) for r in RESHARD] + [(*r, ADAMW) for r in RESHARD_ADAMW],
+                         ids=[r[0] for r in RESHARD + RESHARD_ADAMW])
+def test_resharding(runs, name, save, load, preset, optim):
     saved = outcome(runs, f"{name}-save", world(save))
     loaded = outcome(runs, f"{name}-load", world(load))
-    ref = reference(preset, MOMENTUM, steps=4)
+    ref = reference(preset, optim, steps=4)
+    tol = ADAMW_TOL if optim is ADAMW else TOL
     assert saved[0]["losses"] == pytest.approx(ref["losses"][:2], abs=TOL)
-    assert loaded[0]["losses"] == pytest.approx(ref["losses"][2:], abs=TOL)
-    assert max_diff(merged_params(loaded), ref["params"]) < TOL
+    assert loaded[0]["losses"] == pytest.approx(ref["losses"][2:], abs=1e-3 if optim is ADAMW else TOL)
+    assert max_diff(merged_params(loaded), ref["params"]) < tol
 
 
 @pytest.mark.multirank
