@@ -59,6 +59,7 @@ import torch.distributed.checkpoint as dcp
 
 from luban.data.order import ORDER_ALLOWED, known_order
 from luban.errors import CheckpointWriteError, LubanError, shown
+from luban.config import MAX_STEPS
 from luban.owned import STEP_DIR, step_dirs  # the checkpoint folders, newest first (torch-free: the launcher reads them too)
 
 # DCP warns on every single-process save/load; that is the intended mode for one rank.
@@ -185,7 +186,7 @@ def verify(ckpt: Path, share: tuple[int, int] = (0, 1)) -> str | None:
         meta = json.loads((ckpt / "meta.json").read_text())
     except (OSError, ValueError, RecursionError) as err:
         return f"meta.json is not valid JSON ({str(err).splitlines()[0] if str(err) else type(err).__name__})"
-    problem = meta_problem(meta)
+    problem = meta_problem(meta) or _step_problem(ckpt, meta)
     if problem:
         return problem
     for rank in range(meta["world_size"]):  # every rank of the run that wrote it saved its RNG state
@@ -196,6 +197,16 @@ def verify(ckpt: Path, share: tuple[int, int] = (0, 1)) -> str | None:
 
 # files a load reads: DCP's metadata and data files, the RNG states, meta.json
 _LOADABLE = re.compile(r"^(meta\.json|\.metadata|.*\.distcp|rng_rank\d+\.pt)$")
+
+
+def _step_problem(ckpt: Path, meta: dict) -> str | None:
+    """A ``step_NNNNNNN`` folder's meta.json names that step (a folder of another name may hold any:
+    a user's copy); one that names another was edited, and would resume at a step retention and
+    ``--resume auto`` order by the folder's."""
+    named = STEP_DIR.fullmatch(ckpt.name)
+    if named and int(named.group(1)) != meta["step"]:
+        return f"meta.json step = {meta['step']}: {int(named.group(1))}, the step its folder {ckpt.name} names (edited or damaged)"
+    return None
 
 
 def _whole(value, minimum: int) -> bool:
@@ -225,7 +236,7 @@ def meta_problem(meta, training: bool = False) -> str | None:
     table = lambda v: isinstance(v, dict)  # noqa: E731
     table_or_null = lambda v: v is None or isinstance(v, dict)  # noqa: E731
     checks = [
-        field("step", lambda v: _whole(v, 0), "a whole number >= 0", True),
+        field("step", lambda v: _whole(v, 0) and v <= MAX_STEPS, f"a whole number from 0 to {MAX_STEPS}", True),
         field("config", table, "a table with the run's [model] (and [train]) settings", True),
         field("world_size", lambda v: _whole(v, 1), "a whole number >= 1", True),
         field("loader", table, "a table with the data loader's position (consumed_samples)", training),
@@ -267,7 +278,7 @@ def read_meta(ckpt: Path, key: str, value: str, training: bool = False) -> dict:
     except (OSError, ValueError, RecursionError) as err:
         raise LubanError(f"{key} = {value!r}: meta.json cannot be read "
                          f"({str(err).splitlines()[0] if str(err) else type(err).__name__})") from None
-    problem = meta_problem(meta, training)
+    problem = meta_problem(meta, training) or _step_problem(ckpt, meta)
     if problem:
         raise LubanError(f"{key} = {value!r}: {problem}")
     return meta

@@ -12,7 +12,9 @@ The handlers are installed by ``install()`` as the first thing ``python -m luban
 (``luban/__main__.py``), before torch is imported, and ``parallel.launch`` starts ranks with
 these signals blocked until then: a signal at any moment of start-up is recorded, never the
 default action that would kill a rank (rc -10) or a launcher without its ranks. A signal that
-arrives before the first step ends the run with 75 and nothing new to save. Once the command has
+arrives before the first step ends the run with 75 and nothing new to save: at the first step's
+check, or ``START_GRACE_S`` after the signal if the start-up is still running then (the process
+ends itself: a start-up of minutes kept a ``timeout`` or a ``kill`` waiting). Once the command has
 its exit code, ``settle()`` ignores the signals: CPython's finalisation puts Python-level handlers
 back to the default action, so a SIGUSR1 landing while a finished rank shuts down (seconds with
 torch) would otherwise kill it (rc -10, reported as 138) after it had saved and finished.
@@ -26,12 +28,26 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
+import time
 
-from luban.errors import EXIT_INTERRUPTED
+from luban.errors import EXIT_INTERRUPTED, EXIT_SUSPENDED
+
+# a suspend signal during start-up (before the first step's check: nothing to save yet) gives the
+# start-up this long to reach that check; then the process ends with 75 itself. A start-up can take
+# minutes (a big model built, a dataset built, a checkpoint read): it kept a `timeout` or a `kill`
+# waiting for all of it, or forever. What a kill -9 leaves there is cleaned up by the next start
+# (a dataset's stage, a marker's temporary), so this exit leaves no more.
+START_GRACE_S = 10.0
+# (A second SIGTERM does not end the process, as a second SIGINT does: under Slurm a rank gets each
+# SIGTERM twice, from slurmstepd, which signals every process of the step, and from luban's launcher.)
 
 
 class SuspendFlag:
     """Installs the handlers on creation; ``requested`` turns true on the first signal."""
+
+    started = False  # set by the trainer at its first step's check (``start_up_over``)
+    _watchdog: threading.Thread | None = None
 
     def __init__(self):
         self.requested = False
@@ -43,10 +59,26 @@ class SuspendFlag:
     def _handle(self, signum, frame):
         if signum == signal.SIGINT:
             self._sigints += 1
-            if self._sigints > 1:
+            if self._sigints > 1:  # a second Ctrl-C: now, without the step's end or a checkpoint
+                _say("luban: interrupted")
                 os._exit(EXIT_INTERRUPTED)
         self.requested = True
         self.reason = signal.Signals(signum).name
+        if not self.started and self._watchdog is None:
+            self._watchdog = threading.Thread(target=self._end_start_up, name="luban-start-up-grace", daemon=True)
+            self._watchdog.start()
+
+    def start_up_over(self) -> None:
+        """The first step's check is reached: from now on a signal suspends at the end of a step."""
+        self.started = True
+
+    def _end_start_up(self) -> None:
+        time.sleep(START_GRACE_S)
+        if not self.started:
+            if os.environ.get("RANK", "0") == "0":  # one line for the job, not one per rank
+                _say(f"luban: suspended on {self.reason} during start-up, which had not ended {START_GRACE_S:g} s "
+                     f"later; nothing to save; exit {EXIT_SUSPENDED} (resume with --resume auto)")
+            os._exit(EXIT_SUSPENDED)
 
     def request(self, reason: str) -> None:
         """Suspend at the end of this step for a cause other than a signal (a closed output pipe)."""
@@ -56,6 +88,14 @@ class SuspendFlag:
         """True on every rank as soon as any rank was signalled (collective: every rank calls it
         at the same point of each step)."""
         return any_rank(self.requested)
+
+
+def _say(line: str) -> None:
+    """One line on stderr from a signal handler or a thread (no buffered stream: it may be mid-write)."""
+    try:
+        os.write(2, (line + "\n").encode())
+    except OSError:
+        pass
 
 
 def any_rank(flag: bool) -> bool:

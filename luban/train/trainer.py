@@ -235,8 +235,13 @@ class Trainer:
         # with what training needs too (the loader position, [train]): one line naming the field
         named = resume if resume != "auto" else str(ckpt)  # the errors below name the checkpoint
         meta = checkpoint.read_meta(ckpt, "--resume", named, training=True)
-        self._check_compatible(ckpt, meta["config"])  # before loading: DCP's own errors are tracebacks
         imported = checkpoint.imported(meta)  # weights alone: step 0, a new optimizer and data order
+        try:  # before loading: DCP's own errors are tracebacks; alike on every rank (one meta.json): one line
+            self._check_compatible(ckpt, meta["config"])
+            if not imported:
+                self._check_order(ckpt, meta["loader"])
+        except LubanError as err:
+            raise checkpoint.everywhere(err) from None
         state = self.engine.state_dict(optimizer=not imported)
         if (meta.get("layout") or {}).get("precision") != "fp16":  # its scaler was off (scale 1): an fp16 run
             state.pop("scaler", None)  # resumed from it starts at the initial loss scale, not at 1
@@ -289,6 +294,17 @@ class Trainer:
             raise bad_value("train.optimizer", now["train"]["optimizer"],
                             f"{saved['train'].get('optimizer')!r}, as in the checkpoint --resume names "
                             f"({ckpt}): its optimizer state cannot be loaded into another optimizer")
+
+    def _check_order(self, ckpt: Path, saved: dict) -> None:
+        """The settings the run's sample order follows (``TokenLoader.load_state_dict`` refuses another),
+        named as the config names them: it said ``loader state_dict['seed'] = 0: must equal this
+        loader's 5``, no setting a user has."""
+        for key, setting, now in (("seed", "train.seed", self.cfg.train.seed),
+                                  ("seq_len", self.cfg.seq_len_key, self.cfg.seq_len)):
+            if key in saved and saved[key] != now:
+                raise bad_value(setting, now, f"{saved[key]!r}, as in the checkpoint --resume names ({ckpt}): the "
+                                f"run's sample order follows it; resume with {setting} = {saved[key]!r} (or start "
+                                "a new run.dir)")
 
     def _branch_from(self, ckpt: Path, step: int) -> None:
         """Resuming from an explicit older checkpoint of this run starts a branch: the newer ones are
@@ -366,7 +382,9 @@ class Trainer:
         # drained once for that (a log window may hold warm-up and later steps: its mean mixes them)
         timed, run_steps = plan_check.planned(self.run_dir), 0
         try:
-            if suspend.agreed():  # signalled during start-up: nothing new to save
+            signalled = suspend.agreed()
+            suspend.start_up_over()
+            if signalled:  # signalled during start-up: nothing new to save
                 log.message(f"suspended on {suspend.reason or 'a peer rank signal'} before the first step "
                             f"(step {self.step}); exit {EXIT_SUSPENDED} (resume with --resume auto)")
                 return TrainResult(self.step, True, None, None)

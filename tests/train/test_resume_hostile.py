@@ -79,6 +79,8 @@ def _edit(meta, how):
         meta["loader"]["consumed_samples"] = "8"
     elif how == "world-0":
         meta["world_size"] = 0
+    elif how == "step-huge":  # (2026-12-04: accepted, "resumed at step 1000000000000000000000000000000")
+        meta["step"] = 10**30
     return meta
 
 
@@ -88,8 +90,9 @@ META_CASES = {  # how -> words the line must hold
     "config-5": ["meta.json config = 5"],
     "model-null": ["meta.json config.model = None"],
     "loader-x": ["meta.json loader = 'x'"],
-    "step-abc": ["meta.json step = 'abc'", "a whole number >= 0"],
-    "step-negative": ["meta.json step = -5", "a whole number >= 0"],
+    "step-abc": ["meta.json step = 'abc'", "a whole number from 0 to 100000000"],
+    "step-negative": ["meta.json step = -5", "a whole number from 0 to 100000000"],
+    "step-huge": ["meta.json step = 1000000000000000000000000000000: a whole number from 0 to 100000000"],
     "no-loader": ["meta.json has no loader"],
     "consumed-text": ["meta.json loader.consumed_samples = '8'"],
     "world-0": ["meta.json world_size = 0"],
@@ -105,6 +108,25 @@ def test_meta_json_of_the_wrong_structure_is_one_line(trained, small_dataset, tm
     one_line(resume(small_dataset, tmp_path, ckpt), f"--resume = {str(ckpt)!r}", *META_CASES[how])
     if how in ("list", "step-negative", "model-null"):  # sample shares the check (verify)
         one_line(luban("sample", ckpt, "--tokens", 2), *META_CASES[how])
+
+
+def test_a_step_folder_whose_meta_names_another_step_is_refused(trained, small_dataset, tmp_path):
+    """(2026-12-04) ``"step": 100`` in ``step_0000002/meta.json`` resumed at step 100; retention and
+    ``--resume auto`` order checkpoints by their folders' names. A folder of another name may hold any step."""
+    ckpt = tmp_path / "step_0000004"
+    shutil.copytree(trained, ckpt)
+    one_line(resume(small_dataset, tmp_path, ckpt), f"--resume = {str(ckpt)!r}",
+             "meta.json step = 2: 4, the step its folder step_0000004 names (edited or damaged)")
+    assert checkpoint.verify(ckpt).startswith("meta.json step = 2: 4")  # --resume auto skips it
+
+
+@pytest.mark.parametrize("key, value", [("train.seed", 5), ("data.seq_len", 16)])
+def test_a_resume_with_another_sample_order_names_the_setting(trained, small_dataset, tmp_path, key, value):
+    """(2026-12-04) It said ``loader state_dict['seed'] = 0: must equal this loader's 5``: no setting a user has."""
+    proc = luban("train", "--resume", trained, *sets(tiny_overrides(small_dataset, tmp_path / "run2", **{
+        "train.steps": 4, "train.eval_every": 0, key: value})))
+    line = one_line(proc, f"{key} = {value}: ", "as in the checkpoint --resume names", f"resume with {key} = ")
+    assert "state_dict" not in line
 
 
 def _damage(ckpt: Path, how: str) -> None:
