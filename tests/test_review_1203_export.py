@@ -159,6 +159,80 @@ def test_a_kill_9_during_an_export_leaves_a_temporary_the_next_export_removes(tm
     assert "writing" not in json.loads((out / ".luban").read_text())
 
 
+def _two_models():
+    from luban.data.tokenizer import ByteTokenizer
+
+    gpt = ModelConfig.from_dict({"preset": "tiny"})
+    llama = ModelConfig.from_dict({"preset": "tiny-llama"})
+    return (gpt, build_model(gpt, seed=0).state_dict()), (llama, build_model(llama, seed=1).state_dict()), ByteTokenizer()
+
+
+def _contents(out: Path) -> dict:
+    return {p.name: p.read_bytes() for p in sorted(out.iterdir()) if p.name != ".luban"}
+
+
+@pytest.mark.parametrize("at", ["model.safetensors", "tokenizer.json", "generation_config.json", "config.json"])
+def test_a_re_export_interrupted_while_writing_leaves_the_earlier_export_whole(tmp_path, monkeypatch, at):
+    """(2026-12-04) A re-export replaced model.safetensors first, then wrote the JSON files one by one: a
+    Ctrl-C between left another model's config.json beside the new weights (transformers: a size-mismatch
+    error), and a Ctrl-C inside a JSON file's fsync left its ``.NAME.tmp-PID`` for good. Now every file goes
+    to a temporary first, then all are renamed in one step that a Ctrl-C does not cut."""
+    import safetensors.torch
+
+    (gpt, gpt_state), (llama, llama_state), tok = _two_models()
+    out = tmp_path / "hf"
+    owned.claim(out, "hf-export", "OUT")
+    hf.export_folder(gpt, gpt_state, out, tokenizer=tok, record=True)
+    before = _contents(out)
+    real_save, real_write = safetensors.torch.save_file, hf._write_synced
+
+    def save_file(tensors, filename, metadata=None):
+        real_save(tensors, filename, metadata=metadata)
+        if at == "model.safetensors":
+            raise KeyboardInterrupt
+
+    def write(path, data):
+        real_write(path, data[: len(data) // 2])
+        if path.name.startswith(f".{at}.tmp-"):
+            raise KeyboardInterrupt
+        real_write(path, data)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", save_file)
+    monkeypatch.setattr(hf, "_write_synced", write)
+    with pytest.raises(KeyboardInterrupt):
+        hf.export_folder(llama, llama_state, out, tokenizer=tok, record=True)
+    assert _contents(out) == before  # the earlier export, whole; no temporary
+    monkeypatch.undo()
+    hf.export_folder(llama, llama_state, out, tokenizer=tok, record=True)  # and it is still luban's to replace
+    assert json.loads((out / "config.json").read_text())["model_type"] == "llama"
+
+
+def test_a_ctrl_c_while_the_files_are_renamed_in_waits_for_all_of_them(tmp_path, monkeypatch):
+    (gpt, gpt_state), (llama, llama_state), tok = _two_models()
+    out = tmp_path / "hf"
+    owned.claim(out, "hf-export", "OUT")
+    hf.export_folder(gpt, gpt_state, out, tokenizer=tok, record=True)
+    real_replace, seen = os.replace, []
+
+    def replace(src, dst):
+        if Path(dst).name == "model.safetensors":  # a Ctrl-C as the first file goes in (the handler
+            interrupt._on_sigint(2, None)           # luban.interrupt installs, run by hand)
+        seen.append(Path(dst).name)
+        real_replace(src, dst)
+
+    monkeypatch.setattr(interrupt._STATE, "interrupted_at", None)
+    monkeypatch.setattr(interrupt._STATE, "pending", False)
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(KeyboardInterrupt):
+        hf.export_folder(llama, llama_state, out, tokenizer=tok, record=True)
+    monkeypatch.setattr(os, "replace", real_replace)
+    assert {"model.safetensors", "config.json", "tokenizer.json"} <= set(seen)  # all went in, then the Ctrl-C
+    assert json.loads((out / "config.json").read_text())["model_type"] == "llama"
+    assert not [p.name for p in out.iterdir() if ".tmp" in p.name]
+    monkeypatch.setattr(interrupt._STATE, "interrupted_at", None)
+    hf.export_folder(gpt, gpt_state, out, tokenizer=tok, record=True)  # the record says it is luban's
+
+
 def test_a_ctrl_c_inside_a_checkpoint_write_is_an_interrupt_not_a_storage_error(tmp_path, monkeypatch):
     real = checkpoint.dcp.save
 

@@ -35,10 +35,14 @@ class AtomicFile:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.commit()
-        else:
+        if exc_type is not None:
             self.abort()
+            return
+        try:
+            self.commit()
+        except BaseException:  # a full disk at the fsync, a Ctrl-C inside it: no temp left behind
+            self.abort()
+            raise
 
 
 def write_bytes(path: str | os.PathLike, data: bytes) -> None:

@@ -666,7 +666,7 @@ def export_folder(cfg: ModelConfig, state: dict, out: Path, tokenizer=None, extr
     from safetensors import SafetensorError
     from safetensors.torch import save_file
 
-    from luban.data.atomic import write_bytes
+    from luban.data.atomic import _fsync_dir
     from luban.data.tokenizer import hf_tokenizer_files
 
     hf_cfg, tensors = to_hf(cfg, state)
@@ -682,53 +682,40 @@ def export_folder(cfg: ModelConfig, state: dict, out: Path, tokenizer=None, extr
     if generation:
         files["generation_config.json"] = json.dumps(generation, indent=1)
     files["config.json"] = json.dumps(hf_cfg, indent=1)
+    import time
+
     names = ["model.safetensors", *files]
     ours = _earlier_export(out, names) if record else None
     umask = os.umask(0)
     os.umask(umask)
-    temp = out / f".model.safetensors.tmp-{os.getpid()}"
-    record = dict(ours or {})
-
-    def claim(name: str) -> None:
-        """Before each file: the record lists it as luban's, whenever the export stops (identity
-        unknown: None), and the files written before it with theirs. Listing every name up front
-        let a user's file, put there after an export stopped short of writing it, pass for luban's.
-        It also says which file is being written (``_writing``): after a kill -9 there, the next
-        export knows the file it may replace (the one there before, by its identity) and the
-        temporary it may remove."""
-        if ours is not None:
-            was = record.get(name)
-            record.update({n: _identity(out / n) for n in names[:names.index(name)]}, **{name: None})
-            _write_record(out, record, _writing(name, was, before))
+    pid = os.getpid()
+    temps = {name: out / f".{name}.tmp-{pid}" for name in names}  # each file, whole, before any is replaced
+    record = dict(ours or {})  # what the marker lists: the earlier export's files, then this one's
+    before: set[str] | None = None  # the ``.tmp*`` names there before this export: a user's, they stay
 
     from luban import interrupt
 
-    before: set[str] | None = None  # the ``.tmp*`` names there before this export: a user's, they stay
-
     def remove_temporaries() -> None:
-        """``temp``, and what safetensors (0.7+) writes first beside it, its own ``.tmpXXXXXX`` (renamed
-        onto ``temp`` at the end): a forced exit in between (a Ctrl-C the native write does not answer)
-        left it, as big as the model."""
+        """This export's temporaries, and what safetensors (0.7+) writes first beside ``temps``' own, its
+        ``.tmpXXXXXX`` (renamed at the end): a forced exit in between (a Ctrl-C the native write does not
+        answer) left it, as big as the model."""
         try:
             theirs = [n for n in os.listdir(out) if n.startswith(".tmp") and n not in before] if before is not None else []
         except OSError:
             theirs = []
-        for path in [temp, *(out / n for n in theirs)]:
+        for path in [*temps.values(), *(out / n for n in theirs)]:
             try:
                 path.unlink(missing_ok=True)
             except OSError:
                 pass
 
     def settle() -> None:
-        """The record of an export that stops: the file it was writing (listed as unknown, None) is listed
-        by its identity if it is there (the earlier export's, or this one's), else no longer. Left as
-        None, a user's file put there afterwards passed for luban's and the next export replaced it
-        (a kill -9 still leaves None: nothing runs then)."""
-        if ours is None or None not in record.values():
+        """The record of an export that stops: each file it lists by its identity if it is there (the
+        earlier export's, or this one's), else not at all, and no longer a note that one is written."""
+        if ours is None:
             return
         try:
-            _write_record(out, {n: _identity(out / n) for n in record
-                                if (out / n).is_file() and not (out / n).is_symlink()})
+            _write_record(out, {n: _identity(out / n) for n in record if (out / n).is_file() and not (out / n).is_symlink()})
         except OSError:
             pass
 
@@ -741,18 +728,30 @@ def export_folder(cfg: ModelConfig, state: dict, out: Path, tokenizer=None, extr
         if ours is not None:
             _remove_killed_temporaries(out)
         before = {n for n in os.listdir(out) if n.startswith(".tmp")}
-        claim("model.safetensors")
+        since = time.time_ns()
+        if ours is not None:  # who writes, since when: what a kill -9 during the writes leaves is found later
+            _write_record(out, record, _writing({}, before, since))
+        # 1. every file into its temporary: a Ctrl-C (a full disk) here leaves the earlier export whole
         with interrupt.on_abort(stop):
-            save_file(tensors, str(temp), metadata={"format": "pt"})
-        os.chmod(temp, 0o666 & ~umask)  # safetensors creates its file 600; the other files follow the umask
-        os.replace(temp, out / "model.safetensors")
-        for name, text in files.items():
-            claim(name)
-            write_bytes(out / name, text.encode("utf-8"))
-        if ours is not None:
-            for name in set(ours) - set(names):
-                (out / name).unlink(missing_ok=True)
-            _write_record(out, {n: _identity(out / n) for n in names})
+            save_file(tensors, str(temps["model.safetensors"]), metadata={"format": "pt"})
+            for name, text in files.items():
+                _write_synced(temps[name], text.encode("utf-8"))
+        for path in temps.values():
+            os.chmod(path, 0o666 & ~umask)  # safetensors creates its file 600; every file follows the umask
+        # 2. all in place at once: a Ctrl-C now waits for the end (a re-export cut between its weights and
+        # its config.json left another model's config beside them); the record lists each name first,
+        # identity unknown, with the identity of the file it replaces (after a kill -9: luban's if that one)
+        with interrupt.critical():
+            if ours is not None:
+                record.update(dict.fromkeys(names))
+                _write_record(out, record, _writing({n: ours.get(n) for n in names}, before, since))
+            for name in names:
+                os.replace(temps[name], out / name)
+            _fsync_dir(out)
+            if ours is not None:
+                for name in set(ours) - set(names):
+                    (out / name).unlink(missing_ok=True)
+                _write_record(out, {n: _identity(out / n) for n in names})
     except BaseException as err:  # (a Ctrl-C too)
         stop()
         if isinstance(err, (OSError, SafetensorError)):  # safetensors reports a full disk as its own error
@@ -761,6 +760,14 @@ def export_folder(cfg: ModelConfig, state: dict, out: Path, tokenizer=None, extr
                                    "folder") from None
         raise
     return names
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    """``data`` into a new file ``path``, on the disk when this returns (its rename comes later)."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _identity(path: Path) -> list[int]:
@@ -787,8 +794,8 @@ def _earlier_export(out: Path, names: list[str]) -> dict:
     ours = {}
     for name in present:
         seen = listed.get(name, False)
-        if seen is None and isinstance(writing, dict) and writing.get("name") == name:  # a kill -9 while writing it:
-            seen = writing.get("was") or False  # luban's if it is the file that was there (its new one: refused)
+        if seen is None and isinstance(writing, dict) and isinstance(writing.get("was"), dict):  # a kill -9 as it
+            seen = writing["was"].get(name) or False  # replaced it: luban's if it is the one there (its new one: refused)
         try:
             same = seen is None or (seen is not False and not (out / name).is_symlink()
                                     and _identity(out / name) == seen)
@@ -841,21 +848,19 @@ MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit on a header (its ``MAX_
 COARSE_CLOCK_NS = 1_000_000_000
 
 
-def _writing(name: str, was: list | None, before: set[str]) -> dict:
-    """What the record says while this process writes ``name``: the identity of the file it replaces
-    (an earlier export's, or None), who writes it since when, and the ``.tmp*`` names that were there
-    before (a user's)."""
-    import time
-
-    return {"name": name, "was": was, "pid": os.getpid(), "since_ns": time.time_ns(), "temporaries": sorted(before)}
+def _writing(was: dict, before: set[str], since_ns: int) -> dict:
+    """What the record says while this process writes an export: the identity of each file it is
+    replacing (an earlier export's, or None; empty while it writes its temporaries), who writes since
+    when, and the ``.tmp*`` names that were there before (a user's)."""
+    return {"was": was, "pid": os.getpid(), "since_ns": since_ns, "temporaries": sorted(before)}
 
 
 def _remove_killed_temporaries(out: Path) -> list[str]:
-    """Remove what an export killed while it wrote the weights (kill -9: nothing ran) left in ``out``:
-    safetensors' own temporary, as big as the model. Only a file that is all of: named as safetensors
-    names it, made by then (modified after that export began to write), not there before it, and a
-    safetensors file by its header (written first: a file killed before its header stays). Returns the
-    names removed."""
+    """Remove what an export killed while it wrote (kill -9: nothing ran) left in ``out``: its own
+    temporaries (``.NAME.tmp-PID`` of one of ``EXPORT_NAMES``, by that process's PID), and safetensors'
+    own, as big as the model: a file that is all of named as safetensors names it, made by then
+    (modified after that export began to write), not there before it, and a safetensors file by its
+    header (written first: a file killed before its header stays). Returns the names removed."""
     from luban.owned import MARKER
 
     try:
@@ -869,8 +874,10 @@ def _remove_killed_temporaries(out: Path) -> list[str]:
     for name in sorted(os.listdir(out)):
         path = out / name
         try:
-            if not SAFETENSORS_TEMP.fullmatch(name) or name in kept or path.is_symlink() or not path.is_file() \
-                    or path.stat().st_mtime_ns < since - COARSE_CLOCK_NS or not _is_safetensors(path):
+            own = name in {f".{n}.tmp-{pid}" for n in EXPORT_NAMES}
+            if name in kept or path.is_symlink() or not path.is_file() or not own and (
+                    not SAFETENSORS_TEMP.fullmatch(name) or path.stat().st_mtime_ns < since - COARSE_CLOCK_NS
+                    or not _is_safetensors(path)):
                 continue
             path.unlink()
             removed.append(name)
