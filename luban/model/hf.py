@@ -50,6 +50,12 @@ MOE_EXPERT = {"mixtral": ("block_sparse_moe", [("w_gate", "w1"), ("w_up", "w3"),
               "qwen3_moe": ("mlp", [("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj")])}
 
 
+def exportable(cfg: ModelConfig) -> None:
+    """Refuse, with one line, a model that has no Hugging Face equivalent (before anything is written:
+    ``luban export`` claimed OUT first, and a refused export left it marked as an export)."""
+    hf_config(cfg, _family(cfg))
+
+
 def _family(cfg: ModelConfig) -> str:
     gpt2 = dict(norm="layernorm", activation="gelu", position="learned", bias=True)
     llama = dict(norm="rmsnorm", activation="swiglu", position="rope")

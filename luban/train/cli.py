@@ -286,7 +286,7 @@ def _check_same_tokenizer(args, meta: dict, data: str, model_vocab: int) -> None
 
 
 def cmd_export(args) -> int:
-    from luban.model.hf import export_folder, export_warnings
+    from luban.model.hf import export_folder, export_warnings, exportable
     from luban.train.sample import load_model
 
     from luban import owned
@@ -294,6 +294,7 @@ def cmd_export(args) -> int:
     owned.check(args.out, "hf-export", "OUT")  # before the checkpoint is read: a refusal costs nothing
     model, meta = load_model(args.checkpoint)
     _check_finite(args.checkpoint, model)
+    exportable(model.cfg)  # before OUT is made and marked
     tokenizer, why = _run_tokenizer(meta, model.cfg.vocab)
     written = export_folder(model.cfg, model.state_dict(), owned.claim(args.out, "hf-export", "OUT"), tokenizer,
                             meta.get("hf_extra"), record=True)

@@ -737,6 +737,26 @@ def test_reexport_into_an_export_made_before_the_record(small_dataset, tmp_path,
             assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
+@pytest.mark.parametrize("made", [False, True])
+def test_export_of_a_model_without_a_hugging_face_equivalent_changes_nothing(tmp_path, capsys, made):
+    """(2026-12-04) The refusal came after OUT was claimed: a folder made (or the user's empty one)
+    marked as an export, which a later ``luban import`` there refused as 'luban's folder for a Hugging
+    Face export'."""
+    from luban.cli import main
+    from luban.train import checkpoint
+
+    cfg = get_preset("tiny-moe").replace(router="sigmoid")
+    meta = {"step": 0, "config": {"model": cfg.to_dict()}, "world_size": 1}
+    checkpoint.save(tmp_path / "run/checkpoints", 0, {"model": build_model(cfg, seed=3).state_dict()}, meta, keep=1)
+    out = tmp_path / "out"
+    if made:
+        out.mkdir()
+    capsys.readouterr()
+    assert main(["export", str(tmp_path / "run"), "--format", "hf", str(out)]) == 2
+    assert "model.router = 'sigmoid'" in capsys.readouterr().err
+    assert (list(out.iterdir()) == []) if made else not out.exists()
+
+
 def test_export_of_a_diverged_checkpoint_is_refused(tmp_path, capsys):
     """NaN weights (the trainer does not stop on a NaN loss) would load in transformers as a model whose
     every logit is NaN, and luban import refuses them: one line, OUT not made."""
