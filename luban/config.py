@@ -119,6 +119,17 @@ RANGES = {("train", "steps"): (1, MAX_STEPS), ("train", "global_batch"): (1, MAX
 PATHS = {("run", "dir"), ("data", "path")}  # looked up on the file system (check_path)
 
 
+def check_resume(resume: str | None) -> None:
+    """``--resume DIR`` names a folder: refused at once, before a run folder is made or a layout planned
+    (``luban train --resume /typo`` made run.dir, then said so). What the folder holds is checked later
+    (``luban.train.checkpoint.resolve``)."""
+    if resume in (None, "auto"):
+        return
+    check_path("--resume", resume)
+    if not Path(resume).is_dir():
+        raise LubanError(f"--resume = {resume!r}: no such checkpoint directory (or use 'auto')")
+
+
 def check_path(key: str, value: str) -> None:
     """A path the file system can look up: one it refuses as too long (a name over 255 bytes) is one
     line here, not an ``OSError`` (pathlib raises ENAMETOOLONG) wherever it is first used."""

@@ -109,9 +109,11 @@ def slurm_defaults(env=os.environ) -> dict:
     return out
 
 
-def launch(argv: list[str], nproc: int, nnodes: int = 1, node_rank: int = 0, master_addr: str = "127.0.0.1",
-           master_port: int = 0, module: str = "luban") -> int:
-    """Run ``python -m <module> <argv>`` as ``nproc`` local ranks; return their common exit code."""
+def check_rendezvous(nnodes: int = 1, node_rank: int = 0, master_addr: str = "127.0.0.1",
+                     master_port: int = 0) -> tuple[int, int, str, int]:
+    """The rendezvous a launch would use (Slurm's where it runs under Slurm), refused in one line where it
+    could not work; a port of 0 on one node stays 0 (``launch`` picks a free one). ``luban train`` and
+    ``demo`` call it before they plan or make anything, ``launch`` again."""
     slurm = slurm_defaults()
     if nnodes == 1 and slurm:
         nnodes, node_rank = slurm["nnodes"], slurm["node_rank"]
@@ -121,7 +123,6 @@ def launch(argv: list[str], nproc: int, nnodes: int = 1, node_rank: int = 0, mas
         if nnodes > 1:
             raise bad_value("--master-port", master_port, "a port from 1 to 65535, the same on every node: a "
                             "multi-node launch needs an agreed one")
-        master_port = free_port()
     elif node_rank == 0 and not port_free(master_port):  # rank 0 would fail to serve the rendezvous on it
         raise bad_value("--master-port", master_port, "a port free on this node (rank 0 serves the rendezvous "
                         "on it; it is in use): pick another, or leave it out on one node")
@@ -130,6 +131,14 @@ def launch(argv: list[str], nproc: int, nnodes: int = 1, node_rank: int = 0, mas
     except (OSError, UnicodeError, ValueError) as err:
         raise bad_value("--master-addr", master_addr, "a host name or address of the node running rank 0 "
                         f"that this node can resolve ({getattr(err, 'strerror', None) or err})") from None
+    return nnodes, node_rank, master_addr, master_port
+
+
+def launch(argv: list[str], nproc: int, nnodes: int = 1, node_rank: int = 0, master_addr: str = "127.0.0.1",
+           master_port: int = 0, module: str = "luban") -> int:
+    """Run ``python -m <module> <argv>`` as ``nproc`` local ranks; return their common exit code."""
+    nnodes, node_rank, master_addr, master_port = check_rendezvous(nnodes, node_rank, master_addr, master_port)
+    master_port = master_port or free_port()
     world = nproc * nnodes
     threads = os.environ.get("OMP_NUM_THREADS") or str(rank_threads(host_cores(), nproc))
     children: list[subprocess.Popen] = []

@@ -59,7 +59,7 @@ import torch.distributed.checkpoint as dcp
 
 from luban.data.order import ORDER_ALLOWED, known_order
 from luban.errors import CheckpointWriteError, LubanError, shown
-from luban.config import MAX_STEPS
+from luban.config import MAX_STEPS, check_resume
 from luban.owned import STEP_DIR, step_dirs  # the checkpoint folders, newest first (torch-free: the launcher reads them too)
 
 # DCP warns on every single-process save/load; that is the intended mode for one rank.
@@ -319,9 +319,11 @@ def resolve(resume: str, root: Path) -> Path | None:
     process group exists (``verify_everywhere``)."""
     if resume == "auto":
         return latest_valid(root)
+    try:
+        check_resume(resume)
+    except LubanError as err:
+        raise everywhere(err) from None
     path = Path(resume)
-    if not path.is_dir():
-        raise everywhere(LubanError(f"--resume = {resume!r}: no such checkpoint directory (or use 'auto')"))
     problem = verify_everywhere(path)
     if problem:
         raise everywhere(LubanError(f"--resume = {resume!r}: checkpoint is not valid: {problem}"))

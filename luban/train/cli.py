@@ -119,11 +119,10 @@ def fit_ranks(nproc: int | None, gpus: int, demo: bool = False) -> int:
 
 
 def _run_training(args) -> int:
-    from luban.config import check_path, load_config
+    from luban.config import check_resume, load_config
 
     cfg = load_config(args.config, args.set)
-    if args.resume not in (None, "auto"):
-        check_path("--resume", args.resume)
+    check_resume(args.resume)
     from luban.train.resolve import checkpoint_model, fit_vocab
 
     cfg, adopted = checkpoint_model(cfg, args.resume)  # every rank does the same: the same checkpoint
@@ -148,6 +147,10 @@ def _run_training(args) -> int:
 
         # every refusal before run.dir is made: a refused run leaves no folder behind
         refuse_run_dir(cfg.run.dir, args.resume)
+        if world > 1:  # (a multi-node launch without --master-port was refused after the planner ran)
+            from luban.parallel.launch import check_rendezvous
+
+            check_rendezvous(args.nnodes, args.node_rank, args.master_addr, args.master_port)
         if args.parallel == "auto":
             cfg, prediction = plan_check.plan(cfg, world)
         check_layout(cfg.parallel, cfg.model, cfg.train.global_batch, world, cfg.seq_len)
@@ -207,21 +210,39 @@ def cmd_demo(args) -> int:
                   "(run it with --nproc 2 or 4 to see one)", file=sys.stderr, flush=True)
         rc = _run_training(args)
     else:
+        dp = world // 2
+        layout = {"pp": 2, "dp": dp, "zero": 1 if dp > 1 else 0, "schedule": '"1f1b"', "micro_batch": 2}
+        second = argparse.Namespace(**{**vars(args), "parallel": "config", "resume": "auto",
+                                       "set": [*args.set, *(f"parallel.{k}={v}" for k, v in layout.items())]})
+        from luban.train.rundir import refuse_run_dir
+
+        refuse_run_dir(cfg.run.dir, args.resume)  # (a folder of other files: named first, as in luban train)
+        _check_second_half(second, world, dp)  # before the first half trains (it was refused after it)
         first = argparse.Namespace(**{**vars(args), "set": [*args.set, f"train.steps={half}"]})
         rc = _run_training(first)
         if rc == 0:
-            dp = world // 2
-            layout = {"pp": 2, "dp": dp, "zero": 1 if dp > 1 else 0, "schedule": '"1f1b"', "micro_batch": 2}
             print(f"\nsteps {half + 1}-{cfg.train.steps}: resuming step {half}'s checkpoint on another layout: "
                   + ", ".join(f"{k}={v}" for k, v in layout.items()).replace('"', ""), flush=True)
-            second = argparse.Namespace(**{**vars(args), "parallel": "config", "resume": "auto",
-                                           "set": [*args.set, *(f"parallel.{k}={v}" for k, v in layout.items())]})
             rc = _run_training(second)
     if rc or os.environ.get("RANK", "0") != "0":
         return rc
     print(f"\nSamples from {cfg.run.dir}:")
     return cmd_sample(argparse.Namespace(checkpoint=cfg.run.dir, prompt="def ", tokens=160, samples=3,
                                          temperature=0.8, top_k=40, seed=0, data=None))
+
+
+def _check_second_half(second, world: int, dp: int) -> None:
+    """The demo's second layout with the user's settings (``--set parallel.tp=3``): refused before the
+    first half runs, naming the demo's layout (its ``parallel.dp`` is the demo's, not the user's)."""
+    from luban.config import load_config
+    from luban.parallel.layout import check_layout
+
+    cfg = load_config(second.config, second.set)
+    try:
+        check_layout(cfg.parallel, cfg.model, cfg.train.global_batch, world, cfg.seq_len)
+    except LubanError as err:
+        raise LubanError(f"{err} (in the demo's second half, pp 2 x dp {dp} on {world} ranks: leave the layout to "
+                         "the demo, or run luban train)") from None
 
 
 def cmd_sample(args) -> int:

@@ -1,0 +1,28 @@
+"""Refusals before any work, a hostile review of 2026-12-04: each of these was refused only after
+work and writes — ``luban train --resume /typo`` made run.dir first; ``luban demo --set
+parallel.tp=3`` trained its whole first half (a checkpoint written) before its second layout was
+refused; ``luban demo --nnodes 2`` without ``--master-port`` ran the planner (55 s on a cold
+machine) and wrote plan.json. Each is now one line, exit 2, in a second or two, nothing made."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import tiny_toml
+from tests.train.conftest import luban
+
+
+@pytest.mark.parametrize("command, message", [
+    (["train", "c.toml", "--resume", "/nonexistent"], "--resume = '/nonexistent': no such checkpoint directory"),
+    (["demo", "--set", "parallel.tp=3"], "(in the demo's second half, pp 2 x dp 2 on 4 ranks: leave the layout"),
+    (["demo", "--nnodes", "2"], "--master-port = 0: a port from 1 to 65535, the same on every node"),
+    (["train", "c.toml", "--nproc", "2", "--nnodes", "2", "--parallel", "auto"], "--master-port = 0: "),
+])
+def test_refused_before_anything_is_made(tmp_path, command, message):
+    (tmp_path / "c.toml").write_text(tiny_toml(tmp_path / "run", {"steps": 2, "global_batch": 2, "eval_every": 0}))
+    env_cache = {"LUBAN_CACHE": str(tmp_path / "cache")}
+    import os
+
+    proc = luban(*command, cwd=tmp_path, timeout=120, env={**os.environ, **env_cache})
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != "cache") == ["c.toml"]
