@@ -233,6 +233,23 @@ def test_a_ctrl_c_while_the_files_are_renamed_in_waits_for_all_of_them(tmp_path,
     hf.export_folder(gpt, gpt_state, out, tokenizer=tok, record=True)  # the record says it is luban's
 
 
+def test_export_and_import_show_the_folder_escaped_on_a_terminal(tmp_path, monkeypatch, capsys):
+    """(2026-12-04) ``wrote OUT: ...`` printed OUT's bytes as they are: a folder named with escape
+    sequences set a terminal's title or cleared it (every other line luban prints escapes them)."""
+    from luban import errors
+    from luban.cli import main
+
+    cfg = ModelConfig.from_dict({"preset": "tiny"})
+    meta = {"step": 0, "config": {"model": cfg.to_dict()}, "world_size": 1}
+    checkpoint.save(tmp_path / "run/checkpoints", 0, {"model": build_model(cfg, seed=0).state_dict()}, meta, keep=1)
+    monkeypatch.setattr(errors, "_isatty", lambda stream: True)
+    out = tmp_path / "hf\x1b]0;TITLE\x07"
+    assert main(["export", str(tmp_path / "run"), str(out)]) == 0
+    assert main(["import", str(out), str(tmp_path / "back\x1b[2J")]) == 0
+    printed = capsys.readouterr().out
+    assert "\x1b" not in printed and "\\x1b]0;TITLE\\x07" in printed and "\\x1b[2J" in printed, printed
+
+
 def test_a_ctrl_c_inside_a_checkpoint_write_is_an_interrupt_not_a_storage_error(tmp_path, monkeypatch):
     real = checkpoint.dcp.save
 

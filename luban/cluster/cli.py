@@ -21,7 +21,7 @@ from luban.cluster import joblog
 from luban.cluster import priority as prio
 from luban.cluster import trace as traces
 from luban.cluster.spec import JOBS_LIMIT, JOBS_LIMIT_MAX, MAX_TIME_LIMIT, NAME_RE, SUBMIT_KEY_RE  # (not client: httpx)
-from luban.errors import EXIT_USAGE, LubanError, bad_value, escaped, for_terminal_chunks, without_password
+from luban.errors import EXIT_USAGE, LubanError, bad_value, escaped, for_terminal, for_terminal_chunks, without_password
 
 # the flags' declarations (luban.schema); what the service checks again, the client checks first
 NAME = schema.text(NAME_RE.pattern, f"a name matching {NAME_RE.pattern}")
@@ -617,7 +617,7 @@ def cmd_trace(args) -> int:
 
     jobs = trace.synthetic(_trace_config(args))
     trace.save(jobs, args.output)
-    print(f"wrote {len(jobs)} jobs to {args.output}")
+    print(for_terminal(f"wrote {len(jobs)} jobs to {args.output}", sys.stdout))
     return 0
 
 

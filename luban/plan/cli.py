@@ -395,7 +395,8 @@ def cmd_study(args) -> int:
         STUDIES[args.name](out, log=lambda line: print(line, file=sys.stderr))
     except OSError as err:
         raise LubanError(f"--out = {args.out!r}: writing the study's results failed: {err}") from None
-    print(f"wrote {out / 'seed003.md'} and charts (a_model_size.png, b_strong_scaling.png, c_blocks.png)")
+    print(for_terminal(f"wrote {out / 'seed003.md'} and charts (a_model_size.png, b_strong_scaling.png, "
+                       "c_blocks.png)", sys.stdout))
     return 0
 
 
@@ -451,7 +452,7 @@ def cmd_probe(args) -> int:
         profile = probe_device(args.device, args.base or BASE)
     if args.out:
         write_profile(profile, args.out)
-        print(f"wrote {args.out}")
+        print(for_terminal(f"wrote {args.out}", sys.stdout))
     else:
         print(json.dumps(profile, indent=2))
     return 0

@@ -323,7 +323,7 @@ def cmd_export(args) -> int:
         print(f"luban: warning: no tokenizer written: {why}", file=sys.stderr)
     for note in export_warnings(model.cfg):
         print(f"luban: warning: {note}", file=sys.stderr)
-    print(f"wrote {args.out}: {', '.join(written)}")
+    print(for_terminal(f"wrote {args.out}: {', '.join(written)}", sys.stdout))  # a path is the user's bytes
     return 0
 
 
@@ -390,5 +390,5 @@ def cmd_import(args) -> int:
         raise CheckpointWriteError(f"OUT = {str(out)!r}: the imported checkpoint could not be written "
                                    f"({getattr(err, 'cause', err)}); free space or choose another folder, then "
                                    "import again") from None
-    print(f"wrote {path}")
+    print(for_terminal(f"wrote {path}", sys.stdout))
     return 0
