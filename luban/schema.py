@@ -139,17 +139,21 @@ def text(pattern: str | None = None, allowed: str = "non-empty UTF-8 text", *, e
     regex = re.compile(pattern) if pattern else None
 
     def parse(value) -> str:
-        if not isinstance(value, str) or (not value and not empty) or "\x00" in value:
+        if not isinstance(value, str) or (not value and not empty) or "\x00" in value or not _utf8(value):
             raise Invalid(value, allowed)
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            raise Invalid(value, allowed) from None
         if regex is not None and not regex.fullmatch(value):
             raise Invalid(value, allowed)
         return value
 
     return _declared(parse, allowed)
+
+
+def _utf8(value: str) -> bool:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate: an undecodable byte of argv or a file name
+        return False
+    return True
 
 
 PATH_KINDS = {"file": "an existing file", "dir": "an existing folder",
@@ -203,6 +207,9 @@ def path(kind: str):
     allowed = PATH_KINDS[kind]
 
     def parse(value) -> str:
+        if isinstance(value, str) and not _utf8(value):  # (it said "an existing folder" of one that exists)
+            raise Invalid(value, f"{allowed}, named in UTF-8: this name holds bytes that are not UTF-8 text, "
+                                 "which luban's records (JSON) cannot hold; rename it")
         value = text(allowed=allowed)(value)
         try:
             ok = _path_is(Path(value), kind)

@@ -26,3 +26,17 @@ def test_refused_before_anything_is_made(tmp_path, command, message):
     proc = luban(*command, cwd=tmp_path, timeout=120, env={**os.environ, **env_cache})
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr[-2000:]
     assert sorted(p.name for p in tmp_path.iterdir() if p.name != "cache") == ["c.toml"]
+
+
+def test_a_folder_named_in_bytes_that_are_not_utf8_is_named_so(tmp_path):
+    """(2026-12-04) ``luban sample $'x\\xffrun'`` on an existing folder said "an existing folder"."""
+    import os
+    import subprocess
+    import sys
+
+    folder = os.fsencode(tmp_path) + b"/x\xffrun"
+    os.mkdir(folder)
+    proc = subprocess.run([sys.executable, "-m", "luban", "sample", folder], capture_output=True, timeout=120)
+    err = proc.stderr.decode()
+    assert proc.returncode == 2 and err.count("\n") == 1, err
+    assert "an existing folder, named in UTF-8: this name holds bytes that are not UTF-8 text" in err, err
