@@ -321,7 +321,7 @@ def test_issue24_file_cases(capsys, tmp_path, monkeypatch):
           "--chart", "/proc/x.png"], "--chart = '/proc/x.png': a new file's path in an existing, writable folder"),
         (["plan", "search", "--model", "gpt2-124m", "--system", "dgx-a100-80g", "--gpus", "8", "--global-batch", "8",
           "--chart", str(tmp_path)], "--chart = "),
-        (["export", str(tmp_path / "ckpt"), "--format", "hf", "/proc/x"], "out = '/proc/x': a folder that exists"),
+        (["export", str(tmp_path / "ckpt"), "--format", "hf", "/proc/x"], "OUT = '/proc/x': a folder that exists"),
         (["cluster", "simulate", "--trace", str(tmp_path / "list.json")], "a trace job (a JSON object, not list)"),
     ]
     # an image suffix matplotlib cannot write is refused before the search (a 1e9-layout search

@@ -52,12 +52,12 @@ def register(sub) -> None:
     p = sub.add_parser("export", help="write a checkpoint as a Hugging Face folder")
     p.add_argument("checkpoint", type=schema.path("dir"), metavar="CHECKPOINT")
     p.add_argument("--format", choices=["hf"], default="hf")
-    p.add_argument("out", type=schema.path("new-dir"), help="output folder (config.json, model.safetensors, the tokenizer files)")
+    p.add_argument("out", type=schema.path("new-dir"), metavar="OUT", help="output folder (config.json, model.safetensors, the tokenizer files)")
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("import", help="read a Hugging Face GPT-2/Llama/Mixtral/Qwen3-MoE folder into a luban checkpoint")
-    p.add_argument("folder", type=schema.path("dir"), help="folder transformers saved: config.json and model.safetensors (or its shards, or pytorch_model.bin)")
-    p.add_argument("out", type=schema.path("new-dir"), help="run directory to create (checkpoint at OUT/checkpoints/step_0000000)")
+    p.add_argument("folder", type=schema.path("dir"), metavar="FOLDER", help="folder transformers saved: config.json and model.safetensors (or its shards, or pytorch_model.bin)")
+    p.add_argument("out", type=schema.path("new-dir"), metavar="OUT", help="run directory to create (checkpoint at OUT/checkpoints/step_0000000)")
     p.set_defaults(func=cmd_import)
 
 
