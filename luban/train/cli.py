@@ -147,6 +147,10 @@ def _run_training(args) -> int:
 
         # every refusal before run.dir is made: a refused run leaves no folder behind
         refuse_run_dir(cfg.run.dir, args.resume)
+        if cfg.run.system and args.parallel != "auto":  # read by --parallel auto only; a typo is named anyway
+            from luban.plan.system import load_system
+
+            load_system(cfg.run.system, key="run.system")
         if world > 1:  # (a multi-node launch without --master-port was refused after the planner ran)
             from luban.parallel.launch import check_rendezvous
 

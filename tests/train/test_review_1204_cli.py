@@ -40,3 +40,12 @@ def test_a_folder_named_in_bytes_that_are_not_utf8_is_named_so(tmp_path):
     err = proc.stderr.decode()
     assert proc.returncode == 2 and err.count("\n") == 1, err
     assert "an existing folder, named in UTF-8: this name holds bytes that are not UTF-8 text" in err, err
+
+
+def test_run_system_is_checked_without_parallel_auto(tmp_path):
+    """(2026-12-04) ``run.system = "nope"`` passed unless ``--parallel auto`` read it."""
+    (tmp_path / "c.toml").write_text(tiny_toml(tmp_path / "run", {"steps": 2, "global_batch": 2, "eval_every": 0},
+                                               run_keys={"system": "nope"}))
+    proc = luban("train", "c.toml", cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.startswith("luban: error: run.system = 'nope'"), proc.stderr[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.toml"]
