@@ -33,7 +33,7 @@ import importlib  # noqa: E402
 import re  # noqa: E402
 
 from luban import interrupt, schema  # noqa: E402
-from luban.errors import EXIT_INTERRUPTED, LubanError, for_terminal
+from luban.errors import EXIT_INTERRUPTED, EXIT_SUSPENDED, LubanError, for_terminal
 
 SUBCOMMAND_MODULES = [
     "luban.train.cli",
@@ -161,12 +161,17 @@ def _run(argv: list[str] | None, entry: bool) -> int:
 
         if not (training and os.environ.get(procs.PARENT_VAR) and peer_lost(err)):
             raise
-        # this node's launcher names the rank that stopped (or that rank its own error); a peer on
-        # another node is named only there, so here one line says what this rank saw
-        if os.environ.get("WORLD_SIZE") != os.environ.get("LOCAL_WORLD_SIZE"):
-            print(f"luban: error: rank {os.environ.get('RANK', '?')} lost a peer rank on another node "
-                  f"({str(err).splitlines()[0][:160]}); that node's launcher says why", file=sys.stderr)
-        code = 1
+        from luban.train import preempt
+
+        if preempt.suspended_in_start_up():  # the peer's start-up grace ended first: it exited 75, as this one
+            code = EXIT_SUSPENDED
+        else:
+            # this node's launcher names the rank that stopped (or that rank its own error); a peer on
+            # another node is named only there, so here one line says what this rank saw
+            if os.environ.get("WORLD_SIZE") != os.environ.get("LOCAL_WORLD_SIZE"):
+                print(f"luban: error: rank {os.environ.get('RANK', '?')} lost a peer rank on another node "
+                      f"({str(err).splitlines()[0][:160]}); that node's launcher says why", file=sys.stderr)
+            code = 1
     finally:
         if training:
             from luban.train import preempt

@@ -250,6 +250,73 @@ def test_export_and_import_show_the_folder_escaped_on_a_terminal(tmp_path, monke
     assert "\x1b" not in printed and "\\x1b]0;TITLE\\x07" in printed and "\\x1b[2J" in printed, printed
 
 
+KILLED_RENAMING = """
+import os, sys
+from pathlib import Path
+from luban.data.tokenizer import ByteTokenizer
+from luban.model import hf
+from luban.model.config import ModelConfig
+from luban.model.transformer import build_model
+
+out, at = Path(sys.argv[1]), int(sys.argv[2])
+real, seen = os.replace, []
+def replace(src, dst):
+    seen.append(dst)
+    if len(seen) == at:
+        os._exit(137)  # as a kill -9 there
+    real(src, dst)
+os.replace = replace
+cfg = ModelConfig.from_dict({"preset": "tiny-llama"})
+hf.export_folder(cfg, build_model(cfg, seed=1).state_dict(), out, tokenizer=ByteTokenizer(), record=True)
+"""
+
+
+@pytest.mark.parametrize("at", [1, 2, 4, 8, 9])  # the note, its first rename, mid-way, the last, the final record
+def test_a_kill_9_while_an_export_renames_its_files_in_leaves_a_folder_the_next_export_takes(tmp_path, at):
+    """(2026-12-04) After a kill -9 between the first rename and the final record, every later export
+    there was refused ('holds model.safetensors, which luban did not write': the note had only the
+    identities of the files replaced) and its temporaries (also the marker's ``..luban.tmp-PID``)
+    stayed for good. The note now holds the identities of the new files too (a rename keeps them)."""
+    import subprocess
+    import sys
+
+    (gpt, gpt_state), _, tok = _two_models()
+    out = tmp_path / "hf"
+    owned.claim(out, "hf-export", "OUT")
+    hf.export_folder(gpt, gpt_state, out, tokenizer=tok, record=True)
+    proc = subprocess.run([sys.executable, "-c", KILLED_RENAMING, str(out), str(at)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 137, proc.stderr[-2000:]
+    hf.export_folder(gpt, gpt_state, out, tokenizer=tok, record=True)
+    assert not [p.name for p in out.iterdir() if ".tmp" in p.name]
+    assert json.loads((out / "config.json").read_text())["model_type"] == "gpt2"
+
+
+@pytest.mark.parametrize("note", ['{"pid": Infinity, "since_ns": 0, "temporaries": []}',
+                                  '{"pid": 4194303, "since_ns": 1e400, "temporaries": []}',
+                                  '{"pid": 4194303, "since_ns": 0, "temporaries": 5, "was": [], "new": "x"}'])
+def test_a_hand_edited_writing_note_is_no_traceback(tmp_path, note):
+    cfg = ModelConfig.from_dict({"preset": "tiny"})
+    out = tmp_path / "hf"
+    owned.claim(out, "hf-export", "OUT")
+    (out / ".luban").write_text('{"luban": "hf-export", "files": {}, "writing": %s}' % note)
+    assert hf.export_folder(cfg, build_model(cfg, seed=0).state_dict(), out, record=True)[0] == "model.safetensors"
+
+
+def test_a_users_file_named_as_an_exports_temporary_is_kept(tmp_path):
+    """(2026-12-04) It was written over and renamed onto config.json (an export as PID 1 in a container
+    and a user's ``.config.json.tmp-1``)."""
+    cfg = ModelConfig.from_dict({"preset": "tiny"})
+    out = tmp_path / "hf"
+    owned.claim(out, "hf-export", "OUT")
+    theirs = out / f".config.json.tmp-{os.getpid()}"
+    theirs.write_text("USER DATA")
+    with pytest.raises(LubanError, match=f"holds '{theirs.name}', which luban did not write"):
+        hf.export_folder(cfg, build_model(cfg, seed=0).state_dict(), out, record=True)
+    assert theirs.read_text() == "USER DATA" and sorted(p.name for p in out.iterdir()) == [".config.json.tmp-" +
+                                                                                             str(os.getpid()), ".luban"]
+
+
 def test_a_ctrl_c_inside_a_checkpoint_write_is_an_interrupt_not_a_storage_error(tmp_path, monkeypatch):
     real = checkpoint.dcp.save
 

@@ -691,6 +691,8 @@ def export_folder(cfg: ModelConfig, state: dict, out: Path, tokenizer=None, extr
     import time
 
     names = ["model.safetensors", *files]
+    if record and out.is_dir():  # what an export killed here left goes first (it may be what is judged next)
+        _remove_killed_temporaries(out)
     ours = _earlier_export(out, names) if record else None
     umask = os.umask(0)
     os.umask(umask)
@@ -729,10 +731,13 @@ def export_folder(cfg: ModelConfig, state: dict, out: Path, tokenizer=None, extr
         remove_temporaries()
         settle()
 
+    clash = next((p for p in temps.values() if p.exists() or p.is_symlink()), None)
+    if clash is not None:  # a user's file of that name (luban's own, left by a killed export, went above)
+        raise bad_value("OUT", str(out), f"holds {clash.name!r}, which luban did not write (the name of its own "
+                                         "temporary); move it away (nothing was changed)")
+
     try:
         out.mkdir(parents=True, exist_ok=True)
-        if ours is not None:
-            _remove_killed_temporaries(out)
         before = {n for n in os.listdir(out) if n.startswith(".tmp")}
         since = time.time_ns()
         if ours is not None:  # who writes, since when: what a kill -9 during the writes leaves is found later
@@ -750,7 +755,8 @@ def export_folder(cfg: ModelConfig, state: dict, out: Path, tokenizer=None, extr
         with interrupt.critical():
             if ours is not None:
                 record.update(dict.fromkeys(names))
-                _write_record(out, record, _writing({n: ours.get(n) for n in names}, before, since))
+                _write_record(out, record, _writing({n: ours.get(n) for n in names}, before, since,
+                                                    {n: _identity(temps[n]) for n in names}))
             for name in names:
                 os.replace(temps[name], out / name)
             _fsync_dir(out)
@@ -801,7 +807,12 @@ def _earlier_export(out: Path, names: list[str]) -> dict:
     for name in present:
         seen = listed.get(name, False)
         if seen is None and isinstance(writing, dict) and isinstance(writing.get("was"), dict):  # a kill -9 as it
-            seen = writing["was"].get(name) or False  # replaced it: luban's if it is the one there (its new one: refused)
+            new = writing.get("new") if isinstance(writing.get("new"), dict) else {}  # replaced it: luban's if
+            try:  # it is the file that was there or the one that export put there
+                now = _identity(out / name)
+            except OSError:
+                now = None
+            seen = now if now is not None and now in (writing["was"].get(name), new.get(name)) else False
         try:
             same = seen is None or (seen is not False and not (out / name).is_symlink()
                                     and _identity(out / name) == seen)
@@ -854,11 +865,12 @@ MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit on a header (its ``MAX_
 COARSE_CLOCK_NS = 1_000_000_000
 
 
-def _writing(was: dict, before: set[str], since_ns: int) -> dict:
+def _writing(was: dict, before: set[str], since_ns: int, new: dict | None = None) -> dict:
     """What the record says while this process writes an export: the identity of each file it is
-    replacing (an earlier export's, or None; empty while it writes its temporaries), who writes since
-    when, and the ``.tmp*`` names that were there before (a user's)."""
-    return {"was": was, "pid": os.getpid(), "since_ns": since_ns, "temporaries": sorted(before)}
+    replacing (an earlier export's, or None; empty while it writes its temporaries) and of the
+    temporary replacing it (``new``: a rename keeps size and time), who writes since when, and the
+    ``.tmp*`` names that were there before (a user's)."""
+    return {"was": was, "new": new or {}, "pid": os.getpid(), "since_ns": since_ns, "temporaries": sorted(before)}
 
 
 def _remove_killed_temporaries(out: Path) -> list[str]:
@@ -869,18 +881,28 @@ def _remove_killed_temporaries(out: Path) -> list[str]:
     header (written first: a file killed before its header stays). Returns the names removed."""
     from luban.owned import MARKER
 
+    removed = []
+    for name in os.listdir(out):  # the record's own temporary (write_bytes': ..luban.tmp-PID), by a dead process
+        stale = re.fullmatch(rf"\.{re.escape(MARKER)}\.tmp-(\d+)", name)
+        if stale and int(stale.group(1)) != os.getpid() and not os.path.exists(f"/proc/{stale.group(1)}"):
+            try:
+                if (out / name).is_file() and not (out / name).is_symlink():
+                    (out / name).unlink()
+                    removed.append(name)
+            except OSError:
+                pass
     try:
         writing = json.loads((out / MARKER).read_text()).get("writing")
         pid, since, kept = int(writing["pid"]), int(writing["since_ns"]), set(writing["temporaries"])
-    except (OSError, ValueError, UnicodeDecodeError, RecursionError, AttributeError, KeyError, TypeError):
-        return []
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError, AttributeError, KeyError, TypeError,
+            OverflowError):  # (a hand-edited note: Infinity, 1e400)
+        return removed
     if pid != os.getpid() and os.path.exists(f"/proc/{pid}"):  # (that export still runs)
-        return []
-    removed = []
+        return removed
     for name in sorted(os.listdir(out)):
         path = out / name
         try:
-            own = name in {f".{n}.tmp-{pid}" for n in EXPORT_NAMES}
+            own = name in {f".{n}.tmp-{pid}" for n in (*EXPORT_NAMES, MARKER)}  # (the marker's: ..luban.tmp-PID)
             if name in kept or path.is_symlink() or not path.is_file() or not own and (
                     not SAFETENSORS_TEMP.fullmatch(name) or path.stat().st_mtime_ns < since - COARSE_CLOCK_NS
                     or not _is_safetensors(path)):

@@ -158,6 +158,7 @@ def launch(argv: list[str], nproc: int, nnodes: int = 1, node_rank: int = 0, mas
             print(f"suspended on {preempt.early_signal()} before any rank started; exit {EXIT_SUSPENDED} "
                   "(resume with --resume auto)", flush=True)
             return EXIT_SUSPENDED
+        preempt.start_up_over()  # the ranks answer the signals from now on (a demo's launcher then samples)
         # between fork and exec: die with this launcher (PR_SET_PDEATHSIG survives exec); luban ranks
         # keep the forwarded signals blocked until their handlers are in (preempt.install), other
         # modules get them unblocked

@@ -90,6 +90,19 @@ class SuspendFlag:
         return any_rank(self.requested)
 
 
+def suspended_in_start_up() -> bool:
+    """Whether a suspend signal came before this process's first step (its start-up is ending with 75):
+    a rank that then loses its peer (the other rank's grace ended first) ends with 75 too, not 1."""
+    return _FLAG is not None and _FLAG.requested and not _FLAG.started
+
+
+def start_up_over() -> None:
+    """This process's start-up is over (the trainer's first step's check; a launcher once its ranks
+    run, which answer the signals from then on): no grace timer for a later signal."""
+    if _FLAG is not None:
+        _FLAG.start_up_over()
+
+
 def _say(line: str) -> None:
     """One line on stderr from a signal handler or a thread (no buffered stream: it may be mid-write)."""
     try:

@@ -58,3 +58,50 @@ def test_a_signal_during_a_start_up_that_does_not_end_ends_the_run(tmp_path, sig
         assert child.wait(120) == code, child.tail()  # it waited forever
         out = child.output()
     assert said in out and "Traceback" not in out, out[-3000:]
+
+
+# a rank (of luban's launcher) signalled during start-up whose peer ended its start-up first (its grace
+# over): the collective it waits in raises "peer lost"; it exited 1, and the launcher with it
+PEER_GONE = r'''
+import os, signal, sys
+import luban.train.cli as train_cli
+
+def peer_gone(args):
+    os.kill(os.getpid(), signal.SIGTERM)  # forwarded by the launcher: recorded, start-up goes on
+    raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer")
+train_cli.cmd_train = peer_gone
+sys.argv = ["luban", "train"]
+from luban.cli import main
+sys.exit(main())
+'''
+
+
+def test_a_rank_that_loses_its_peer_during_a_signalled_start_up_exits_75(tmp_path):
+    from luban import procs
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT), procs.PARENT_VAR: str(os.getpid())}
+    with Child([sys.executable, "-c", PEER_GONE], env=env, cwd=ROOT) as child:
+        assert child.wait(60) == 75, child.tail()
+        assert "Traceback" not in child.output(), child.tail()
+
+
+# a demo's launcher: its ranks ran (the first half, then the second), now it samples; a SIGTERM there
+# set off the start-up grace of the launcher's own flag (never marked over) and ended it 75 "during
+# start-up" with the run finished
+AFTER_LAUNCH = r'''
+import os, signal, sys, time
+from luban.train import preempt
+preempt.install()
+from luban.parallel.launch import launch
+assert launch(["--help"], nproc=1, module="json.tool") == 0
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(preempt.START_GRACE_S + 2)
+print("sampled")
+'''
+
+
+def test_a_signal_after_the_ranks_ran_does_not_end_the_launcher_as_a_start_up():
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    with Child([sys.executable, "-c", AFTER_LAUNCH], env=env, cwd=ROOT) as child:
+        assert child.wait(120) == 0, child.tail()
+        assert "sampled" in child.output() and "during start-up" not in child.output(), child.tail()
