@@ -155,7 +155,8 @@ def killed(path, ignore_errors=False):  # the manifest goes first (if luban has 
     os.kill(os.getpid(), signal.SIGKILL)
 
 shutil.rmtree = killed
-checkpoint.save(root, int(sys.argv[2]), {"w": torch.ones(64)}, {"step": 3, "config": {"model": {}}, "world_size": 1},
+step = int(sys.argv[2])  # (meta.json names its folder's step: one that names another is refused since 2026-12-04)
+checkpoint.save(root, step, {"w": torch.ones(64)}, {"step": step, "config": {"model": {}}, "world_size": 1},
                 keep=int(sys.argv[3]))
 """
 
