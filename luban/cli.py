@@ -64,17 +64,55 @@ class Parser(argparse.ArgumentParser):
         print(error_line(self.render(message)), file=sys.stderr)
         sys.exit(2)
 
+    def parse_known_args(self, args=None, namespace=None):
+        """A command (a parser without sub-commands) refuses what is not its own itself, named by its
+        own usage, and before any value is read: argparse leaves unknown options to the top parser
+        (``see: luban --help``), and ``luban sample --top-p 0.9`` first complained that CHECKPOINT
+        ``'0.9'`` is no folder."""
+        leaf = args is not None and not any(isinstance(a, argparse._SubParsersAction) for a in self._actions)
+        if leaf:
+            unknown = self._unknown_option(list(args))
+            if unknown is not None:
+                self.error(f"unrecognized arguments: {unknown}")
+        namespace, extras = super().parse_known_args(args, namespace)
+        if leaf and extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace, extras
+
+    def _unknown_option(self, args: list[str]) -> str | None:
+        """The first ``--name`` (or ``--name=value``) before ``--`` that names none of this command's
+        options, not even as the unique prefix argparse accepts. A command that takes the rest of the
+        line as it is (``luban submit -- COMMAND ...``) is left to argparse; a single-dash word too
+        (``-n5``, ``-e KEY=V`` clusters: argparse's rules)."""
+        if any(a.nargs == argparse.REMAINDER for a in self._actions):
+            return None
+        for arg in args:
+            if arg == "--":
+                return None
+            if not arg.startswith("--") or self._negative_number_matcher.match(arg):
+                continue
+            name = arg.split("=", 1)[0]
+            if not any(option == name or (self.allow_abbrev and option.startswith(name))
+                       for option in self._option_string_actions):
+                return arg
+        return None
+
     def render(self, message: str) -> str:
         found = re.fullmatch(r"argument (?P<key>[^:]+): (?P<rest>.*)", message, re.DOTALL)
         if not found:
             command = self.prog.split(" ", 1)[1] if " " in self.prog else ""
             required = re.fullmatch(r"the following arguments are required: (?P<keys>.*)", message, re.DOTALL)
             unknown = re.fullmatch(r"unrecognized arguments: (?P<args>.*)", message, re.DOTALL)
+            ambiguous = re.fullmatch(r"ambiguous option: (?P<key>\S+?)(=\S*)? could match (?P<keys>.*)", message, re.DOTALL)
             if required:  # the first one missing, as KEY = (missing)
                 key, what = required["keys"].split(", ")[0], "required"
                 message = f"{key} = (missing): {what}"
             elif unknown:
-                message = f"{unknown['args'].split(' ')[0]} = (unrecognized): not an option of this command"
+                first = unknown["args"].split(" ")[0]
+                message = (f"{first.split('=', 1)[0]} = (unrecognized): not an option of this command"
+                           if first.startswith("-") else f"{first} = (unrecognized): one argument more than this command takes")
+            elif ambiguous:
+                message = f"{ambiguous['key']} = (ambiguous): could be {ambiguous['keys']}"
             return f"{command + ': ' if command else ''}{message}  (see: {self.prog} --help)"
         names, rest = found["key"].split("/"), found["rest"]
         key = next((n for n in names if n.startswith("--")), names[-1])

@@ -230,6 +230,15 @@ def test_fuzzed_planner_flags_never_trace(capsys, pairs):
     (["plan", "estimate", "--gpus", "8"], "--model = (missing): required"),
     (["plan", "nope"], "ACTION = 'nope': one of 'estimate', "),
     (["jobs", "--bogus"], "--bogus = (unrecognized): not an option"),
+    # a command's unknown option is named by that command, before any value is read (it was the top
+    # parser's: "see: luban --help"; and `sample --top-p 0.9` said CHECKPOINT '0.9' is no folder)
+    (["sample", "--top-p", "0.9"], "sample: --top-p = (unrecognized): not an option of this command  "
+                                   "(see: luban sample --help)"),
+    (["plan", "probe", "--bogus=3"], "plan probe: --bogus = (unrecognized): not an option of this command  "
+                                     "(see: luban plan probe --help)"),
+    (["admin", "user", "add", "--zzz"], "(see: luban admin user add --help)"),
+    (["sample", "/", "more"], "sample: more = (unrecognized): one argument more than this command takes"),
+    (["sample", "--t", "3"], "sample: --t = (ambiguous): could be --tokens, --temperature, --top-k"),
     (["submit", "--priority", "WHATEVER", "--", "true"], "priority = 'WHATEVER': one of"),
     (["admin"], "admin"),
     (["cluster", "simulate", "--tick", "nan"], "--tick = nan: a finite number"),
