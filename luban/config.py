@@ -106,6 +106,7 @@ NON_NEGATIVE = {("train", k) for k in ("checkpoint_every", "checkpoint_every_min
 # (steps for 3 years at 1 step/s; a global batch beyond 2^20 sequences), or a library breaks
 # (torch/numpy seeds are 32-bit here: luban.schema.SEED; Adam's betas must be < 1)
 MAX_STEPS = 10**8  # train.steps; so also the step a checkpoint may name (luban.train.checkpoint.meta_problem)
+MAX_SAMPLES = MAX_STEPS * MAX_GLOBAL_BATCH  # so the samples a checkpoint's loader may have consumed (meta_problem)
 RANGES = {("train", "steps"): (1, MAX_STEPS), ("train", "global_batch"): (1, MAX_GLOBAL_BATCH), ("train", "seed"): schema.SEED,
           ("train", "lr"): (1e-12, 10.0), ("train", "min_lr"): (0.0, 10.0), ("train", "beta1"): (0.0, 0.999999),
           ("train", "beta2"): (0.0, 0.999999999), ("train", "momentum"): (0.0, 0.999999),

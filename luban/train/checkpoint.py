@@ -59,7 +59,7 @@ import torch.distributed.checkpoint as dcp
 
 from luban.data.order import ORDER_ALLOWED, known_order
 from luban.errors import CheckpointWriteError, LubanError, shown
-from luban.config import MAX_STEPS, check_resume
+from luban.config import MAX_SAMPLES, MAX_STEPS, check_resume
 from luban.owned import STEP_DIR, step_dirs  # the checkpoint folders, newest first (torch-free: the launcher reads them too)
 
 # DCP warns on every single-process save/load; that is the intended mode for one rank.
@@ -257,8 +257,9 @@ def meta_problem(meta, training: bool = False) -> str | None:
     if problem:
         return problem
     if "loader" in meta:  # order_version: absent before order versions (version 1); resuming needs a known one
-        return (field("consumed_samples", lambda v: _whole(v, 0), "a whole number >= 0", True, meta["loader"],
-                      "loader.")
+        return (field("consumed_samples", lambda v: _whole(v, 0) and v <= MAX_SAMPLES,
+                      f"a whole number from 0 to {MAX_SAMPLES} (train.steps x train.global_batch at most)",
+                      True, meta["loader"], "loader.")
                 or (field("order_version", known_order, ORDER_ALLOWED, False, meta["loader"], "loader.")
                     if training else None))
     return None

@@ -81,6 +81,8 @@ def _edit(meta, how):
         meta["world_size"] = 0
     elif how == "step-huge":  # (2026-12-04: accepted, "resumed at step 1000000000000000000000000000000")
         meta["step"] = 10**30
+    elif how == "consumed-huge":  # (2026-12-04: accepted, the run went on at epoch ~10**25 of its data)
+        meta["loader"]["consumed_samples"] = 10**30
     return meta
 
 
@@ -95,6 +97,8 @@ META_CASES = {  # how -> words the line must hold
     "step-huge": ["meta.json step = 1000000000000000000000000000000: a whole number from 0 to 100000000"],
     "no-loader": ["meta.json has no loader"],
     "consumed-text": ["meta.json loader.consumed_samples = '8'"],
+    "consumed-huge": ["meta.json loader.consumed_samples = 1000000000000000000000000000000: a whole number from 0 to "
+                      "104857600000000 (train.steps x train.global_batch at most)"],
     "world-0": ["meta.json world_size = 0"],
 }
 
