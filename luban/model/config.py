@@ -154,6 +154,11 @@ class ModelConfig:
         for f in dataclasses.fields(cls):
             if f.name in values:
                 values[f.name] = _coerce(f"{section}.{f.name}", values[f.name], f.type)
+        heads, hidden = values["heads"], values["hidden"]
+        if ("hidden" in raw and "heads" not in raw and values["head_dim"] == 0 and heads > 0
+                and 0 < hidden <= MAX_SIZE["hidden"] and hidden % heads):  # the width given is the one to name
+            raise bad_value(f"{section}.hidden", hidden, f"a multiple of {section}.heads = {heads} (the preset "
+                            f"{base['name']}'s): set {section}.heads too, or {section}.head_dim")
         return cls(**values)
 
     def replace(self, **changes) -> "ModelConfig":
