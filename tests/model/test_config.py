@@ -43,8 +43,8 @@ def test_bad_model_config_names_key_value_and_rule(raw, message):
     ({"hidden": 10**30}, "model.hidden = 1000000000000000000000000000000: at most 1048576"),
     # (2026-12-04) a width set alone was "model.heads = 12: must divide hidden = 100": the preset's heads,
     # a key the user did not touch
-    ({"hidden": 100}, "model.hidden = 100: a multiple of model.heads = 12 (the preset gpt2-124m's): "
-                      "set model.heads too, or model.head_dim"),
+    ({"preset": "gpt2-124m", "hidden": 100}, "model.hidden = 100: a multiple of model.heads = 12 (the preset gpt2-124m's): "
+                                             "set model.heads too, or model.head_dim"),
 ])
 def test_a_bad_preset_or_width_is_named_itself(raw, message):
     """A preset that is a list or a table (``luban plan estimate --model file.toml``) was a TypeError
