@@ -358,3 +358,53 @@ def test_a_folder_holding_only_a_dead_start_s_marker_temporary_is_empty(tmp_path
     (alive / ".luban.tmp-1").write_text("")  # a live process's (pid 1 always is): not touched
     owned.mark(alive, "run")
     assert sorted(p.name for p in alive.iterdir()) == [".luban", ".luban.tmp-1"]
+
+
+def test_a_second_export_into_a_folder_being_written_is_refused(tmp_path):
+    """(2026-12-04) Two exports into one folder at once each wrote their 'writing' note over the other's
+    (a kill -9 of one then left its temporaries for good). An export holds the folder's ``flock`` now: here
+    another process holds it, as a running export does, and ``luban export`` refuses, changing nothing."""
+    import fcntl
+    import subprocess
+    import sys
+
+    cfg = ModelConfig.from_dict({"preset": "tiny"})
+    out = tmp_path / "hf"
+    owned.claim(out, "hf-export", "OUT")
+    hf.export_folder(cfg, build_model(cfg, seed=1).state_dict(), out, record=True)
+    before = _contents(out)
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys, time\n"
+                               "fd = os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECTORY)\n"
+                               "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); time.sleep(120)", str(out)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(LubanError, match=r"^OUT = .*: another luban export is writing into this folder now"):
+            hf.export_folder(cfg, build_model(cfg, seed=0).state_dict(), out, record=True)
+        assert _contents(out) == before
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+    fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY)  # the export gave its own lock back
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        os.close(fd)
+    hf.export_folder(cfg, build_model(cfg, seed=0).state_dict(), out, record=True)
+    assert _contents(out) != before
+
+
+def test_a_killed_exports_temporaries_go_though_its_pid_is_now_another_process(tmp_path):
+    """(2026-12-04) A killed export's note and temporaries were kept for good while any process had its
+    PID (a PID is reused: a long-lived one took it). The folder's lock says no export runs there."""
+    cfg = ModelConfig.from_dict({"preset": "tiny"})
+    out = tmp_path / "hf"
+    owned.claim(out, "hf-export", "OUT")
+    alive = os.getppid()  # a live process that is no export
+    for name in (f".config.json.tmp-{alive}", f"..luban.tmp-{alive}"):
+        (out / name).write_text("half written")
+    (out / ".luban").write_text(json.dumps({"luban": "hf-export", "files": {}, "writing": {
+        "pid": alive, "since_ns": time.time_ns(), "temporaries": [], "was": {}}}))
+    hf.export_folder(cfg, build_model(cfg, seed=0).state_dict(), out, record=True)
+    assert not [p.name for p in out.iterdir() if ".tmp" in p.name]
+    assert "writing" not in json.loads((out / ".luban").read_text())

@@ -669,10 +669,6 @@ def export_folder(cfg: ModelConfig, state: dict, out: Path, tokenizer=None, extr
     ``record`` (``luban export``, into a folder ``luban.owned`` claimed): the marker ``.luban`` also lists the
     files written (size, modification time); a later export there refuses to replace one of ``EXPORT_NAMES``
     that it does not list as is (a user's copy), and removes those it lists that it does not write again."""
-    from safetensors import SafetensorError
-    from safetensors.torch import save_file
-
-    from luban.data.atomic import _fsync_dir
     from luban.data.tokenizer import hf_tokenizer_files
 
     hf_cfg, tensors = to_hf(cfg, state)
@@ -688,11 +684,49 @@ def export_folder(cfg: ModelConfig, state: dict, out: Path, tokenizer=None, extr
     if generation:
         files["generation_config.json"] = json.dumps(generation, indent=1)
     files["config.json"] = json.dumps(hf_cfg, indent=1)
+    names = ["model.safetensors", *files]
+    held = _hold(out) if record and out.is_dir() else None  # one export at a time in a folder
+    try:
+        return _export_into(out, names, files, tensors, record, held)
+    finally:
+        if held is not None:
+            os.close(held)
+
+
+def _hold(out: Path) -> int | None:
+    """An exclusive ``flock`` on the folder ``out`` for one export (the kernel gives it back when the process
+    ends, a kill -9 too), or a refusal while another export holds it: two at once each wrote their note over
+    the other's, and each one's temporaries were left to the other's judgement. None where the file system
+    has no ``flock`` (some network mounts): unguarded, as before."""
+    import fcntl
+
+    try:
+        fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise bad_value("OUT", str(out), "another luban export is writing into this folder now; wait for it to "
+                                         "end, or choose another folder (nothing was changed)") from None
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _export_into(out: Path, names: list[str], files: dict, tensors: dict, record: bool, held: int | None) -> list[str]:
+    """``export_folder``'s writes (``held``: this process holds the folder's lock, ``_hold``)."""
     import time
 
-    names = ["model.safetensors", *files]
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
+    from luban.data.atomic import _fsync_dir
+
     if record and out.is_dir():  # what an export killed here left goes first (it may be what is judged next)
-        _remove_killed_temporaries(out)
+        _remove_killed_temporaries(out, alone=held is not None)
     ours = _earlier_export(out, names) if record else None
     umask = os.umask(0)
     os.umask(umask)
@@ -873,18 +907,25 @@ def _writing(was: dict, before: set[str], since_ns: int, new: dict | None = None
     return {"was": was, "new": new or {}, "pid": os.getpid(), "since_ns": since_ns, "temporaries": sorted(before)}
 
 
-def _remove_killed_temporaries(out: Path) -> list[str]:
+def _remove_killed_temporaries(out: Path, alone: bool = False) -> list[str]:
     """Remove what an export killed while it wrote (kill -9: nothing ran) left in ``out``: its own
     temporaries (``.NAME.tmp-PID`` of one of ``EXPORT_NAMES``, by that process's PID), and safetensors'
     own, as big as the model: a file that is all of named as safetensors names it, made by then
     (modified after that export began to write), not there before it, and a safetensors file by its
-    header (written first: a file killed before its header stays). Returns the names removed."""
+    header (written first: a file killed before its header stays). Returns the names removed.
+
+    ``alone``: this process holds the folder's lock (``_hold``), so no other export runs there and the
+    one a note names was killed, whatever process has its PID now (a PID is reused); else an export
+    whose PID lives is taken to run still."""
     from luban.owned import MARKER
+
+    def runs(pid: int) -> bool:
+        return pid == os.getpid() or not alone and os.path.exists(f"/proc/{pid}")
 
     removed = []
     for name in os.listdir(out):  # the record's own temporary (write_bytes': ..luban.tmp-PID), by a dead process
         stale = re.fullmatch(rf"\.{re.escape(MARKER)}\.tmp-(\d+)", name)
-        if stale and int(stale.group(1)) != os.getpid() and not os.path.exists(f"/proc/{stale.group(1)}"):
+        if stale and not runs(int(stale.group(1))):
             try:
                 if (out / name).is_file() and not (out / name).is_symlink():
                     (out / name).unlink()
@@ -897,7 +938,7 @@ def _remove_killed_temporaries(out: Path) -> list[str]:
     except (OSError, ValueError, UnicodeDecodeError, RecursionError, AttributeError, KeyError, TypeError,
             OverflowError):  # (a hand-edited note: Infinity, 1e400)
         return removed
-    if pid != os.getpid() and os.path.exists(f"/proc/{pid}"):  # (that export still runs)
+    if pid != os.getpid() and runs(pid):  # (that export still runs)
         return removed
     for name in sorted(os.listdir(out)):
         path = out / name
