@@ -376,10 +376,14 @@ def cmd_import(args) -> int:
 
     out = Path(args.out)
     owned.check(out, "run", "OUT")
-    held = checkpoint.step_dirs(out / "checkpoints") if (out / "checkpoints").is_dir() else []
-    if held:  # an import starts a run: it never joins (or prunes) one that has checkpoints
-        raise bad_value("OUT", str(out), f"already holds a run ({held[0].name} in checkpoints/); import into a new "
-                                         "or empty folder (nothing was changed)")
+
+    def refuse_a_run() -> None:  # an import starts a run: it never joins (or prunes) one that has checkpoints
+        held = checkpoint.step_dirs(out / "checkpoints") if (out / "checkpoints").is_dir() else []
+        if held:
+            raise bad_value("OUT", str(out), f"already holds a run ({held[0].name} in checkpoints/); import into a "
+                                             "new or empty folder (nothing was changed)")
+
+    refuse_a_run()
     from luban.train.sample import check_host_memory
 
     imported = import_folder(Path(args.folder), fits=lambda cfg: check_host_memory(str(args.folder), cfg, "FOLDER"))
@@ -388,6 +392,10 @@ def cmd_import(args) -> int:
     meta = {"step": 0, "config": {"model": imported.cfg.to_dict()}, "world_size": 1, "source": str(args.folder),
             "hf_extra": imported.extra}
     owned.claim(out, "run", "OUT")
+    from luban.train.rundir import lock_run_dir
+
+    lock_run_dir(out, "OUT")  # one import (or run) at a time here: two at once saved one step_0000000 each
+    refuse_a_run()  # (one that ended meanwhile)
     try:
         path = checkpoint.save(out / "checkpoints", 0, {"model": imported.state}, meta, keep=1)
     except CheckpointWriteError as err:  # there is no previous checkpoint, nor a run to resume

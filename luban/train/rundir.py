@@ -43,9 +43,10 @@ def check_run_dir(run_dir: str | Path, need_bytes: int = 0, resume: str | None =
 _LOCKS: dict[str, int] = {}  # run folder -> the open marker this process holds its lock on
 
 
-def lock_run_dir(run_dir: str | Path) -> None:
+def lock_run_dir(run_dir: str | Path, name: str = "run.dir") -> None:
     """One ``luban train`` at a time per run folder: an exclusive ``flock`` on its marker (``.luban``),
-    held until ``unlock_run_dir`` or the process ends. Two runs resumed into one folder at once each
+    held until ``unlock_run_dir`` or the process ends (``luban import`` takes it too; ``name``: the setting
+    that named the folder). Two runs resumed into one folder at once each
     saved over the other's checkpoints of the same step and pruned the rest, and interleaved metrics."""
     import fcntl
 
@@ -60,8 +61,8 @@ def lock_run_dir(run_dir: str | Path) -> None:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
-        raise bad_value("run.dir", str(run_dir), "another luban train is running in this folder now; wait for it "
-                                                 "to end, or choose a new run.dir (nothing was changed)") from None
+        raise bad_value(name, str(run_dir), f"another luban train (or import) is using this folder now; wait for it "
+                                            f"to end, or choose a new {name} (nothing was changed)") from None
     except OSError:  # a file system without flock (some network mounts): unguarded, as before
         os.close(fd)
         return

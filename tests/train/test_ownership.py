@@ -196,3 +196,28 @@ def test_sample_names_a_data_folder_that_is_not_a_dataset(trained, tmp_path):
     (tmp_path / "texts" / "a.txt").write_text("hello")
     one_line_refusal(luban("sample", trained / "run", "--data", tmp_path / "texts", "--tokens", "4"),
                      "--data = ", "a luban dataset (a folder with manifest.json")
+
+
+def test_an_import_into_a_folder_a_run_or_import_is_using_is_refused(trained, tmp_path):
+    """(2026-12-04) Two imports into one new folder at once each saved a step_0000000 there (and an import
+    into a folder a run was starting in joined it): an import now holds the run folder's lock, as a run does."""
+    import subprocess
+    import sys
+
+    from luban import owned
+
+    out = tmp_path / "new"
+    owned.claim(out, "run", "OUT")
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom luban.train.rundir import lock_run_dir\n"
+                               "lock_run_dir(sys.argv[1]); print('held', flush=True); time.sleep(120)", str(out)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        proc = luban("import", trained / "hf", out)
+        one_line_refusal(proc, "OUT", str(out), "another luban train (or import) is using this folder now")
+        assert not (out / "checkpoints").exists()
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+    proc = luban("import", trained / "hf", out, check=0)
+    assert (out / "checkpoints" / "step_0000000").is_dir()

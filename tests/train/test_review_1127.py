@@ -192,8 +192,8 @@ def test_a_second_train_into_a_run_folder_in_use_is_refused(two_checkpoints, sma
     finally:
         unlock_run_dir(run)
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert proc.stderr.strip() == (f"luban: error: run.dir = {str(run)!r}: another luban train is running in this "
-                                   "folder now; wait for it to end, or choose a new run.dir (nothing was changed)")
+    assert proc.stderr.strip() == (f"luban: error: run.dir = {str(run)!r}: another luban train (or import) is using "
+                                   "this folder now; wait for it to end, or choose a new run.dir (nothing was changed)")
     lock_run_dir(run)  # released: the next run takes it
     unlock_run_dir(run)
 
