@@ -54,6 +54,9 @@ def _read_json(path: Path):
     return json.loads(path.read_text())
 
 
+STUDY_KEYS = {"precision", "runtime", "models", "a", "b", "c"}  # what luban.plan.study.run writes in results.json
+
+
 def _is_run(path: Path) -> bool:
     """A run folder written before the marker: only luban's run files, and either a checkpoint
     (``checkpoints/step_NNNNNNN/meta.json``) or a ``config.json`` that is a luban run config."""
@@ -95,8 +98,17 @@ def _is_cluster_state(path: Path) -> bool:
 
 
 def _is_plan_study(path: Path) -> bool:
+    """A study folder written before the marker: only a study's files, and a ``results.json`` of the study's
+    form (``luban.plan.study.run``'s keys). By its names alone, a user's folder holding a ``results.json``
+    was taken for one: ``luban plan study --out`` wrote over the user's results (a review of 2026-12-04)."""
     names = _names(path)
-    return "results.json" in names and all(n in ("results.json", "seed003.md") or n.endswith(".png") for n in names)
+    if "results.json" not in names or not all(n in ("results.json", "seed003.md") or n.endswith(".png") for n in names):
+        return False
+    try:
+        results = _read_json(path / "results.json")
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError):
+        return False
+    return isinstance(results, dict) and STUDY_KEYS <= set(results)
 
 
 # Folders luban wrote before the marker; an HF export has no legacy form: it is indistinguishable

@@ -123,6 +123,20 @@ def test_plan_study_refuses_a_foreign_out_folder(tmp_path, capsys):
     assert owned.owner(committed) == "plan-study"  # written before the marker: luban's layout
 
 
+def test_plan_study_refuses_a_folder_of_a_users_results_json(tmp_path, capsys):
+    """(2026-12-04) A folder holding a ``results.json`` (and charts) was taken for a study by its file names
+    alone: the study wrote its marker there and replaced the user's results. The file's form decides now."""
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "results.json").write_text('{"my": "experiment results"}')
+    (theirs / "loss.png").write_bytes(b"\x89PNG mine")
+    assert main(["plan", "study", "seed003", "--out", str(theirs)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--out = " in err[0] and "which luban did not write" in err[0], err
+    assert sorted(p.name for p in theirs.iterdir()) == ["loss.png", "results.json"]
+    assert (theirs / "results.json").read_text() == '{"my": "experiment results"}'
+
+
 @pytest.mark.parametrize("argv", [
     ["plan", "search", "--model", "gpt2-124m", "--system", "dgx-h100", "--gpus", "8", "--global-batch", "8", "--chart", "{}"],
     ["plan", "probe", "--device", "cpu", "--out", "{}"],
