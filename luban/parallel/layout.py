@@ -204,10 +204,14 @@ def check_layout(layout: ParallelLayout, model: ModelConfig, global_batch: int, 
     if world_size is not None and layout.world_size != world_size:
         raise bad_value(f"{section}.dp", layout.dp, f"dp*tp*pp*cp = {layout.dp}*{layout.tp}*{layout.pp}*{layout.cp} = "
                         f"{layout.world_size} must equal the world size {world_size}")
-    tp_ok = _common_divisors(model.heads, model.kv_heads, model.ffn_hidden)
+    split_experts = model.moe and getattr(rules, "expert_tp", False)  # a planner runtime whose tp splits experts
+    tp_ok = _common_divisors(model.heads, model.kv_heads, model.ffn_hidden,
+                             *((model.expert_ffn_hidden,) if split_experts else ()))
     if layout.tp not in tp_ok:
-        raise bad_value(f"{section}.tp", layout.tp, f"must divide heads={model.heads}, kv_heads={model.kv_heads} "
-                        f"and ffn_hidden={model.ffn_hidden}; nearest: {_nearest(tp_ok, layout.tp)}")
+        raise bad_value(f"{section}.tp", layout.tp, f"must divide heads={model.heads}, kv_heads={model.kv_heads}"
+                        + (f", ffn_hidden={model.ffn_hidden} and expert_ffn_hidden={model.expert_ffn_hidden} (this "
+                           "runtime splits the experts by tp)" if split_experts else f" and ffn_hidden={model.ffn_hidden}")
+                        + f"; nearest: {_nearest(tp_ok, layout.tp)}")
     if layout.ep > 1 and (not model.moe or model.experts % layout.ep):
         ok = _divisors(model.experts) if model.moe else [1]
         raise bad_value(f"{section}.ep", layout.ep, f"must divide experts = {model.experts} "

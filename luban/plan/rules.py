@@ -32,7 +32,7 @@ REASONS = (
     "virtual_stages outside the schedule's range (1 at pp = 1)",
     "zero-bubble/dualpipev with dp*cp > 1 need zero >= 1",
     "dp*tp*pp*cp != GPUs",
-    "tp must divide heads, kv_heads and ffn_hidden",
+    "tp must divide heads, kv_heads and ffn_hidden (and expert_ffn_hidden where tp splits the experts)",
     "ep > 1 needs a MoE model whose experts ep divides",
     "cp > 1 needs model.dropout = 0",
     "cp > 1 with a MoE expert capacity (capacity_factor > 0)",
@@ -77,7 +77,8 @@ def violations(g: Grid, model: ModelConfig, global_batch: int, gpus: int, seq: i
         np.where(pp_on, (v < v_min) | (v > v_max), v != 1),
         pp_on & (split_backward != 0) & (g.zero == 0) & (g.dp * g.cp > 1) & (not rules.ddp_with_split_backward),
         g.dp * g.tp * g.pp * g.cp != gpus,
-        (model.heads % g.tp != 0) | (model.kv_heads % g.tp != 0) | (model.ffn_hidden % g.tp != 0),
+        (model.heads % g.tp != 0) | (model.kv_heads % g.tp != 0) | (model.ffn_hidden % g.tp != 0)
+        | (model.moe & getattr(rules, "expert_tp", False) & (model.expert_ffn_hidden % g.tp != 0)),
         (g.ep > 1) & ((not model.moe) | (max(model.experts, 1) % g.ep != 0)),
         (g.cp > 1) & (model.dropout > 0),
         (g.cp > 1) & model.moe & (model.capacity_factor > 0),
