@@ -57,6 +57,9 @@ class Parser(argparse.ArgumentParser):
     Sub-parsers inherit the class."""
 
     def __init__(self, *args, **kwargs):
+        # no abbreviations: `luban plan search --tp on` (search has no --tp) silently set --tp-overlap, and
+        # `--tp 2` was refused as --tp-overlap = '2', a flag the user never typed (a review of 2026-12-04)
+        kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
         self._negative_number_matcher = schema.NEGATIVE_NUMBER  # no public setting: argparse asks this attribute
 
@@ -81,7 +84,7 @@ class Parser(argparse.ArgumentParser):
 
     def _unknown_option(self, args: list[str]) -> str | None:
         """The first ``--name`` (or ``--name=value``) before ``--`` that names none of this command's
-        options, not even as the unique prefix argparse accepts. A command that takes the rest of the
+        options (nor, where abbreviations are allowed, begins one). A command that takes the rest of the
         line as it is (``luban submit -- COMMAND ...``) is left to argparse; a single-dash word too
         (``-n5``, ``-e KEY=V`` clusters: argparse's rules)."""
         if any(a.nargs == argparse.REMAINDER for a in self._actions):
@@ -92,8 +95,8 @@ class Parser(argparse.ArgumentParser):
             if not arg.startswith("--") or self._negative_number_matcher.match(arg):
                 continue
             name = arg.split("=", 1)[0]
-            if not any(option == name or (self.allow_abbrev and option.startswith(name))
-                       for option in self._option_string_actions):
+            if name not in self._option_string_actions and not (
+                    self.allow_abbrev and any(option.startswith(name) for option in self._option_string_actions)):
                 return arg
         return None
 
@@ -103,7 +106,6 @@ class Parser(argparse.ArgumentParser):
             command = self.prog.split(" ", 1)[1] if " " in self.prog else ""
             required = re.fullmatch(r"the following arguments are required: (?P<keys>.*)", message, re.DOTALL)
             unknown = re.fullmatch(r"unrecognized arguments: (?P<args>.*)", message, re.DOTALL)
-            ambiguous = re.fullmatch(r"ambiguous option: (?P<key>\S+?)(=\S*)? could match (?P<keys>.*)", message, re.DOTALL)
             if required:  # the first one missing, as KEY = (missing)
                 key, what = required["keys"].split(", ")[0], "required"
                 message = f"{key} = (missing): {what}"
@@ -111,8 +113,6 @@ class Parser(argparse.ArgumentParser):
                 first = unknown["args"].split(" ")[0]
                 message = (f"{first.split('=', 1)[0]} = (unrecognized): not an option of this command"
                            if first.startswith("-") else f"{first} = (unrecognized): one argument more than this command takes")
-            elif ambiguous:
-                message = f"{ambiguous['key']} = (ambiguous): could be {ambiguous['keys']}"
             return f"{command + ': ' if command else ''}{message}  (see: {self.prog} --help)"
         names, rest = found["key"].split("/"), found["rest"]
         key = next((n for n in names if n.startswith("--")), names[-1])

@@ -238,7 +238,10 @@ def test_fuzzed_planner_flags_never_trace(capsys, pairs):
                                      "(see: luban plan probe --help)"),
     (["admin", "user", "add", "--zzz"], "(see: luban admin user add --help)"),
     (["sample", "/", "more"], "sample: more = (unrecognized): one argument more than this command takes"),
-    (["sample", "--t", "3"], "sample: --t = (ambiguous): could be --tokens, --temperature, --top-k"),
+    # no abbreviations: `plan search --tp on` (search has no --tp) set --tp-overlap
+    (["sample", "--t", "3"], "sample: --t = (unrecognized): not an option of this command"),
+    (["plan", "search", "--model", "gpt2-124m", "--gpus", "8", "--global-batch", "8", "--tp", "on"],
+     "plan search: --tp = (unrecognized): not an option of this command"),
     (["submit", "--priority", "WHATEVER", "--", "true"], "priority = 'WHATEVER': one of"),
     (["admin"], "admin"),
     (["cluster", "simulate", "--tick", "nan"], "--tick = nan: a finite number"),
