@@ -63,7 +63,7 @@ def rendezvous(env=os.environ) -> Rendezvous | None:
 
 # never carried into a job from the submitter's or the service's environment: a token (the job
 # gets its own), torchrun's "I am a rank" variables, and the variables the scheduler sets itself
-NOT_INHERITED = ("LUBAN_CLUSTER_TOKEN", "LUBAN_CLUSTER_URL", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+NOT_INHERITED = ("LUBAN_CLUSTER_TOKEN", "LUBAN_CLUSTER_URL", "LUBAN_CLUSTER_DB", "RANK", "WORLD_SIZE", "LOCAL_RANK",
                  "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT",
                  procs.PARENT_VAR, procs.TAG_VAR)
 # the contract's names (the table above, and a group's directories, docs/platform.md): luban sets each
@@ -73,7 +73,10 @@ NOT_INHERITED = ("LUBAN_CLUSTER_TOKEN", "LUBAN_CLUSTER_URL", "RANK", "WORLD_SIZE
 OWN = (JOB_ID, "LUBAN_CHAIN_ID", "LUBAN_RESTART_COUNT", NNODES, NODE_RANK, "LUBAN_NODES", "LUBAN_NODE",
        GPUS_PER_NODE, MASTER_ADDR, MASTER_PORT, procs.TAG_VAR, "LUBAN_CLUSTER_URL", "LUBAN_CLUSTER_TOKEN",
        "LUBAN_WORKDIR", "LUBAN_GROUP", "LUBAN_GROUP_DATA_DIR", "LUBAN_GROUP_ENV_DIR")
-MINIMAL = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
+# what every job's environment starts from (``base_environment``): PATH, a UTF-8 locale, and Python's output
+# unbuffered, so that a job's prints reach its log (``luban logs -f``) as they are made, not at 8 KiB
+MINIMAL = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8",
+           "PYTHONUNBUFFERED": "1"}
 
 
 def inheritable(env) -> dict[str, str]:
@@ -87,8 +90,9 @@ def without_own(env) -> dict[str, str]:
     return {k: v for k, v in env.items() if k not in OWN}
 
 
-def base_environment(spec: dict, service_env=os.environ) -> dict[str, str]:
-    """What a job's environment starts from, before the spec's ``env`` and luban's variables: the
-    service's (scrubbed), or only ``MINIMAL`` when the spec says ``env_only`` (``--export NONE``
-    or a list of names: then the job gets exactly what the spec lists)."""
-    return dict(MINIMAL) if spec.get("env_only") else inheritable(service_env)
+def base_environment(spec: dict) -> dict[str, str]:
+    """What a job's environment starts from, before the spec's ``env`` (with ``--export ALL``, the
+    submitter's environment, ``luban submit`` sends it) and luban's variables: ``MINIMAL``, never the
+    service's. It was the service's, scrubbed of luban's names only (a review of 2026-12-04): every job
+    of every user read the admin's shell (a ``PGPASSWORD``, a cloud key, root's PATH)."""
+    return dict(MINIMAL)

@@ -79,7 +79,8 @@ def cmd_submit(args) -> int:
         import yaml
 
         try:
-            data = yaml.safe_load(path.read_bytes().decode("utf-8"))
+            # no aliases, as the service's parse_yaml: nested ones expand a few hundred bytes into gigabytes
+            data = yaml.load(path.read_bytes().decode("utf-8"), Loader=specs._NoAliasLoader)  # noqa: S506
         except yaml.YAMLError as err:
             raise LubanError(f"{file} is not valid YAML: {err}".replace("\n", " ")) from None
         except (OSError, ValueError, RecursionError) as err:  # UnicodeDecodeError is a ValueError
@@ -482,6 +483,38 @@ def _listen(host: str, port: int):
     return sock
 
 
+SERVICE_UMASK = 0o077  # the service's files (database, logs, run records) are its account's alone
+DB_ENV = "LUBAN_CLUSTER_DB"  # --db's default: a URL with a password stays off the command line (ps)
+
+
+def hold_sqlite(db_url: str | None) -> int | None:
+    """An ``flock`` on a SQLite database given with ``--db`` (an fd kept for the service's life; SQLite's own
+    locks are POSIX ``fcntl`` locks, which ``flock`` does not meet), or a refusal while another service holds
+    it: two services on one file both started jobs on the same nodes, each job's log in the other's state
+    (``luban logs`` printed nothing). None for a server (PostgreSQL) and the default file in ``--state``."""
+    from luban.cluster import db
+
+    url = db.url_for(db_url) if db_url else ""
+    if not url.startswith("sqlite:///"):
+        return None
+    import fcntl
+
+    path = url[len("sqlite:///"):]
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None  # (open_checked made or read it just now: a file that went since fails the service's first query)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as err:
+        os.close(fd)
+        if err.errno in (errno.EWOULDBLOCK, errno.EACCES):
+            raise bad_value("--db", without_password(db_url), "in use by another luban cluster serve; stop it "
+                                                              "first, or choose another --db") from None
+        return None  # a file system without flock: unguarded, as before
+    return fd
+
+
 STATE_LOCK = "serve.lock"  # in STATE, flock'ed for the service's life: one service per state folder (two would
                            # share its logs, run records and SQLite file and each adopt and sweep the other's jobs)
 
@@ -533,10 +566,17 @@ def cmd_serve(args) -> int:
     from luban.cluster.service import ACCEPT_BATCH, bounded_http, create_app, ensure_admin
 
     _check_zones(args.zones, args.nodes)
+    os.umask(SERVICE_UMASK)  # what the service writes is its own: a SQLite file outside --state was 0644
     state = Path(args.state).absolute()
     owned.check(state, "cluster-state", "--state")
     lock = hold_state(state)  # before anything is bound, opened or written
     run_as = args.run_jobs_as or ("user" if accounts.privileged() else "namespace")
+    if args.db is None and os.environ.get(DB_ENV):
+        args.db = schema.custom(_db_url, DB_URL, shown=without_password)(os.environ[DB_ENV])
+    elif args.db is not None and run_as == "user" and without_password(args.db) != args.db:
+        raise bad_value("--db", without_password(args.db), f"no password on the command line here (jobs run as "
+                        "other accounts on this machine and read every command line, ps); put the URL in "
+                        f"${DB_ENV}, or the password in ~/.pgpass (PGPASSFILE)")
     hidden = secret_dirs(state, args.db)
     if run_as == "user" and not accounts.privileged():
         raise bad_value("--run-jobs-as", "user", "needs the service to run as root (it creates OS accounts and "
@@ -567,6 +607,7 @@ def cmd_serve(args) -> int:
                 raise bad_value("--state", args.state, f"cannot make it private ({err.strerror})") from None
             if engine is None:
                 engine = db.open_checked(str(state / "luban.db"))
+            db_lock = hold_sqlite(args.db)  # noqa: F841 - kept open for the service's life: one service on a SQLite file elsewhere
             sessions = db.sessions(engine)
             options = ({"nodes": args.nodes, "gpus": args.gpus, "zones": args.zones, "node_group": args.node_group}
                        if args.executor == "local" else {"partition": args.partition, "state_dir": str(state)})
@@ -751,7 +792,9 @@ def register(subparsers) -> None:
     p.add_argument("--state", default="luban-cluster", type=schema.path("new-dir"),
                    help="state directory (logs, SQLite file, admin token)")
     p.add_argument("--db", type=schema.custom(_db_url, DB_URL, shown=without_password),
-                   help="database URL (postgresql://...); default STATE/luban.db (SQLite)")
+                   help=f"database URL (postgresql://...); default ${DB_ENV}, else STATE/luban.db (SQLite); "
+                        "where jobs run as per-user accounts, a password goes in ~/.pgpass or that variable, "
+                        "never on the command line (ps shows it to every job)")
     p.add_argument("--host", default="127.0.0.1", type=schema.text())
     p.add_argument("--port", type=schema.integer(1, schema.PORT[1]), default=8765)
     p.add_argument("--public-url", type=schema.custom(_public_url, PUBLIC_URL, shown=without_password), help="URL jobs use to reach the service (default http://HOST:PORT)")

@@ -1,9 +1,16 @@
 """Per-node launcher: runs one node's part of a job, forwards signals, records the exit code.
 
-``python -m luban.cluster.launcher --run-dir D --log F [--rank R] [--tag T] [--max-log B] -- CMD...``
-starts CMD with ``LUBAN_NODE_RANK=R`` set, appends its output to F (read through a pipe: at most B
-bytes of log, ``luban.cluster.joblog``), and writes D/rank<R>.exit when CMD ends, so the service
-can read the result even after a restart. With no --rank the rank is Slurm's SLURM_NODEID.
+``python -s -P -m luban.cluster.launcher --run-dir D --log F --env-file E [--rank R] [--tag T] [--max-log B]
+-- CMD...`` starts CMD with the environment in E (``write_env``) and ``LUBAN_NODE_RANK=R`` set, appends its
+output to F (read through a pipe: at most B bytes of log, ``luban.cluster.joblog``), and writes
+D/rank<R>.exit when CMD ends, so the service can read the result even after a restart. With no --rank the
+rank is Slurm's SLURM_NODEID.
+
+The launcher runs as the service's account (root when jobs run as per-user accounts) and only CMD gets
+the job's environment and working directory, after it became the job's account: the launcher itself
+starts in ``/`` with ``launcher_env()`` only, no user site and not the working directory on ``sys.path``
+(``LAUNCHER_PYTHON``). Started with the job's, a job ran code as root (a
+``luban/`` package in its workdir, ``PYTHONPATH``, ``LD_PRELOAD``: a review of 2026-12-04).
 
 The job's processes are one unit (``luban.procs``): CMD runs in a session of its own, inside the
 job's cgroup v2 where one can be made (entered before CMD executes, so nothing escapes it), and
@@ -23,6 +30,7 @@ is written: when a job's exit is recorded, nothing of it runs on this node.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import pwd
 import signal
@@ -36,6 +44,15 @@ from luban.cluster import accounts, jobcheck, jobguard, joblog
 from luban.train import preempt
 
 FORWARDED = (signal.SIGUSR1, signal.SIGINT)
+# no user site, not the working directory on sys.path (Python 3.11's -P), then the module; the environment
+# is ``launcher_env``'s alone (``-I`` would drop the service's own PYTHONPATH, where luban is not installed)
+LAUNCHER_PYTHON = ("-s", "-P", "-m")
+# the job's umask: nothing for other accounts (a job's files, its home's: another user's job read them), all
+# for its group (a group's shared directory is setgid 2770; luban's accounts each have a primary group of
+# their own, ``useradd --user-group``)
+JOB_UMASK = 0o007
+NO_ACCOUNT = "-"  # --user of a job whose luban user has no OS account where jobs run as per-user accounts
+                  # (the first start's admin): it does not start (not a valid account name: never one)
 JOB_SIGNALS = preempt.HANDLED  # FORWARDED + SIGTERM: what the launcher handles, and holds until it can
 EXIT_KILLED = 128 + int(signal.SIGKILL)  # what the job got: kill_job sends SIGKILL
 
@@ -69,6 +86,35 @@ def started_at(run_dir: Path, ranks: int) -> float | None:
     return min(times, default=None)
 
 
+ENV_FILE = "job.env.json"  # in a run dir: the attempt's environment (its token too: the service's alone, 0600)
+
+
+def launcher_env(**extra: str) -> dict[str, str]:
+    """The launcher's own environment: ``jobenv.MINIMAL``, the service's own ``PYTHONPATH`` (where it found
+    luban: the admin's, as the service's own code) and ``extra``; nothing of the job's."""
+    own = {"PYTHONPATH": os.environ["PYTHONPATH"]} if os.environ.get("PYTHONPATH") else {}
+    return {**jobenv.MINIMAL, **own, **extra}
+
+
+def write_env(run_dir: Path, env: dict[str, str]) -> Path:
+    """The job's environment into ``run_dir/ENV_FILE``, readable by the service's account only."""
+    path = Path(run_dir) / ENV_FILE
+    tmp = path.with_name(f".{ENV_FILE}.tmp-{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(env, f)
+    os.replace(tmp, path)
+    return path
+
+
+def read_env(path: Path) -> dict[str, str]:
+    with open(path) as f:
+        env = json.load(f)
+    if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+        raise ValueError(f"{path}: not an environment (a JSON object of strings)")
+    return env
+
+
 def write_atomic(path: Path, text: str) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(text)
@@ -81,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log", required=True, help="log file; {rank} is replaced by the rank")
     parser.add_argument("--rank", type=int, default=None)
     parser.add_argument("--tag", default=None, help="the job's tag (LUBAN_JOB_TAG of CMD and its descendants)")
+    parser.add_argument("--env-file", type=Path, default=None,
+                        help="CMD's environment (write_env); without it, this process's own (tests' launchers)")
     parser.add_argument("--user", default=None, help="run CMD as this OS account (the launcher must be root)")
     parser.add_argument("--hide", action="append", default=[], metavar="DIR",
                         help="run CMD in namespaces where DIR is covered (jobguard; repeatable)")
@@ -93,7 +141,12 @@ def main(argv: list[str] | None = None) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     rank = args.rank if args.rank is not None else int(os.environ.get("SLURM_NODEID", "0"))
     args.run_dir.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, **{jobenv.NODE_RANK: str(rank)})
+    try:  # (Slurm's variables, and LUBAN_NODE on a local node, are this process's own)
+        env = {**os.environ, **(read_env(args.env_file) if args.env_file else {}), jobenv.NODE_RANK: str(rank)}
+    except (OSError, ValueError) as err:
+        print(f"luban.cluster.launcher: cannot read the job's environment: {err}", file=sys.stderr)
+        write_atomic(exit_file(args.run_dir, rank), "126")
+        return 126
     env.setdefault("LUBAN_NODE", env.get("SLURMD_NODENAME", "?"))
     # the tag goes into CMD's environment only: the launcher itself and what started it (srun, the
     # batch script) are not the job's processes and must survive the sweep
@@ -132,6 +185,11 @@ def main(argv: list[str] | None = None) -> int:
         log.write(f"== luban: job {env.get('LUBAN_JOB_ID', '?')} rank {rank} started "
                   f"{time.strftime('%Y-%m-%d %H:%M:%S')} on {env.get('LUBAN_NODE', '?')} as {account} ==\n".encode())
         who = None
+        if args.user == NO_ACCOUNT:  # it would run as this launcher's account: root
+            log.write(b"== luban: cannot start the job: its user has no OS account to run it as (jobs run as "
+                      b"per-user OS accounts here, never as root); submit it as a user an admin added ==\n")
+            write_atomic(exit_file(args.run_dir, rank), "126")
+            return 126
         if args.user:
             try:
                 who = accounts.identity(args.user)
@@ -161,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
 
                 def prepare():  # between fork and exec: nothing of the job starts outside its cgroup
                     procs.enter_cgroup(cgroup)
+                    os.umask(JOB_UMASK)
                     if who is not None:
                         who.become()
                     if args.hide:
@@ -213,7 +272,7 @@ def spawn(argv: list[str], **popen) -> subprocess.Popen:
     handlers are installed: a suspend or kill sent at once is delivered late, never lost or fatal."""
     signal.pthread_sigmask(signal.SIG_BLOCK, JOB_SIGNALS)  # this thread only
     try:
-        return subprocess.Popen([sys.executable, "-m", "luban.cluster.launcher", *argv], **popen)
+        return subprocess.Popen([sys.executable, *LAUNCHER_PYTHON, "luban.cluster.launcher", *argv], **popen)
     finally:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, JOB_SIGNALS)
 

@@ -25,7 +25,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from luban import jobenv
 from luban.cluster import clock as clocks
-from luban.cluster import policy, states
+from luban.cluster import launcher, policy, states
 from luban.cluster.executors import Executor, Launch, StartDeferred, Status, Unavailable
 from luban.cluster.models import ACTIVE, LIVE, Allocation, Event, Job, Node, Quota, Sample, StopReason, User, UserGroup
 from luban.errors import LubanError
@@ -837,8 +837,8 @@ class Scheduler:
         spec, state = job.spec, Path(self.settings.state_dir)
         run_as = None
         if self.settings.run_jobs_as == "user":
-            with self.sessions() as s:
-                run_as = s.get(User, job.user).os_user
+            with self.sessions() as s:  # a user with no account: not started (it would run as the service's root)
+                run_as = s.get(User, job.user).os_user or launcher.NO_ACCOUNT
         hide = self.settings.secret_dirs if self.settings.run_jobs_as == "namespace" else ()
         return Launch(job_id=job.id, name=job_tag(job), nodes=list(nodes or job.nodes), run_as=run_as, hide=hide,
                       command=[spec["command"], *spec.get("args", [])], env=env,

@@ -428,7 +428,9 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
         if scheduler.settings.on_shutdown == "kill":
             scheduler.kill_all()
 
-    app = FastAPI(title="luban cluster", lifespan=lifespan)
+    # no /docs, /redoc, /openapi.json: they answered without a token (every call needs one) and /docs
+    # loads Swagger UI from a CDN
+    app = FastAPI(title="luban cluster", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.exception_handler(LubanError)
     async def _bad_input(_request, err: LubanError):
@@ -535,7 +537,12 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
             spec = specs.parse_yaml(str_field(body, "yaml", limit=specs.MAX_YAML))
         else:
             spec = specs.parse(body.get("spec"))
-        if per_user and getattr(scheduler.executor, "runs_here", False) and p.user.os_user:
+        if per_user and not p.user.os_user:  # (the first start's admin) its jobs would run as the service: root
+            raise HTTPException(403, str(bad_value(
+                "user", p.user.name, "a user with an OS account to run jobs as: jobs run as per-user OS accounts "
+                                     "here, never as root, and this one has none (made at the service's first "
+                                     "start, to administer it); submit as a user made with luban admin user add")))
+        if per_user and getattr(scheduler.executor, "runs_here", False):
             check_command(spec, p.user.os_user)  # file system reads: outside the (serialised) transaction
         with sessions.begin() as s:
             # the user's row locked: one submission of a user at a time, so the queued count below holds
@@ -894,6 +901,13 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
                     raise
         return {"owner": owner, "node_group": group, "priority": int(level), "nodes": nodes}
 
+    def account_groups(s: Session, account: str, name: str, group: str | None) -> set[str]:
+        """The luban groups OS account ``account`` is to be in (``accounts.set_groups``) once user
+        ``name`` is in ``group``: that one and those of other users whose jobs run as the account
+        too (one account mapped with --os-user for several users)."""
+        others = s.scalars(select(User.group).where(User.os_user == account, User.name != name))
+        return {g for g in [group, *others] if g is not None}
+
     @app.get("/api/users")
     def users(p: Principal = Depends(admin), s: Session = Depends(db)):
         return [{"name": u.name, "admin": u.is_admin, "group": u.group, "os_user": u.os_user}
@@ -924,7 +938,8 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
                                                     f"account (--run-jobs-as {scheduler.settings.run_jobs_as})")
             if per_user:  # the OS account first: a failure leaves no luban user behind
                 os_user = accounts.ensure_user(name, os_user)
-                accounts.join_group(os_user, group)
+                # a mapped or a leftover account may be in other luban groups: in this user's alone
+                accounts.set_groups(os_user, account_groups(s, os_user, name, group))
             s.add(User(name=name, token_hash=token_hash(token), is_admin=bool(body.get("admin")), group=group,
                        os_user=os_user))
             record(s, "user", f"{name} added by {p.user.name}" + (f" (OS account {os_user})" if os_user else ""))
@@ -947,8 +962,8 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
                                                   or s.get(UserGroup, body["group"]) is None):
                     raise bad_value("group", body["group"], "no such group")
                 user.group = body["group"]
-                if per_user and user.os_user:
-                    accounts.join_group(user.os_user, user.group)
+                if per_user and user.os_user:  # out of the old group's Unix group too, not only into the new
+                    accounts.set_groups(user.os_user, account_groups(s, user.os_user, name, user.group))
             if "admin" in body:
                 # the admins' rows locked before counting them: two admins demoting each other at once
                 # (PostgreSQL) would each count two and leave none
@@ -993,7 +1008,7 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
             if s.get(UserGroup, name) is not None:
                 raise bad_value("name", name, "already exists")
             if per_user:
-                accounts.ensure_group(name, [body.get("data_dir"), body.get("env_dir")])
+                accounts.ensure_group(name, {"data_dir": body.get("data_dir"), "env_dir": body.get("env_dir")})
             s.add(UserGroup(name=name, data_dir=body.get("data_dir"), env_dir=body.get("env_dir")))
             record(s, "group", f"{name} added by {p.user.name}")
         return {"name": name}

@@ -162,8 +162,8 @@ def test_a_node_slurm_stops_reporting_loses_slurms_reason_whatever_the_admin_set
 
 @pytest.mark.parametrize("argv, shown", [
     (["--db", "oracle+nodriver://alice:s3cret@db/x"], "--db = 'oracle+nodriver://alice:PASSWORD@db/x': "),
-    (["--db", "postgresql://alice:s3cret@127.0.0.1:9/x"], "--db = 'postgresql://alice:PASSWORD@127.0.0.1:9/x': "
-                                                          "cannot be used ("),  # port 9: refused
+    (["--db", "postgresql://alice:s3cret@127.0.0.1:9/x", "--run-jobs-as", "service"],  # (as user: test_review_1204_platform)
+     "--db = 'postgresql://alice:PASSWORD@127.0.0.1:9/x': cannot be used ("),  # port 9: refused
     (["--public-url", "ftp://alice:s3cret@h"], "--public-url = 'ftp://alice:PASSWORD@h': "),
 ])
 def test_a_database_or_public_url_with_a_password_is_shown_without_it(argv, shown, tmp_path):

@@ -9,6 +9,7 @@ import hashlib
 from luban.cluster.executors.slurm import SlurmExecutor
 from luban.cluster.models import Job
 from luban.cluster.scheduler import Scheduler, Settings
+from luban.cluster import launcher
 from tests.cluster.fake_slurm import job, logged, no_tracebacks, ticks
 
 
@@ -17,7 +18,10 @@ def _submitted_then_hung(fake, calls) -> None:
     cancels the copy); squeue lists nothing yet."""
     (fake / "hang").touch()
     sbatch = fake / "bin" / "sbatch"
-    sbatch.write_text(f'#!/bin/sh\necho "sbatch-token $LUBAN_CLUSTER_TOKEN" >> {calls}\n'
+    # the token is in the attempt's environment file (launcher --env-file; sbatch gets nothing of the job's)
+    sbatch.write_text(f'#!/bin/sh\nfor a in "$@"; do case "$a" in --chdir=*) d="${{a#--chdir=}}";; esac; done\n'
+                      f'j=$(cat "$d/{launcher.ENV_FILE}"); t=${{j#*\\"LUBAN_CLUSTER_TOKEN\\": \\"}}; t=${{t%%\\"*}}\n'
+                      f'echo "sbatch-token $t" >> {calls}\n'
                       f'if [ -f {fake}/hang ]; then sleep 30; fi\necho 4242\n')
 
 

@@ -272,7 +272,7 @@ def test_a_service_started_while_slurmctld_is_down_gets_its_nodes_when_it_answer
     engine.dispose()
 
 
-def test_slurms_own_words_for_an_unreachable_controller_are_an_outage(tmp_path):
+def test_slurms_own_words_for_an_unreachable_controller_are_an_outage(tmp_path, monkeypatch):
     """The real client commands (no controller needed: a slurm.conf naming a port nothing listens on)."""
     from luban.cluster.executors import Unavailable
     from tests.cluster.conftest import require
@@ -281,8 +281,8 @@ def test_slurms_own_words_for_an_unreachable_controller_are_an_outage(tmp_path):
     conf = tmp_path / "slurm.conf"
     conf.write_text("".join(line if not line.startswith("SlurmctldPort=") else "SlurmctldPort=9\n"
                             for line in Path("/etc/slurm/slurm.conf").read_text().splitlines(keepends=True)))
-    env = dict(os.environ, SLURM_CONF=str(conf))
-    launch = Launch(job_id=8, name="luban-8-cdown", nodes=["node1"], command=["true"], env=env,
+    monkeypatch.setenv("SLURM_CONF", str(conf))  # the service's (sbatch never gets the job's environment)
+    launch = Launch(job_id=8, name="luban-8-cdown", nodes=["node1"], command=["true"], env=dict(os.environ),
                     run_dir=str(tmp_path / "runs" / "8"), log_pattern=str(tmp_path / "rank{rank}.log"))
     with pytest.raises(Unavailable, match="Unable to contact slurm controller"):
         SlurmExecutor(state_dir=str(tmp_path)).start(launch)

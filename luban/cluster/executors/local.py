@@ -69,14 +69,16 @@ class LocalExecutor:
 
     def start(self, launch: Launch) -> str:
         pids = []
+        Path(launch.run_dir).mkdir(parents=True, exist_ok=True)
+        env_file = launcher.write_env(Path(launch.run_dir), launch.env)  # complete: the scheduler built it (job_env)
         for rank, node in enumerate(launch.nodes):
             argv = ["--run-dir", launch.run_dir, "--log", launch.log_pattern, "--rank", str(rank),
+                    "--env-file", str(env_file),
                     "--tag", launch.name, *(["--user", launch.run_as] if launch.run_as else []),
                     *[a for d in launch.hide for a in ("--hide", d)],
                     *(["--max-log", str(launch.max_log)] if launch.max_log else []), "--", *launch.command]
-            env = dict(launch.env, LUBAN_NODE=node)  # complete: the scheduler built it (job_env)
-            try:
-                proc = launcher.spawn(argv, env=env, start_new_session=True, cwd=launch.workdir or None,
+            try:  # the launcher in /, with nothing of the job's (its workdir and environment are CMD's)
+                proc = launcher.spawn(argv, env=launcher.launcher_env(LUBAN_NODE=node), start_new_session=True, cwd="/",
                                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             except BaseException:
                 # the attempt fails (the scheduler ends it): the ranks already started must not run on

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import shlex
 import shutil
@@ -40,6 +41,7 @@ UNREACHABLE = ("unable to contact slurm controller", "socket timed out", "connec
 RUNNING = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING", "SIGNALING",
            "STAGE_OUT", "STOPPED", "REQUEUE_HOLD", "REQUEUE_FED", "RESV_DEL_HOLD"}
 CANCELLED = "sbatch.cancelled"  # in a run dir: a failed try's scancel --name was taken (its retry waits for it)
+SLURM_CLIENT_ENV = ("SLURM_CONF",)  # the service's, for sbatch: where slurm.conf is (slurm-wlm's only one)
 SCRIPT = "job.sbatch"  # in a run dir: the batch script of the attempt's latest try (there: a try was made)
 # a pending job's Reason when it is held (`scontrol hold` by an admin / `scontrol hold` or `sbatch -H` by its
 # user; slurm/src/common/slurm_protocol_defs.c, job_state_reason_string): it will not start until released
@@ -180,8 +182,9 @@ class SlurmExecutor:
     def start(self, launch: Launch) -> str:
         run_dir = Path(launch.run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
-        rank = [self.python, "-m", "luban.cluster.launcher", "--run-dir", str(run_dir), "--log",
-                launch.log_pattern, "--tag", launch.name, *(["--user", launch.run_as] if launch.run_as else []),
+        env_file = launcher.write_env(run_dir, launch.env)  # complete: the scheduler built it (job_env)
+        rank = [self.python, *launcher.LAUNCHER_PYTHON, "luban.cluster.launcher", "--run-dir", str(run_dir), "--log",
+                launch.log_pattern, "--env-file", str(env_file), "--tag", launch.name, *(["--user", launch.run_as] if launch.run_as else []),
                 *[a for d in launch.hide for a in ("--hide", d)],
                 *(["--max-log", str(launch.max_log)] if launch.max_log else []),
                 "--", *launch.command]
@@ -199,10 +202,13 @@ class SlurmExecutor:
                                                           len(launch.nodes), shlex.join(rank)))
         args = ["sbatch", "--parsable", f"--job-name={launch.name}", f"--nodelist={','.join(launch.nodes)}",
                 f"--nodes={len(launch.nodes)}", "--exclusive", "--no-requeue", "--export=ALL",
-                f"--output={run_dir}/slurm-%j.out", f"--chdir={launch.workdir or run_dir}"]
+                f"--output={run_dir}/slurm-%j.out", f"--chdir={run_dir}"]
         if self.partition:
             args.append(f"--partition={self.partition}")
-        env = dict(launch.env)  # complete: the scheduler built it (job_env)
+        # sbatch, the batch script and the launchers get nothing of the job's (they run as the service's
+        # account, root where jobs run as per-user accounts: a job's BASH_ENV, LD_PRELOAD or workdir ran
+        # there); the job's environment and workdir are its command's (launcher --env-file)
+        env = launcher.launcher_env(**{k: v for k, v in os.environ.items() if k in SLURM_CLIENT_ENV})
         try:
             out = self._run(*args, str(script), env=env)
         except NotInstalled:

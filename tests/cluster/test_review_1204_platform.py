@@ -1,0 +1,153 @@
+"""The platform as an untrusted user attacks it, a hostile review of 2026-12-04.
+
+- The root launcher started with the job's environment and in the job's working directory:
+  ``python -m`` put that directory first on ``sys.path`` (a ``luban/`` package there ran as root),
+  and ``PYTHONPATH``/``LD_PRELOAD`` applied to root; under Slurm sbatch, the batch script (``BASH_ENV``)
+  and the launchers did too. The launcher starts isolated now, in ``/``, with nothing of the job's;
+  the job's environment reaches only its command (``launcher --env-file``).
+- Every job started from the service's own environment (the admin's shell: a ``PGPASSWORD``, a key).
+- The first start's ``admin`` has no OS account: its jobs ran as root where jobs run as per-user accounts.
+- Homes were 755 and jobs' umask 022: another user's job read them.
+- A SQLite ``--db`` outside ``--state`` was 0644 (every spec's environment readable), and two services
+  on one such file both ran (jobs started by the other, logs in its state); a ``--db`` password on the
+  command line was in every job's ``ps``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from luban import jobenv
+from luban.cluster import launcher
+from luban.cluster.executors import Launch
+from luban.cluster.executors.local import LocalExecutor
+from tests.cluster.conftest import LUBAN, wait_for
+
+EVIL = 'import os, sys\nopen(os.environ.get("PWNED_AT", "/dev/null"), "w").write(str(os.geteuid()))\n'
+
+
+def _planted(tmp_path: Path) -> Path:
+    """A folder with a ``luban`` package that records who imported it (the workdir a job names)."""
+    evil = tmp_path / "evil"
+    (evil / "luban").mkdir(parents=True)
+    (evil / "luban" / "__init__.py").write_text(EVIL.replace('os.environ.get("PWNED_AT", "/dev/null")',
+                                                             repr(str(tmp_path / "pwned"))))
+    return evil
+
+
+def test_the_launcher_runs_nothing_of_the_jobs_environment_or_workdir(tmp_path):
+    evil = _planted(tmp_path)
+    run_dir = tmp_path / "runs" / "1"
+    env = {**jobenv.MINIMAL, "PYTHONPATH": str(evil), "PYTHONSTARTUP": str(evil / "luban" / "__init__.py"),
+           "LUBAN_WORKDIR": str(evil), "LUBAN_JOB_ID": "1", "MY_SETTING": "kept"}
+    launch = Launch(job_id=1, name="luban-1-isolated", nodes=["node1"], env=env, run_dir=str(run_dir),
+                    command=["/bin/sh", "-c", 'pwd; echo "setting=$MY_SETTING path=$PYTHONPATH"; umask'],
+                    log_pattern=str(tmp_path / "rank{rank}.log"), workdir=str(evil))
+    executor = LocalExecutor(nodes=1)
+    handle = executor.start(launch)
+    wait_for(lambda: executor.poll(handle).done, 60, what="the job's end")
+    log = (tmp_path / "rank0.log").read_text()
+    assert not (tmp_path / "pwned").exists(), "the launcher imported the job's luban package"
+    lines = log.splitlines()
+    assert str(evil) in lines and f"setting=kept path={evil}" in lines, log  # the job's own, as given
+    assert "0007" in lines, log  # the job's umask (launcher.JOB_UMASK)
+    env_file = run_dir / launcher.ENV_FILE
+    assert os.stat(env_file).st_mode & 0o777 == 0o600 and json.loads(env_file.read_text())["MY_SETTING"] == "kept"
+
+
+def test_sbatch_gets_nothing_of_the_jobs_environment(tmp_path, monkeypatch):
+    """sbatch, the batch script (``BASH_ENV``) and the launchers run as the service's account."""
+    from luban.cluster.executors import slurm
+
+    seen = {}
+
+    def fake_run(argv, **kwargs):
+        seen.update(argv=argv, env=kwargs.get("env"))
+        return subprocess.CompletedProcess(argv, 0, "4242\n", "")
+
+    monkeypatch.setattr(slurm.shutil, "which", lambda name: f"/usr/bin/{name}")
+    monkeypatch.setattr(slurm.subprocess, "run", fake_run)
+    monkeypatch.setenv("SLURM_CONF", "/etc/slurm/other.conf")
+    evil = _planted(tmp_path)
+    run_dir = tmp_path / "runs" / "2"
+    launch = Launch(job_id=2, name="luban-2-sbatch", nodes=["node1"], command=["/bin/true"], workdir=str(evil),
+                    env={**jobenv.MINIMAL, "BASH_ENV": str(evil / "x.sh"), "LD_PRELOAD": "/x.so",
+                         "LUBAN_WORKDIR": str(evil)},
+                    run_dir=str(run_dir), log_pattern=str(tmp_path / "rank{rank}.log"))
+    slurm.SlurmExecutor(state_dir=str(tmp_path)).start(launch)
+    assert seen["env"] == {**launcher.launcher_env(), "SLURM_CONF": "/etc/slurm/other.conf"}
+    assert f"--chdir={run_dir}" in seen["argv"]
+    script = (run_dir / slurm.SCRIPT).read_text()
+    assert " -s -P -m luban.cluster.launcher " in script and f"--env-file {run_dir / launcher.ENV_FILE}" in script
+    assert json.loads((run_dir / launcher.ENV_FILE).read_text())["BASH_ENV"] == str(evil / "x.sh")
+
+
+def test_a_job_starts_from_a_minimal_environment_not_the_services(monkeypatch):
+    monkeypatch.setenv("PGPASSWORD", "the-admins-secret")
+    assert jobenv.base_environment({}) == jobenv.MINIMAL
+    assert jobenv.base_environment({"env_only": True}) == jobenv.MINIMAL
+    assert "LUBAN_CLUSTER_DB" not in jobenv.inheritable({"LUBAN_CLUSTER_DB": "postgresql://a:b@h/d"})
+
+
+def test_a_second_service_on_one_sqlite_file_is_refused_and_the_file_is_private(service, tmp_path):
+    db = tmp_path / "shared" / "x.db"
+    db.parent.mkdir()
+    service("--nodes", "1", "--db", f"sqlite:///{db}")
+    assert {p.name: oct(p.stat().st_mode & 0o777) for p in db.parent.iterdir()}[db.name] == "0o600"
+    proc = subprocess.run([*LUBAN, "cluster", "serve", "--state", str(tmp_path / "other"), "--port", "1",
+                           "--db", f"sqlite:///{db}", "--run-jobs-as", "service"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.strip().endswith(
+        "in use by another luban cluster serve; stop it first, or choose another --db"), proc.stderr
+    assert not (tmp_path / "other").exists()
+
+
+root = pytest.mark.skipif(os.geteuid() != 0, reason="per-user OS accounts need the service to run as root")
+
+
+@root
+def test_a_db_password_on_the_command_line_is_refused_where_jobs_run_as_users(tmp_path):
+    proc = subprocess.run([*LUBAN, "cluster", "serve", "--state", str(tmp_path / "s"), "--run-jobs-as", "user",
+                           "--db", "postgresql://alice:s3cret@127.0.0.1:9/x"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and "s3cret" not in proc.stderr, proc.stderr
+    assert proc.stderr.startswith("luban: error: --db = 'postgresql://alice:PASSWORD@127.0.0.1:9/x': no password "
+                                  "on the command line here"), proc.stderr
+    assert not (tmp_path / "s").exists()
+
+
+@root
+def test_per_user_jobs_private_homes_and_files_no_service_environment_admin_refused(service, tmp_path):
+    from luban.cluster.client import Client
+    from luban.errors import LubanError
+    import pwd
+    import secrets
+
+    from luban.cluster import accounts
+
+    svc = service("--nodes", "1", "--tick", "0.2", "--run-jobs-as", "user")
+    with pytest.raises(LubanError, match=r"^user = 'admin': a user with an OS account to run jobs as.*\(HTTP 403\)$"):
+        svc.admin().submit({"name": "as-root", "command": "/usr/bin/id"})
+    name = f"tr{secrets.token_hex(3)}"
+    token = svc.admin().add_user(name)["token"]
+    try:
+        svc.admin().set_quota(f"user:{name}", "NORMAL", 1)
+        user = Client(svc.url, token)
+        job = user.submit({"name": "modes", "command": "/bin/sh", "args": [
+            "-c", 'cd "$HOME" && touch made && stat -c "%a" made "$HOME"; env']})["id"]
+        assert user.wait(job, timeout=60)["state"] == "succeeded"
+        log = user.logs(job)["text"].splitlines()
+        assert log[1:3] == ["660", "700"], log
+        assert not [line for line in log if line.startswith(("PYTEST_", "VIRTUAL_ENV="))], log  # the service's own
+        home = pwd.getpwnam(accounts.account_for(name)).pw_dir
+        assert os.stat(home).st_mode & 0o777 == 0o700
+    finally:
+        account = accounts.account_for(name)
+        subprocess.run(["pkill", "-KILL", "-u", account], capture_output=True, timeout=300)
+        wait_for(lambda: subprocess.run(["userdel", "--remove", account], capture_output=True, timeout=300)
+                 .returncode in (0, 6), 30, what=f"userdel {account}")
