@@ -123,11 +123,20 @@ def node_hours(job: Job, since: float = 0.0, until: float | None = None, now: fl
     return max(0.0, end - max(job.started_at, since)) * job.nnodes / 3600.0
 
 
-def job_dict(job: Job) -> dict:
+HIDDEN_ENV = "(hidden: another user's)"  # an env value of a group member's job, as its group sees it
+
+
+def job_dict(job: Job, viewer: User | None = None) -> dict:
+    """A job as the API answers it; to ``viewer`` (not its owner, nor an admin: a member of its group) its
+    spec's ``env`` values read ``HIDDEN_ENV``: ``--export ALL`` sends the submitter's whole environment (an
+    ``HF_TOKEN``, a cloud key), and every member of the group read it (a review of 2026-12-04)."""
+    spec = job.spec
+    if viewer is not None and viewer.name != job.user and not viewer.is_admin and isinstance(spec.get("env"), dict):
+        spec = {**spec, "env": dict.fromkeys(spec["env"], HIDDEN_ENV)}
     return {k: getattr(job, k) for k in (
         "id", "chain_id", "first_id", "restart_count", "whole_life_state", "user", "group", "name",
         "priority", "node_group", "nnodes", "state", "stop_reason", "reason", "chain_submitted_at", "place",
-        "queued_at", "started_at", "ended_at", "exit_code", "nodes", "spec")} | {
+        "queued_at", "started_at", "ended_at", "exit_code", "nodes")} | {"spec": spec} | {
         "priority_name": prio.Priority(job.priority).name, "node_hours": round(node_hours(job), 4),
         "held": bool(job.requested & StopReason.HOLD) and job.state == states.QUEUED,  # a stopped job is not held
         "stop_reasons": [f.name for f in StopReason if job.stop_reason & f]}
@@ -643,12 +652,12 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
             rows = rows.where(Job.id < before)
         page = s.scalars(rows.order_by(Job.id.desc()).limit(limit)).all()
         response.headers[TOTAL_HEADER] = str(total)
-        return [job_dict(j) for j in reversed(page)]
+        return [job_dict(j, p.user) for j in reversed(page)]
 
     @app.get("/api/jobs/{job_id}")
     def job(job_id: int, latest: bool = False, p: Principal = Depends(principal), s: Session = Depends(db)):
         """One attempt; with ``latest`` the newest attempt of its chain (``Client.latest``, ``wait``)."""
-        return job_dict(get_job(s, p, job_id, latest=latest))
+        return job_dict(get_job(s, p, job_id, latest=latest), p.user)
 
     @app.get("/api/jobs/{job_id}/events")
     def job_events(job_id: int, p: Principal = Depends(person), s: Session = Depends(db)):
@@ -665,7 +674,7 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
                 raise conflict(job_id, f"is {job.state}; this needs a job that is {' or '.join(allowed)}")
             job.requested |= flag
             record(s, "request", f"{flag.name} by {p.user.name}", job.id)
-            return job_dict(job)
+            return job_dict(job, p.user)
 
     @app.post("/api/jobs/{job_id}/stop")
     def stop(job_id: int, p: Principal = Depends(person)):
@@ -693,7 +702,7 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
                 job.requested = job.requested & ~(StopReason.HOLD | StopReason.ADMIN_HOLD)
             job.reason = f"held by {p.user.name} (luban release {job.id})" if hold else "released; queued"
             record(s, "hold" if hold else "release", f"by {p.user.name}", job.id)
-            return job_dict(job)
+            return job_dict(job, p.user)
 
     @app.post("/api/jobs/{job_id}/hold")
     def hold(job_id: int, p: Principal = Depends(person)):

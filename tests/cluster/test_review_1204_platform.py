@@ -151,3 +151,24 @@ def test_per_user_jobs_private_homes_and_files_no_service_environment_admin_refu
         subprocess.run(["pkill", "-KILL", "-u", account], capture_output=True, timeout=300)
         wait_for(lambda: subprocess.run(["userdel", "--remove", account], capture_output=True, timeout=300)
                  .returncode in (0, 6), 30, what=f"userdel {account}")
+
+
+def test_a_group_members_job_environment_values_are_hidden_from_the_group(in_process):
+    """``--export ALL`` sends the submitter's environment (an HF_TOKEN); every member of its group read it in
+    ``GET /api/jobs`` and ``/api/jobs/ID``. They see the names now, the owner and admins the values."""
+    api = in_process()
+    assert api.http.post("/api/groups", json={"name": "vis"}, headers=api.admin).status_code == 201
+    quota = {"owner": "group:vis", "priority": "NORMAL", "nodes": 1}
+    assert api.http.put("/api/quota", json=quota, headers=api.admin).status_code == 200
+    ann, bob = api.user("ann", 1, group="vis"), api.user("bob", 1, group="vis")
+    spec = {"name": "j", "command": "true", "group": "vis", "env": {"HF_TOKEN": "hf_secret", "SEED": "1"}}
+    r = api.http.post("/api/jobs", json={"spec": spec}, headers={"Authorization": f"Bearer {ann}"})
+    assert r.status_code == 201, r.text
+    job = r.json()["id"]
+    seen = {who: api.http.get(f"/api/jobs/{job}", headers={"Authorization": f"Bearer {token}"}).json()["spec"]["env"]
+            for who, token in (("ann", ann), ("bob", bob))}
+    listed = api.http.get("/api/jobs", headers={"Authorization": f"Bearer {bob}"}).json()
+    admin = api.http.get(f"/api/jobs/{job}", headers=api.admin).json()["spec"]["env"]
+    assert seen["ann"] == admin == {"HF_TOKEN": "hf_secret", "SEED": "1"}
+    assert seen["bob"] == {"HF_TOKEN": "(hidden: another user's)", "SEED": "(hidden: another user's)"}
+    assert [j["spec"]["env"] for j in listed] == [seen["bob"]]
