@@ -31,15 +31,18 @@ def over_peak(est: Estimate) -> str | None:
     executes about half of it; at long sequences that half outweighs the rest."""
     if est.mfu <= 1 and est.hfu <= 1:
         return None
-    return ("MFU and HFU above 100%: both count the full (non-causal) s x s attention, as Megatron-LM and PaLM "
-            "report them; the attention kernel skips the masked half, executing about half of those FLOPs")
+    which = "MFU and HFU" if est.mfu > 1 else "HFU"
+    return (f"{which} above 100%: {'both count' if est.mfu > 1 else 'it counts'} the full (non-causal) s x s attention, "
+            "as Megatron-LM and PaLM report them; the attention kernel skips the masked half, executing about "
+            "half of those FLOPs")
 
 
 def describe(layout: ParallelLayout) -> str:
-    """A short one-line name: ``dp8 z1 tp4+sp pp2 1f1b cp1 mb1 rc=selective``."""
+    """A short one-line name: ``dp8 z1 tp4+sp pp2 1f1b cp1 mb1 rc=selective`` (``dp8 r2 z3 ...``: hybrid
+    sharding, two replicas of shards over 4 ranks each)."""
     sched = f" {layout.schedule}" + (f"x{layout.virtual_stages}" if layout.virtual_stages > 1 else "") if layout.pp > 1 else ""
     off = f" off={layout.offload}" if layout.offload != "none" else ""
-    return (f"dp{layout.dp} z{layout.zero} tp{layout.tp}{'+sp' if layout.sp else ''} pp{layout.pp}{sched} "
+    return (f"dp{layout.dp}{f' r{layout.dp_replicate}' if layout.dp_replicate > 1 else ''} z{layout.zero} tp{layout.tp}{'+sp' if layout.sp else ''} pp{layout.pp}{sched} "
             f"cp{layout.cp}{f' ep{layout.ep}' if layout.ep > 1 else ''} mb{layout.micro_batch} rc={layout.recompute}{off}")
 
 

@@ -353,23 +353,31 @@ def step_time(problem: Problem, g: Grid, mem: dict) -> dict:
     params = mem["params"]
     gathers, reductions, groups = dp_collective_counts(problem, g, m, n)
 
-    def data_parallel_sync(nbytes_params, ranks, stride):
+    def data_parallel_sync(nbytes_params, ranks, stride, replicate=1):
         """(weight all-gathers, gradient reductions) of ``nbytes_params`` parameters over ``ranks``
-        at ``stride``."""
-        intra = stride * ranks <= s.nvlink_domain
-        local = np.clip(s.nvlink_domain // stride, 1, ranks)  # the group's ranks (and NICs) per node
+        at ``stride``. ``replicate`` > 1 (hybrid sharding, ``dp_replicate``; ZeRO >= 2): the states shard
+        over ranks/replicate consecutive ranks (FSDP2's HSDP mesh, torchtitan's ``dp_shard`` inner), which
+        gather and reduce-scatter among themselves; each rank's reduced shard is then all-reduced over the
+        ``replicate`` copies, at the stride of one shard group (FSDP2's post-backward: reduce-scatter, then
+        all-reduce over the replicate dim)."""
+        shard_ranks = ranks // replicate
+        intra = stride * shard_ranks <= s.nvlink_domain
+        local = np.clip(s.nvlink_domain // stride, 1, shard_ranks)  # the group's ranks (and NICs) per node
         grads = nbytes_params * gb
         gather = np.where(g.zero == 0, 0.0, gathers * collective(problem, nbytes_params * rt.gather_bytes(wb, g.precision, problem) / groups,
-                                                                   ranks, intra, GATHER, local))
+                                                                   shard_ranks, intra, GATHER, local))
         reduce = np.where(g.zero == 0, collective(problem, grads, ranks, intra, ALL_REDUCE, local),
-                          reductions * collective(problem, grads / groups, ranks, intra, GATHER, local))
-        return gather, reduce
+                          reductions * collective(problem, grads / groups, shard_ranks, intra, GATHER, local))
+        across = stride * shard_ranks  # the replicas' stride
+        copies = reductions * collective(problem, grads / groups / shard_ranks, replicate, across * replicate <= s.nvlink_domain,
+                                         ALL_REDUCE, np.clip(s.nvlink_domain // across, 1, replicate))
+        return gather, reduce + np.where((g.zero > 0) & (replicate > 1), copies, 0.0)
 
     # the routed experts reduce over the expert-data-parallel group (dp / ep ranks; folded: tp·dp·cp / ep)
     # FSDP2 on a CPU: over dp > 1, and for offload = params on any dp (``data_parallel.uses_fsdp``: one process too)
     fsdp = (g.zero > 0) & ((dp > 1) | (g.offload == PARAMS_OFFLOAD))
     hooks = np.where(fsdp, cpu["contend"] * m * groups * cpu["fsdp_group"], 0.0)
-    gather, reduce = data_parallel_sync(params - mem["expert_params"], dp, t * c)
+    gather, reduce = data_parallel_sync(params - mem["expert_params"], dp, t * c, g.dp_replicate)
     if cfg.moe:  # expert data parallel: every ep-th data-parallel rank (folded: Megatron-Core's expert ranks
         # are ordered tp-ep-dp-pp with expert-TP 1, parallel_state.py, so the ep ranks are consecutive)
         expert_stride = g.ep if folded else t * c * g.ep

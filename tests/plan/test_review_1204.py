@@ -24,3 +24,24 @@ def test_tp_must_divide_the_expert_width_where_the_runtime_splits_experts_by_tp(
                  "--runtime", "megatron", "--top", "50"]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if " dp" in line and " tp" in line]
     assert rows and not [r for r in rows if " tp2 " in r], rows
+
+
+def test_hybrid_sharding_changes_the_data_parallel_time_as_its_groups_do():
+    """(2026-12-04) ``dp_replicate`` changed the memory but never the communication: HSDP gathers and
+    reduce-scatters within a shard group (here one node's NVLink) and all-reduces each shard over the
+    replicas; with one shard per rank (r = dp) that is DDP's one all-reduce and no gather."""
+    from luban.model.presets import get_preset
+    from luban.parallel.layout import ParallelLayout
+    from luban.plan.estimate import estimate
+
+    def dp_comm(**layout):
+        est = estimate(get_preset("llama-8b"), "dgx-h100", ParallelLayout(dp=64, micro_batch=1, **layout),
+                       global_batch=64, seq=512, runtime="fsdp2")
+        return est.time_breakdown_s["dp_comm"] + est.dp_hidden_s  # exposed and hidden: all of it
+
+    flat, hybrid, whole = dp_comm(zero=3), dp_comm(zero=3, dp_replicate=8), dp_comm(zero=3, dp_replicate=64)
+    assert len({round(flat, 6), round(hybrid, 6), round(whole, 6)}) == 3, (flat, hybrid, whole)
+    assert whole == pytest.approx(dp_comm(zero=2, dp_replicate=64), rel=1e-6)  # no gathers either way
+    from luban.plan.explain import describe
+
+    assert describe(ParallelLayout(dp=64, dp_replicate=8, zero=3)).startswith("dp64 r8 z3 ")
