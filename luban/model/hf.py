@@ -475,6 +475,7 @@ def _state(cfg: ModelConfig, tensors: dict[str, torch.Tensor], src: str, hint: s
     family = _family(cfg)
     if family == "gpt2" and "transformer.wte.weight" not in tensors:  # saved from GPT2Model (the Hub's gpt2)
         tensors = {k if k.startswith("lm_head.") else f"transformer.{k}": v for k, v in tensors.items()}
+    tensors = _unfused(cfg, family, tensors, src)
     names = [theirs for _, theirs, _ in _pairs(cfg, family)]  # first the names: a config.json that says 60,000
     if family == "gpt2":  # layers where the file has 2 is refused at once, before a model that size is built
         names += [f"transformer.h.{i}.attn.c_attn.{w}" for i in range(cfg.layers) for w in ("weight", "bias")]
@@ -524,6 +525,44 @@ def _state(cfg: ModelConfig, tensors: dict[str, torch.Tensor], src: str, hint: s
     if cfg.tie_embeddings:
         state["lm_head.weight"] = state["tok_emb.weight"]
     return state
+
+
+FUSED_EXPERTS = "model.layers.{i}.mlp.experts."  # + gate_up_proj [E, 2f, h] and down_proj [E, h, f]
+
+
+def _unfused(cfg: ModelConfig, family: str, tensors: dict[str, torch.Tensor], src: str) -> dict[str, torch.Tensor]:
+    """The per-expert tensors of a MoE folder transformers 5 saved fused (``save_pretrained(...,
+    save_original_format=False)``: each layer's experts as ``mlp.experts.gate_up_proj`` [E, 2f, h], gate rows
+    first (``MixtralExperts.forward``: ``linear(x, gate_up_proj[e]).chunk(2)``), ``down_proj`` [E, h, f], and
+    Mixtral's router under ``mlp.gate``), named as the original format names them; ``tensors`` as they are
+    otherwise. It was refused as "tensor ... missing", which transformers itself loads (a review of 2026-12-04)."""
+    from luban.model.moe import is_moe_layer
+
+    if family not in MOE_EXPERT or not any(k.endswith(".mlp.experts.gate_up_proj") for k in tensors):
+        return tensors
+    block, names = MOE_EXPERT[family]
+    (_, gate), (_, up), (_, down) = names
+    out = dict(tensors)
+    for i in range(cfg.layers):
+        fused = FUSED_EXPERTS.format(i=i)
+        if not is_moe_layer(cfg, i) or fused + "gate_up_proj" not in out or fused + "down_proj" not in out:
+            continue  # (what is missing is named below, as the original format's names)
+        gate_up, down_w = out.pop(fused + "gate_up_proj"), out.pop(fused + "down_proj")
+        if gate_up.dim() != 3 or gate_up.shape[0] != cfg.experts or gate_up.shape[1] != 2 * cfg.expert_ffn_hidden:
+            raise LubanError(f"{src}: tensor {fused}gate_up_proj has shape {list(gate_up.shape)}; config.json implies "
+                             f"{[cfg.experts, 2 * cfg.expert_ffn_hidden, cfg.hidden]}")
+        if down_w.dim() != 3 or down_w.shape[0] != cfg.experts:
+            raise LubanError(f"{src}: tensor {fused}down_proj has shape {list(down_w.shape)}; config.json implies "
+                             f"{[cfg.experts, cfg.hidden, cfg.expert_ffn_hidden]}")
+        f = cfg.expert_ffn_hidden
+        for e in range(cfg.experts):
+            at = f"model.layers.{i}.{block}.experts.{e}."
+            out[at + f"{gate}.weight"], out[at + f"{up}.weight"] = gate_up[e, :f], gate_up[e, f:]
+            out[at + f"{down}.weight"] = down_w[e]
+        router = f"model.layers.{i}.mlp.gate.weight"
+        if block != "mlp" and router in out:
+            out[f"model.layers.{i}.{block}.gate.weight"] = out.pop(router)
+    return out
 
 
 def nonfinite(tensors: dict) -> tuple[str, str] | None:
@@ -589,8 +628,12 @@ def _read_tensors(folder: Path) -> tuple[dict[str, torch.Tensor], str]:
     index's shards must hold what its ``weight_map`` says, and no tensor may be in two shards."""
     found = next((folder / n for n in WEIGHT_FILES if (folder / n).is_file()), None)
     if found is None:
+        variant = next((p.name for p in sorted(folder.glob("model.*.safetensors")) + sorted(folder.glob("pytorch_model.*.bin"))
+                        if p.is_file() and not re.fullmatch(r".*-\d+-of-\d+\..*", p.name)), None)
+        hint = (f"; it holds {variant}, a variant's weights (save_pretrained(variant=...)): rename it to the "
+                "name without the variant" if variant else "")
         raise LubanError(f"{folder / WEIGHT_FILES[0]}: no such file; luban reads the weights transformers saves: "
-                         f"{', '.join(WEIGHT_FILES[:-1])} or {WEIGHT_FILES[-1]} (with their shards)")
+                         f"{', '.join(WEIGHT_FILES[:-1])} or {WEIGHT_FILES[-1]} (with their shards){hint}")
     if not found.name.endswith(".index.json"):
         return _load_weights(found), str(found)
     index = _read_json(found)

@@ -92,7 +92,7 @@ SAVED = {
 }
 
 
-def save_hf(case, path, **changes):
+def save_hf(case, path, save_kwargs=None, **changes):
     """A tiny random model saved by transformers' own save_pretrained; returns the model."""
     config_cls, model_cls, kwargs = SAVED[case]
     torch.manual_seed(0)
@@ -101,8 +101,26 @@ def save_hf(case, path, **changes):
         for name, p in model.named_parameters():
             if "norm" in name or "ln_" in name:
                 p.add_(0.1 * torch.randn(p.shape))
-    model.save_pretrained(path)
+    model.save_pretrained(path, **(save_kwargs or {}))
     return model
+
+
+@pytest.mark.parametrize("case", ["mixtral", "qwen3-moe"])
+def test_a_moe_folder_transformers_saved_fused_imports_with_same_logits(case, tmp_path):
+    """(2026-12-04) transformers 5 saves a MoE's experts fused with ``save_original_format=False``
+    (``mlp.experts.gate_up_proj`` [E, 2f, h], ``down_proj``; Mixtral's router under ``mlp.gate``) and loads
+    that folder; luban refused it as "tensor ... block_sparse_moe.gate.weight missing"."""
+    import safetensors
+
+    hf = save_hf(case, tmp_path / "hf", {"save_original_format": False})
+    with safetensors.safe_open(tmp_path / "hf" / "model.safetensors", "pt") as f:
+        assert "model.layers.1.mlp.experts.gate_up_proj" in f.keys()  # the fused layout, as saved
+    imported = import_folder(tmp_path / "hf")
+    x = torch.randint(0, 61, (2, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        theirs = hf(x).logits
+    ours = logits_of(imported.cfg, imported.state, x)
+    assert torch.allclose(ours, theirs, atol=1e-5, rtol=0), (ours - theirs).abs().max()
 
 
 def logits_of(cfg, state, x):
@@ -828,3 +846,13 @@ def test_each_field_is_read_from_the_config_key_that_export_writes_it_to():
             changed = {f for f in keys if getattr(cfg, f) != getattr(model, f)}  # (head_dim follows gpt2's n_embd)
             want = {f for f, k in keys.items() if k == key}  # mixtral: both widths
             assert changed == want, (family, key, changed)
+
+
+def test_a_variants_weights_are_named_in_the_refusal(tmp_path):
+    """(2026-12-04) ``save_pretrained(variant="fp16")`` writes model.fp16.safetensors alone: refused as
+    "model.safetensors: no such file", not naming what the folder holds."""
+    from luban.errors import LubanError
+
+    save_hf("llama", tmp_path / "hf", {"variant": "fp16"})
+    with pytest.raises(LubanError, match=r"it holds model\.fp16\.safetensors, a variant's weights"):
+        import_folder(tmp_path / "hf")
