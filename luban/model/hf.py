@@ -623,6 +623,18 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
                 "pytorch_model.bin.index.json")
 
 
+def weight_bytes(folder: Path) -> int:
+    """Bytes of the weight files in ``folder`` (safetensors and bin files, shards too), at least 1."""
+    total = 0
+    for path in folder.iterdir() if folder.is_dir() else ():
+        try:
+            if path.suffix in (".safetensors", ".bin") and path.is_file():
+                total += path.stat().st_size
+        except OSError:
+            continue
+    return max(total, 1)
+
+
 def _read_tensors(folder: Path) -> tuple[dict[str, torch.Tensor], str]:
     """(every tensor, the file(s) they came from for messages): the first of ``WEIGHT_FILES`` there; an
     index's shards must hold what its ``weight_map`` says, and no tensor may be in two shards."""

@@ -386,7 +386,10 @@ def cmd_import(args) -> int:
     refuse_a_run()
     from luban.train.sample import check_host_memory
 
-    imported = import_folder(Path(args.folder), fits=lambda cfg: check_host_memory(str(args.folder), cfg, "FOLDER"))
+    from luban.model.hf import weight_bytes
+
+    imported = import_folder(Path(args.folder), fits=lambda cfg: check_host_memory(
+        str(args.folder), cfg, "FOLDER", weight_bytes(Path(args.folder))))
     for note in imported.warnings:
         print(f"luban: warning: {args.folder}/config.json: {note}", file=sys.stderr)
     meta = {"step": 0, "config": {"model": imported.cfg.to_dict()}, "world_size": 1, "source": str(args.folder),

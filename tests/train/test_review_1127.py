@@ -1,9 +1,11 @@
 """Review 2026-11-27 of the single-user commands (train, sample, export, import): each test
 reproduces a defect found by using them carelessly, fixed since."""
 
+import json
 import shutil
 
 import pytest
+import torch
 
 from .conftest import luban
 
@@ -138,6 +140,32 @@ def test_import_of_a_model_larger_than_host_memory_is_refused_before_reading_wei
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"luban: error: FOLDER = {str(folder)!r}: its model") and "host memory" in err, err
     assert len(err.splitlines()) == 1 and not out.exists()
+
+
+def test_an_imports_memory_check_counts_its_file_and_two_float32_copies(tmp_path, monkeypatch, capsys):
+    """(2026-12-04) The check asked for the model once in float32; a bf16 folder's import peaked at 2.25x
+    that (its file, then float32 copies: measured with /usr/bin/time) and the kernel killed it, no line."""
+    transformers = pytest.importorskip("transformers")
+    from luban import cli
+    from luban.model.flops import param_count
+    from luban.model.hf import read_config, weight_bytes
+    from luban.train import memcheck
+
+    folder, out = tmp_path / "hf", tmp_path / "imported"
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        max_position_embeddings=32)).to(torch.bfloat16).save_pretrained(folder)
+    capsys.readouterr()
+    params = param_count(read_config(json.loads((folder / "config.json").read_text()))[0])
+    need = 2 * 4 * params + weight_bytes(folder)
+    monkeypatch.delenv("LUBAN_SKIP_MEMORY_CHECK", raising=False)
+    monkeypatch.setattr(memcheck, "mem_available", lambda: need - 1)  # room for one float32 copy, not the import
+    assert 4 * params < need - 1
+    assert cli.main(["import", str(folder), str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "host memory to import (its weight files, then float32 copies)" in err and not out.exists(), err
+    monkeypatch.setattr(memcheck, "mem_available", lambda: need)
+    assert cli.main(["import", str(folder), str(out)]) == 0
 
 
 @pytest.mark.parametrize("name, make", [("metrics.jsonl", "folder"), ("config.json", "folder"),
