@@ -69,6 +69,14 @@ def _family(cfg: ModelConfig) -> str:
         return "gpt2"
     if all(getattr(cfg, k) == v for k, v in llama.items()):
         return "llama"
+    if all(getattr(cfg, k) == v for k, v in gpt2.items() if k != "bias"):  # a GPT-2 but for one key: name it
+        why = next(w for w in (
+            None if cfg.bias else "model.bias = false: GPT-2 (its Hugging Face class) has biases: bias = true",
+            None if cfg.kv_heads == cfg.heads else f"model.kv_heads = {cfg.kv_heads}: GPT-2 (its Hugging Face class) "
+                                                   f"has no grouped-query attention: kv_heads = heads = {cfg.heads}",
+            f"model.head_dim = {cfg.head_dim}: GPT-2 (its Hugging Face class) needs head_dim x heads = hidden "
+            f"({cfg.hidden // cfg.heads} here)") if w)
+        raise LubanError(f"{why}; or a Llama (norm = rmsnorm, activation = swiglu, position = rope) exports with any")
     raise LubanError(f"model (arch={cfg.arch}, norm={cfg.norm}, activation={cfg.activation}, position={cfg.position}) "
                      "has no Hugging Face equivalent: GPT-2 needs layernorm+gelu+learned+bias, Llama rmsnorm+swiglu+rope")
 

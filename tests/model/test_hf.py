@@ -856,3 +856,19 @@ def test_a_variants_weights_are_named_in_the_refusal(tmp_path):
     save_hf("llama", tmp_path / "hf", {"variant": "fp16"})
     with pytest.raises(LubanError, match=r"it holds model\.fp16\.safetensors, a variant's weights"):
         import_folder(tmp_path / "hf")
+
+
+@pytest.mark.parametrize("change, line", [
+    ({"bias": False}, "model.bias = false: GPT-2 (its Hugging Face class) has biases: bias = true"),
+    ({"kv_heads": 2}, "model.kv_heads = 2: GPT-2 (its Hugging Face class) has no grouped-query attention"),
+    ({"head_dim": 8}, "model.head_dim = 8: GPT-2 (its Hugging Face class) needs head_dim x heads = hidden"),
+])
+def test_a_gpt2_export_refusal_names_the_key_that_keeps_it_from_gpt2(change, line):
+    """(2026-12-04) It listed norm, activation and position, each as GPT-2 needs them, and not the key that
+    was not: 'GPT-2 needs layernorm+gelu+learned+bias'."""
+    from luban.errors import LubanError
+    from luban.model.hf import exportable
+
+    with pytest.raises(LubanError) as err:
+        exportable(ModelConfig.from_dict({"preset": "tiny", **change}))
+    assert str(err.value).startswith(line), err.value
