@@ -149,6 +149,10 @@ class System:
                 raise bad_value(f"{source}.{key}", values[key], f"must be a positive integer up to {MAX_GROUP:,}")
         for key, default in DEFAULTS.items():
             values.setdefault(key, default(values))
+        domain, node = int(values["nvlink_domain"]), int(values["gpus_per_node"])
+        if domain % node and node % domain:  # (3 of 8: groups straddled domains, classed as inside or not at random)
+            raise bad_value(f"{source}.nvlink_domain", values["nvlink_domain"], f"a divisor or a multiple of "
+                            f"gpus_per_node = {node} (a domain is part of a node, or whole nodes: NVL72's 72 of 4)")
         values.setdefault("description", "")
         given = values.get("efficiency", {})
         if not isinstance(given, dict):
@@ -215,6 +219,9 @@ class System:
         return _log_interp(nbytes, self.efficiency["collective_size"], self.efficiency["collective"])
 
 
+TEXT_KEYS = ("name",)  # a profile's fields that are text, not numbers
+
+
 def apply_overrides(raw: dict, sets, key: str = "--system-set") -> dict:
     """``raw`` (a profile's fields) with each ``KEY=VALUE`` of ``sets`` applied (module docstring;
     ``inf`` allowed: an unlimited tier). Unknown keys and non-numbers raise one-line errors;
@@ -228,11 +235,19 @@ def apply_overrides(raw: dict, sets, key: str = "--system-set") -> dict:
         name = name.strip()
         if not eq:
             raise bad_value(key, item, allowed)
-        try:
+        if name in TEXT_KEYS:  # (it said "a number")
+            raise bad_value(f"{key} {name}", text, f"text, which {key} does not set (it sets numbers): write it in "
+                                                   "a profile file (--system FILE)")
+        try:  # float() also takes "1_0" (10) and other scripts' digits ("٨٠"): as the command line's numbers
+            if not schema.FLOAT.fullmatch(text.strip()):
+                raise ValueError
             value = float(text)
         except ValueError:
             raise bad_value(f"{key} {name}", text, "a number (inf for unlimited)") from None
         prefix, _, sub = name.partition(".")
+        if prefix == "efficiency" and sub in CURVES:  # (it said "unknown key", efficiency.KEY being advertised)
+            raise bad_value(f"{key} {name}", text, f"a curve (a list of numbers by size), which {key} does not set: "
+                                                   "write it in a profile file (--system FILE)")
         if prefix == "efficiency" and sub in EFFICIENCY_KEYS and sub not in CURVES:  # the profile's own range
             if not efficiency_ok(sub, value):
                 raise bad_value(f"{key} {name}", text, efficiency_allowed(sub))

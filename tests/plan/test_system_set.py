@@ -49,7 +49,13 @@ def test_optional_fields_default_from_the_others():
 
 
 @pytest.mark.parametrize("item,match", [
-    ("hbm_gb=80", "unknown key 'hbm_gb'"), ("peak_tflops.int4=1", "unknown key"), ("efficiency.matmul=1", "unknown key"),
+    ("hbm_gb=80", "unknown key 'hbm_gb'"), ("peak_tflops.int4=1", "unknown key"),
+    # (2026-12-04) a curve said "unknown key", efficiency.KEY advertised; a name said "a number"; float() read
+    # "1_0" as 10 and Arabic-Indic digits as 80
+    ("efficiency.matmul=1", "^--system-set efficiency.matmul = '1': a curve \\(a list of numbers by size\\)"),
+    ("name=x", "^--system-set name = 'x': text, which --system-set does not set"),
+    ("nvlink_domain=3", "nvlink_domain = 3: a divisor or a multiple of gpus_per_node = 8"),  # (2026-12-04: accepted)
+    ("hbm_gib=1_0", "^--system-set hbm_gib = '1_0': a number"), ("hbm_gib=\u0668\u0660", "^--system-set hbm_gib = .*: a number"),
     ("hbm_gib", "KEY=VALUE"), ("hbm_gib=lots", "a number"), ("hbm_gib=-1", "a positive number"),
     ("offload_gbps=nan", "a positive number"), ("nvlink_domain=2.5", "^--system-set nvlink_domain = '2.5': an integer from 1 to 16777216$"),
     ("efficiency.pp_overlap=inf", "unknown key"), ("efficiency.hbm_efficiency=0", "a number >= 1e-09 and <= 1$"),

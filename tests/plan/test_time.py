@@ -108,7 +108,8 @@ def test_recompute_costs_one_more_forward():
     assert float(full["backward"]) == pytest.approx(2 * float(full["forward"]))
 
 
-@pytest.mark.parametrize("overrides", [{"nvlink_domain": 1}, {"nvlink_domain": 3}, {"gpus_per_node": 1, "nvlink_domain": 1},
+# (a domain of 3 of a node's 8 GPUs, refused since 2026-12-04: a domain is part of a node or whole nodes)
+@pytest.mark.parametrize("overrides", [{"nvlink_domain": 1}, {"nvlink_domain": 2}, {"gpus_per_node": 1, "nvlink_domain": 1},
                                        {"internode_bandwidth": float("inf")}])
 def test_odd_nvlink_domains_and_unlimited_networks_plan_finite_steps(overrides):
     """A careless profile (a domain of 1 or one that tp does not divide, one GPU per node, an unlimited network)
