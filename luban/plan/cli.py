@@ -234,21 +234,24 @@ def cmd_estimate(args) -> int:
         out = est.to_dict()
         if not est.fits:
             out["why_not"] = why_not(est)
-            out["nearest_feasible"] = [n.layout.to_dict() for n in near]
+            out["nearest_feasible"] = None if near is None else [n.layout.to_dict() for n in near]
         print(json_text(out))
         return 0
     print(for_terminal(f"{problem.model.name} on {args.gpus}x {problem.system.name}, seq {problem.seq}, "  # names from files
                        f"global batch {problem.global_batch}: {describe(layout)}", sys.stdout))
     print(explain(est, problem) if args.explain else _summary(est))
     if est.train_tokens:
-        print(f"training {est.train_tokens:.3g} tokens: {est.train_time_s / 86400:,.2f} days, "
+        print(f"training {est.train_tokens:.3g} tokens{'' if est.fits else ' (were it to fit)'}: "
+              f"{est.train_time_s / 86400:,.2f} days, "
               f"{est.gpu_hours:,.0f} GPU-hours, cost {est.cost:,.0f} at {est.price_per_gpu_hour:g}/GPU-hour")
     if not est.fits:
         print("does not fit:")
         for line in why_not(est):
             print("  " + line)
-        print("nearest layouts that fit:")
-        for n in near:
+        print("nearest layouts that fit:" + (" not searched (too many layouts on this many GPUs)" if near is None else
+                                             "" if near else f" none on {args.gpus} GPUs (more GPUs, offload or a "
+                                                             "smaller model: luban plan search)"))
+        for n in near or []:
             print(f"  {describe(n.layout)}: {n.memory_bytes['total'] / GIB:.1f} GiB, {n.step_time_s:.3f} s/step, MFU {n.mfu:.1%}")
     print("\n" + est.toml_block())
     return 0
@@ -259,7 +262,10 @@ def _summary(est) -> str:
 
     mem = "  ".join(f"{k} {v / GIB:.2f}" for k, v in est.memory_bytes.items())
     times = "  ".join(f"{k} {v * 1e3:.1f}" for k, v in est.time_breakdown_s.items() if v)
-    return (f"memory GiB/GPU: {mem}  -> {'fits' if est.fits else 'DOES NOT FIT'} in {capacity(est.hbm_bytes, 0)}\n"
+    where = capacity(est.hbm_bytes, 0)
+    verdict = (f"fits in {where}" if est.fits else f"DOES NOT FIT in {where}" if est.memory_bytes["total"] > est.hbm_bytes
+               else f"fits in {where}, but the offloaded state DOES NOT FIT in host memory")  # (said "in 80 GiB")
+    return (f"memory GiB/GPU: {mem}  -> {verdict}\n"
             f"step {est.step_time_s * 1e3:,.1f} ms: {times}\n"
             f"{est.tokens_per_s:,.0f} tokens/s  MFU {est.mfu:.1%}  HFU {est.hfu:.1%}  {est.tflops_per_gpu:.1f} TFLOP/s/GPU"
             + "".join(f"\n({note})" for note in [over_peak(est)] if note))

@@ -71,9 +71,10 @@ def why_not(est: Estimate) -> list[str]:
 CHANGE_WEIGHT = 2048.0
 
 
-def nearest_feasible(problem: Problem, layout: ParallelLayout, k: int = 3, progress=None) -> list[Estimate]:
+def nearest_feasible(problem: Problem, layout: ParallelLayout, k: int = 3, progress=None) -> list[Estimate] | None:
     """Valid layouts that fit, fewest knobs changed from ``layout`` first, then fastest (``progress``: as
-    ``search``'s; the whole space is searched, on 2**24 GPUs a minute)."""
+    ``search``'s; the whole space is searched, on 2**24 GPUs a minute); None where that space is too large
+    to search (``TooManyLayouts``)."""
     target = Grid.from_layout(layout)
 
     def closeness(g: Grid, results: dict):
@@ -85,7 +86,7 @@ def nearest_feasible(problem: Problem, layout: ParallelLayout, k: int = 3, progr
     try:
         return search(problem, top=k, score=closeness, precision=layout.precision, progress=progress).best
     except TooManyLayouts:  # the estimate stands without them (their search would take half an hour)
-        return []
+        return None
 
 
 def moe_lines(est: Estimate, problem: Problem, g: Grid) -> list[str]:

@@ -68,7 +68,7 @@ def test_a_search_over_a_gpu_count_of_many_divisors_is_one_line_not_a_memory_err
     assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err[-2000:]
     assert err.startswith("luban: error: --gpus = 14414400: at most 250,000,000 layouts to search; this count's 504 divisors")
     code, out, err = _luban("plan", "estimate", *gpus, "--system-set", "hbm_gib=4", memory_gib=6)
-    assert code == 0 and "DOES NOT FIT" in out and "nearest layouts that fit:\n\n[parallel]" in out, (out, err[-2000:])
+    assert code == 0 and "DOES NOT FIT" in out and "nearest layouts that fit: not searched (too many layouts on this many GPUs)\n\n[parallel]" in out, (out, err[-2000:])
 
 
 def test_search_plans_the_precision_estimate_plans_by_default():

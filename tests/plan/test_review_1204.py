@@ -45,3 +45,18 @@ def test_hybrid_sharding_changes_the_data_parallel_time_as_its_groups_do():
     from luban.plan.explain import describe
 
     assert describe(ParallelLayout(dp=64, dp_replicate=8, zero=3)).startswith("dp64 r8 z3 ")
+
+
+def test_estimates_that_do_not_fit_say_which_memory_and_what_is_near(capsys):
+    """(2026-12-04) A host tier too small read "DOES NOT FIT in 80 GiB" (the GPU's, which it fit); a model no
+    layout fits printed "nearest layouts that fit:" over nothing; the training cost read as if it ran."""
+    host = ["plan", "estimate", "--model", "llama-8b", "--gpus", "16", "--global-batch", "32", "--zero", "3",
+            "--system", "dgx-h100", "--system-set", "offload_gib=1", "--offload", "params"]
+    assert main(host) == 0
+    out = capsys.readouterr().out
+    assert "-> fits in 80 GiB, but the offloaded state DOES NOT FIT in host memory\n" in out, out
+    assert main(["plan", "estimate", "--model", "llama-70b", "--gpus", "1", "--global-batch", "8", "--system",
+                 "dgx-h100", "--train-tokens", "1e9"]) == 0
+    out = capsys.readouterr().out
+    assert "training 1e+09 tokens (were it to fit): " in out and "-> DOES NOT FIT in 80 GiB\n" in out, out
+    assert "nearest layouts that fit: none on 1 GPUs (more GPUs, offload or a smaller model" in out, out
