@@ -57,15 +57,19 @@ def write_chart(estimates: list, path: "str | Path", title: str = "") -> Path:
     ax_mem.tick_params(axis="y", labelsize=7)
     if title:  # plain text: a '$' in a model's or profile's name is not TeX (an unbalanced one was a traceback)
         fig.suptitle(title, parse_math=False)
-    fig.tight_layout()
     import io
+    import warnings
 
     from luban.data.atomic import create_bytes
     from luban.errors import bad_value
 
     path = Path(path)
     png = io.BytesIO()
-    fig.savefig(png, dpi=110, format=kind)
+    with warnings.catch_warnings():  # a name's CJK or control characters: a box drawn, not matplotlib's warnings
+        warnings.filterwarnings("ignore", message=r"Glyph \d+ .* missing from", category=UserWarning)
+        warnings.filterwarnings("ignore", message=r"Matplotlib currently does not support", category=UserWarning)
+        fig.tight_layout()
+        fig.savefig(png, dpi=110, format=kind)
     plt.close(fig)
     try:  # whole or not at all, never over an existing file; a folder that refuses the file is one line
         create_bytes(path, png.getvalue())

@@ -440,6 +440,9 @@ def _probe_device(value: str) -> str:
 def cmd_probe(args) -> int:
     from luban.plan.probe import probe_system, write_profile
 
+    if args.out and Path(args.out).suffix.lower() not in (".toml", ".json"):  # before minutes of probing
+        raise bad_value("--out", args.out, "a new .toml or .json file (the profile's format follows its suffix; "
+                                           "--system reads it so)")
     if args.device == "cpu" and args.base is not None:  # it would be ignored: the CPU profile has no datasheet base
         raise bad_value("--base", args.base, "only with --device cuda[:N] (the CPU probe measures every figure)")
     if args.device != "cpu":

@@ -60,3 +60,16 @@ def test_estimates_that_do_not_fit_say_which_memory_and_what_is_near(capsys):
     out = capsys.readouterr().out
     assert "training 1e+09 tokens (were it to fit): " in out and "-> DOES NOT FIT in 80 GiB\n" in out, out
     assert "nearest layouts that fit: none on 1 GPUs (more GPUs, offload or a smaller model" in out, out
+
+
+def test_a_chart_of_a_cjk_named_model_prints_no_warnings_and_probe_checks_its_suffix_first(tmp_path, capfd):
+    """(2026-12-04) matplotlib's glyph warnings, with its source paths, reached stderr; ``probe --out x.yaml``
+    probed for minutes, then wrote TOML under that name."""
+    model = tmp_path / "m.toml"
+    model.write_text('preset = "gpt2-124m"\nname = "模型\\u0007x"\n')
+    assert main(["plan", "search", "--model", str(model), "--gpus", "8", "--global-batch", "8", "--system",
+                 "dgx-h100", "--chart", str(tmp_path / "c.png")]) == 0
+    err = capfd.readouterr().err
+    assert "Warning" not in err and (tmp_path / "c.png").stat().st_size > 0, err
+    assert main(["plan", "probe", "--out", str(tmp_path / "x.yaml")]) == 2
+    assert "--out = " in capfd.readouterr().err and not (tmp_path / "x.yaml").exists()
