@@ -135,6 +135,10 @@ class ParallelLayout:
         if self.offload not in rules.offloads:
             raise bad_value(f"{section}.offload", self.offload, f"this runtime offloads {', '.join(rules.offloads)} "
                             "(blocks is seed 003's second memory tier: planned, not run by luban)")
+        if self.zero not in rules.zeros:
+            raise bad_value(f"{section}.zero", self.zero, f"this runtime runs zero = {', '.join(map(str, rules.zeros))}")
+        if self.cp > 1 and not rules.context_parallel:
+            raise bad_value(f"{section}.cp", self.cp, "this runtime has no context parallel: cp = 1")
         parse_recompute(self.recompute, f"{section}.recompute")
         order = self.mesh_order.split(",")
         if sorted(order) != sorted(MESH_DIMS):
@@ -190,6 +194,8 @@ class RuntimeRules:
     ddp_with_split_backward: bool = False
     precisions: tuple = ("fp32", "bf16", "fp16")  # luban's runtime has no fp8 GEMMs yet
     offloads: tuple = tuple(o for o in OFFLOADS if o != "blocks")  # no second memory tier for whole blocks (seed 003) yet
+    zeros: tuple = (0, 1, 2, 3)  # the ZeRO stages it runs
+    context_parallel: bool = True  # it runs cp > 1
 
 
 LUBAN_RULES = RuntimeRules()

@@ -20,6 +20,8 @@ REASONS = (
     "valid",
     "precision not run by this runtime",
     "offload not run by this runtime",
+    "ZeRO stage not run by this runtime",
+    "context parallel not run by this runtime",
     "dp_replicate must divide dp",
     "dp_replicate > 1 needs zero >= 2",
     "tp > 1 with dp*cp > 1 needs zero >= 1",
@@ -62,9 +64,12 @@ def violations(g: Grid, model: ModelConfig, global_batch: int, gpus: int, seq: i
     stages = g.pp * v
     run = np.array([p in rules.precisions for p in PRECISIONS])
     offloads = np.array([o in rules.offloads for o in OFFLOADS])
+    zeros = np.array([z in rules.zeros for z in range(4)])
     return [
         ~run[g.precision],
         ~offloads[g.offload],
+        ~zeros[g.zero],
+        (g.cp > 1) & (not rules.context_parallel),
         g.dp % g.dp_replicate != 0,
         (g.dp_replicate > 1) & (g.zero < 2),
         (g.tp > 1) & (g.zero == 0) & (g.dp * g.cp > 1) & (not rules.ddp_with_tp),

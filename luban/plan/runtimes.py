@@ -93,7 +93,12 @@ class Runtime:
     # attention's tp x dp), and each rank dispatches its own sequence-parallel shard of the tokens
     ep_folding = False
     precisions = LUBAN_RULES.precisions  # what it runs (fp8: see the FP8 attributes below)
-    offloads = OFFLOADS  # planned offload kinds ("blocks": seed 003's second memory tier, a what-if)
+    # what the framework runs (a search recommended layouts a runtime's framework has not: a review of
+    # 2026-12-04); "blocks" (seed 003's second memory tier) is a what-if no framework runs: megatron's and
+    # megatron-core's alone (the planner's general model, and ``luban plan study``'s)
+    offloads = tuple(o for o in OFFLOADS if o != "blocks")
+    zeros = (0, 1, 2, 3)
+    context_parallel = True
     # FP8 recipe (docs/planner.md "FP8"): GEMM inputs saved for backward in fp8 (1 byte) or in bf16;
     # fp8 weight copies kept beside the master weights (bytes per linear-layer parameter); amax
     # history entries per fp8 tensor (3 per GEMM: input, weight, output gradient); passes over
@@ -297,6 +302,9 @@ class Runtime:
 
 class Megatron(Runtime):
     name = "megatron"
+    # every stage, cp and offload kind, "blocks" too: the planner's general model (its tests' and what-ifs'),
+    # beyond what the Megatron-LM of the 2021-22 papers ran (DDP and ZeRO-1; no ZeRO-3, cp or offload)
+    offloads = OFFLOADS
     pipeline_split = "megatron"  # Megatron-Core ``get_num_layers_to_build``; DeepSpeed's "type:transformer|embedding"
     ddp_with_tp = True
     ddp_with_split_backward = True
@@ -314,6 +322,7 @@ class Megatron(Runtime):
 
 class MegatronCore(Megatron):
     name = "megatron-core"
+    offloads = OFFLOADS  # blocks: seed 003's what-if, planned for ``luban plan study``, run by no framework
     flash_attention = True
     expert_tp = False  # with folding the experts take expert_tensor_parallel_size = 1 (the recipes' ETP)
     ep_folding = True
@@ -516,6 +525,9 @@ class PlainPyTorch(FSDP2):
     model classes: ``transformers``) with fp32 weights under bf16 autocast and SDPA attention;
     eager unless compiled (``Problem.compiled``: the whole model with its loss)."""
     name = "pytorch"
+    zeros = (0,)  # (one process: DDP at most, no sharding, context parallel or offload)
+    context_parallel = False
+    offloads = ("none",)
     selective_redo = Runtime.selective_redo
 
 
@@ -549,6 +561,9 @@ class MegatronDeepSpeed(Megatron):
     Megatron-LM's layers and fused kernels (``megatron``'s accounting, no overlap), DeepSpeed's
     pipeline engine and ZeRO-1 optimizer."""
     name = "megatron-deepspeed"
+    zeros = (0, 1, 2, 3)  # DeepSpeed's ZeRO stages, its optimizer and parameter offload (ZeRO-Offload, -Infinity)
+    offloads = ("none", "optimizer", "params", "activations")
+    context_parallel = True  # DeepSpeed-Ulysses
     # The share of Megatron-LM's compute speed this runtime reached (``Runtime.compute_speed``). Evidence:
     # on the same 530B model, layout (tp 8, pp 35, full recompute) and machine (Selene), Megatron-LM ran
     # 163 TFLOP/s per GPU (Narayanan et al. 2021, arXiv 2104.04473, Table 1; planned within 1.5%) and

@@ -73,3 +73,20 @@ def test_a_chart_of_a_cjk_named_model_prints_no_warnings_and_probe_checks_its_su
     assert "Warning" not in err and (tmp_path / "c.png").stat().st_size > 0, err
     assert main(["plan", "probe", "--out", str(tmp_path / "x.yaml")]) == 2
     assert "--out = " in capfd.readouterr().err and not (tmp_path / "x.yaml").exists()
+
+
+@pytest.mark.parametrize("runtime, flags, line", [
+    ("fsdp2", ["--offload", "blocks"], "parallel.offload = 'blocks': this runtime offloads none, optimizer, params, activations"),
+    ("pytorch", ["--zero", "1", "--gpus", "2", "--global-batch", "2"], "parallel.zero = 1: this runtime runs zero = 0"),
+    ("transformers", ["--cp", "2", "--gpus", "2", "--global-batch", "1"], "parallel.cp = 2: this runtime has no context parallel"),
+])
+def test_a_runtime_plans_only_what_its_framework_runs(capsys, runtime, flags, line):
+    """(2026-12-04) search recommended 'z0 off=blocks' for fsdp2 (blocks: seed 003's what-if, run by no
+    framework) and 'dp8 z1' for the one-process pytorch loop; estimate took --zero 3 --cp 2 for it."""
+    base = {"--gpus": "1", "--global-batch": "8"}
+    args = dict(zip(flags[::2], flags[1::2]))
+    argv = ["plan", "estimate", "--model", "gpt2-124m", "--system", "dgx-h100", "--runtime", runtime,
+            *sum(([k, v] for k, v in {**base, **args}.items()), [])]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert line in err, err
