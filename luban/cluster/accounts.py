@@ -156,6 +156,7 @@ def _open_dir(key: str, path: str) -> int:
     if any(part in (".", "..") for part in parts):
         raise bad_value(key, path, "a path without . or .. components (the directory's own path)")
     fd = os.open("/", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    last_made = False
     try:
         for i, part in enumerate(parts):
             where = "/" + "/".join(parts[:i + 1])
@@ -182,6 +183,13 @@ def _open_dir(key: str, path: str) -> int:
                 raise bad_value(key, path, f"a directory ({where} vanished as it was made)")
             os.close(fd)
             fd = child
+            last_made = made
+        if not parts:
+            raise bad_value(key, path, "a directory below / (not / itself)")
+        held = [] if last_made else os.listdir(fd)
+        if held:  # (an existing folder of someone's, a home or /etc, became root:GROUP 2770: a review of 2026-12-04)
+            raise bad_value(key, path, f"a new or empty directory (it holds {len(held)} entries, which would become "
+                                       "the group's, its owner's lost); choose a new one")
         return fd
     except OSError as err:
         os.close(fd)

@@ -488,10 +488,11 @@ DB_ENV = "LUBAN_CLUSTER_DB"  # --db's default: a URL with a password stays off t
 
 
 def hold_sqlite(db_url: str | None) -> int | None:
-    """An ``flock`` on a SQLite database given with ``--db`` (an fd kept for the service's life; SQLite's own
+    """An ``flock`` on the service's SQLite database (an fd kept for the service's life; SQLite's own
     locks are POSIX ``fcntl`` locks, which ``flock`` does not meet), or a refusal while another service holds
     it: two services on one file both started jobs on the same nodes, each job's log in the other's state
-    (``luban logs`` printed nothing). None for a server (PostgreSQL) and the default file in ``--state``."""
+    (``luban logs`` printed nothing); the default file in ``--state`` too (another state's ``--db`` named it).
+    None for a server (PostgreSQL)."""
     from luban.cluster import db
 
     url = db.url_for(db_url) if db_url else ""
@@ -607,7 +608,7 @@ def cmd_serve(args) -> int:
                 raise bad_value("--state", args.state, f"cannot make it private ({err.strerror})") from None
             if engine is None:
                 engine = db.open_checked(str(state / "luban.db"))
-            db_lock = hold_sqlite(args.db)  # noqa: F841 - kept open for the service's life: one service on a SQLite file elsewhere
+            db_lock = hold_sqlite(args.db or str(state / "luban.db"))  # noqa: F841 - open for the service's life
             sessions = db.sessions(engine)
             options = ({"nodes": args.nodes, "gpus": args.gpus, "zones": args.zones, "node_group": args.node_group}
                        if args.executor == "local" else {"partition": args.partition, "state_dir": str(state)})

@@ -30,6 +30,7 @@ is written: when a job's exit is recorded, nothing of it runs on this node.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import pwd
@@ -217,16 +218,21 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 block = speaks_suspend(command)
 
+                workdir = env.get("LUBAN_WORKDIR") or None
+
                 def prepare():  # between fork and exec: nothing of the job starts outside its cgroup
                     procs.enter_cgroup(cgroup)
                     os.umask(JOB_UMASK)
                     if who is not None:
                         who.become()
+                    no_new_privileges()
                     if args.hide:
                         try:
-                            jobguard.enter(args.hide, env.get("LUBAN_WORKDIR") or None)
+                            jobguard.enter(args.hide, workdir)  # (it enters the working directory, after the cover)
                         except OSError as err:
                             jobguard.fail(str(err) if err.errno else err.strerror)  # GuardError(0, why): no "[Errno 0]"
+                    else:
+                        enter_workdir(workdir)
                     if block:  # luban's trainer unblocks them once its handlers are in
                         signal.pthread_sigmask(signal.SIG_BLOCK, JOB_SIGNALS)
 
@@ -234,9 +240,10 @@ def main(argv: list[str] | None = None) -> int:
                 # the read end is not inherited (os.pipe), so it closes only with this launcher
                 out, into = os.pipe()
                 try:
+                    # no cwd=: Popen's child enters it before preexec_fn, as root (a workdir through a link the
+                    # job swapped after its check entered a folder the account cannot reach); prepare does, as it
                     child = subprocess.Popen(command, stdout=into, stderr=subprocess.STDOUT, env=env,
-                                             start_new_session=True, cwd=env.get("LUBAN_WORKDIR") or None,
-                                             preexec_fn=prepare)
+                                             start_new_session=True, preexec_fn=prepare)
                 except BaseException:
                     os.close(out)
                     raise
@@ -265,6 +272,30 @@ def main(argv: list[str] | None = None) -> int:
             log.write(f"== luban: rank {rank} exited with code {code} ==\n".encode())
     write_atomic(exit_file(args.run_dir, rank), str(code))
     return code
+
+
+PR_SET_NO_NEW_PRIVS = 38  # <linux/prctl.h>
+_LIBC = ctypes.CDLL(None, use_errno=True)  # loaded here, not between fork and exec
+EXIT_NO_WORKDIR = 127  # as a command that cannot be started
+
+
+def no_new_privileges() -> None:
+    """In the job's process before exec: no setuid/setgid bit nor file capability gives it (or any
+    descendant) more than its account has. A user removed from a group kept the group through a setgid
+    copy of python it had made while a member (a review of 2026-12-04)."""
+    if _LIBC.prctl(PR_SET_NO_NEW_PRIVS, ctypes.c_ulong(1), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0)):
+        os.write(1, b"== luban: cannot start the job: prctl(PR_SET_NO_NEW_PRIVS) failed ==\n")
+        os._exit(EXIT_NO_WORKDIR)
+
+
+def enter_workdir(workdir: str | None) -> None:
+    """In the job's process before exec, as the job's account: its working directory (``/`` without one)."""
+    try:
+        os.chdir(workdir or "/")
+    except OSError as err:
+        os.write(1, f"== luban: cannot start the job: cannot enter the working directory {workdir}: "
+                    f"{err.strerror} ==\n".encode())
+        os._exit(EXIT_NO_WORKDIR)
 
 
 def spawn(argv: list[str], **popen) -> subprocess.Popen:

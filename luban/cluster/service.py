@@ -1011,6 +1011,10 @@ def create_app(sessions: sessionmaker, scheduler: Scheduler, run_scheduler: bool
             value = str_field(body, key, optional=True, limit=512)
             if value is not None and (not value.startswith("/") or "\x00" in value):
                 raise bad_value(key, value, "an absolute path without NUL bytes")
+            state = os.path.realpath(scheduler.settings.state_dir)
+            if value is not None and os.path.commonpath([os.path.realpath(value), state]) in (os.path.realpath(value), state):
+                raise bad_value(key, value, "a directory neither inside the service's state nor holding it "
+                                            "(members would reach its logs and run records)")
         if not isinstance(name, str) or not specs.NAME_RE.fullmatch(name):  # "$" would let "x\n" through
             raise bad_value("name", name, f"must match {specs.NAME_RE.pattern}")
         with sessions.begin() as s:

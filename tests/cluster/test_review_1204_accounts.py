@@ -37,11 +37,11 @@ def sh(*argv: str) -> None:
 
 
 @pytest.fixture
-def root_api(in_process):
+def root_api(in_process, tmp_path):
     """(the API of a service running jobs as per-user accounts, a tag): every OS account and group
     whose name holds the tag is removed afterwards, even when the test fails."""
     tag = "rv" + secrets.token_hex(3)
-    api = in_process(run_jobs_as="user")
+    api = in_process(run_jobs_as="user", state=tmp_path / "state")  # (a data dir in tmp_path: not in the state)
     yield api, tag
     for entry in pwd.getpwall():
         if tag in entry.pw_name:

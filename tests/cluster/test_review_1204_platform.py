@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -172,3 +173,70 @@ def test_a_group_members_job_environment_values_are_hidden_from_the_group(in_pro
     assert seen["ann"] == admin == {"HF_TOKEN": "hf_secret", "SEED": "1"}
     assert seen["bob"] == {"HF_TOKEN": "(hidden: another user's)", "SEED": "(hidden: another user's)"}
     assert [j["spec"]["env"] for j in listed] == [seen["bob"]]
+
+
+def test_a_second_service_on_anothers_default_database_is_refused(service, tmp_path):
+    """The default STATE/luban.db was not locked: a service of another state naming it with --db started,
+    answered with the first's admin token and marked its nodes gone."""
+    first = service("--nodes", "1")
+    proc = subprocess.run([*LUBAN, "cluster", "serve", "--state", str(tmp_path / "other"), "--port", "1",
+                           "--db", f"sqlite:///{first.state / 'luban.db'}", "--run-jobs-as", "service"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "in use by another luban cluster serve" in proc.stderr, proc.stderr
+
+
+def test_a_groups_directory_may_not_be_in_the_state_nor_hold_it(in_process):
+    api = in_process()
+    for where in (api.state / "logs" / "g", api.state.parent):
+        r = api.http.post("/api/groups", json={"name": "g1", "data_dir": str(where)}, headers=api.admin)
+        assert r.status_code == 422 and "neither inside the service's state nor holding it" in r.text, r.text
+
+
+def test_an_existing_folder_with_files_is_not_taken_for_a_groups_directory(tmp_path):
+    """(2026-12-04) ``group add --data-dir /home/luban-bob`` made bob's home root:luban-g-X 2770."""
+    from luban.cluster import accounts
+    from luban.errors import LubanError
+
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / ".profile").write_text("bob's")
+    with pytest.raises(LubanError, match=r"a new or empty directory \(it holds 1 entries"):
+        accounts._open_dir("data_dir", str(home))
+    os.close(accounts._open_dir("data_dir", str(tmp_path / "new" / "dir")))  # made: fine
+    os.close(accounts._open_dir("data_dir", str(tmp_path / "new" / "dir")))  # empty: fine
+
+
+@root
+def test_the_job_enters_its_workdir_as_its_account_and_gains_no_privileges(tmp_path):
+    """Popen(cwd=) entered the workdir as root, before the launcher became the job's account: a link the job
+    swapped after the checks took it into a folder its account cannot reach (here the checks are skipped, as
+    the race skipped them). And a setgid copy of a binary kept a removed member in its group: no new privileges."""
+    import secrets
+
+    closed = tmp_path / "closed"
+    (closed / "sub").mkdir(parents=True)
+    closed.chmod(0o700)
+    (closed / "sub").chmod(0o755)
+    account = f"luban-tw{secrets.token_hex(3)}"
+    subprocess.run(["useradd", "--no-create-home", "--shell", "/bin/sh", account], check=True, timeout=60)
+    try:
+        run_dir = tmp_path / "run"
+        run_dir.mkdir()
+        env = {**jobenv.MINIMAL, "LUBAN_WORKDIR": str(closed / "sub"), "LUBAN_JOB_ID": "7"}
+        env_file = launcher.write_env(run_dir, env)
+        code = ("import sys\nfrom luban.cluster import jobcheck, launcher\njobcheck.problem = lambda *a, **k: None\n"
+                "sys.exit(launcher.main(sys.argv[1:]))")
+        argv = ["--run-dir", str(run_dir), "--log", str(tmp_path / "rank{rank}.log"), "--rank", "0", "--env-file",
+                str(env_file), "--user", account, "--", "/bin/sh", "-c", "pwd; grep NoNewPrivs /proc/self/status"]
+        proc = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120,
+                              cwd="/")
+        log = (tmp_path / "rank0.log").read_text()
+        assert f"cannot enter the working directory {closed / 'sub'}: Permission denied" in log, (log, proc.stderr)
+        assert (run_dir / "rank0.exit").read_text() == "127"
+        env_file = launcher.write_env(run_dir, {**env, "LUBAN_WORKDIR": "/tmp"})
+        (tmp_path / "rank0.log").unlink()
+        subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120, cwd="/")
+        log = (tmp_path / "rank0.log").read_text()
+        assert "/tmp\nNoNewPrivs:\t1\n" in log, log
+    finally:
+        subprocess.run(["userdel", account], capture_output=True, timeout=60)

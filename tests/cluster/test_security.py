@@ -19,7 +19,7 @@ def svc(tmp_path_factory):
     state = tmp_path_factory.mktemp("security")
     service = Service(state, ["--nodes", "3", "--tick", "0.2"]).start()
     admin = service.admin()
-    admin.add_group("vision", data_dir=str(state / "vision-data"))
+    admin.add_group("vision", data_dir=str(state.parent / f"{state.name}-vision-data"))  # (not inside the state)
     admin.set_quota("group:vision", "NORMAL", 1)
     yield service
     service.stop()
