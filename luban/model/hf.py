@@ -289,6 +289,11 @@ class _Keys:
 _MISSING = object()
 
 
+def _index(v) -> bool:
+    """An integer >= 0 (a token id, a layer index), not a bool."""
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
 def _finite_number(v) -> bool:
     """A JSON number that is a finite float (an integer of 400 digits is not one: float() overflows)."""
     try:
@@ -313,8 +318,8 @@ def read_config(raw, src: str = "config.json") -> tuple[ModelConfig, dict, list[
         method = quant.get("quant_method", quant) if isinstance(quant, dict) else quant
         raise bad_value(f"{src}: quantization_config.quant_method", method, "absent: luban imports unquantized "
                         "weights (save the model dequantized, e.g. in bf16, then import that)")
-    extra = {k: raw[k] if isinstance(raw[k], list) and all(isinstance(i, int) for i in raw[k])
-             else keys.get(k, int, nullable=True) for k in TOKEN_IDS if k in keys}  # eos may be a list
+    extra = {k: raw[k] if isinstance(raw[k], list) and all(_index(i) for i in raw[k])  # eos may be a list
+             else keys.get(k, int, nullable=True) for k in TOKEN_IDS if k in keys}  # (of ids >= 0: [1, -5] was taken)
     notes: list[str] = []
     fields = _gpt2_fields(keys, notes, extra) if kind == "gpt2" else _llama_fields(keys, kind, notes, extra)
     try:
@@ -391,6 +396,8 @@ def _llama_fields(keys: _Keys, kind: str, notes: list[str], extra: dict) -> dict
         raise keys.bad("norm_topk_prob", False, "true (luban's softmax router renormalises the top-k weights)")
     layers, step = fields["layers"], keys.get("decoder_sparse_step", "size")  # 0: transformers divides by it
     only = keys.get("mlp_only_layers", list, nullable=True) or []
+    if not all(_index(i) for i in only):  # (["0"] was imported; transformers refuses to load it)
+        raise keys.bad("mlp_only_layers", only, "a list of layer indices (integers >= 0) or null")
     sparse = [i for i in range(layers) if i not in only and (i + 1) % step == 0]
     dense = layers - len(sparse)
     if not sparse:

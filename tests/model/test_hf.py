@@ -802,6 +802,9 @@ def test_export_of_a_diverged_checkpoint_is_refused(tmp_path, capsys):
     ("qwen3-moe", {"num_experts_per_tok": 9}, "num_experts_per_tok = 9: at most {experts} = 4"),
     ("qwen3-moe", {"mlp_only_layers": [0, 1]}, r"mlp_only_layers = \[0, 1\]: must leave a MoE layer among "
                                                 "num_hidden_layers = 2"),
+    # (2026-12-04) imported, and transformers refuses to load either back
+    ("qwen3-moe", {"mlp_only_layers": ["0"]}, r"mlp_only_layers = \['0'\]: a list of layer indices \(integers >= 0\)"),
+    ("llama", {"eos_token_id": [1, -5]}, r"eos_token_id = \[1, -5\]: an integer >= 0 or null"),
 ])
 def test_a_config_luban_refuses_is_named_in_config_json_keys(case, changes, message, tmp_path, capsys):
     """A config.json that transformers wrote but luban's ModelConfig refuses names the file's own keys
