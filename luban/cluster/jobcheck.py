@@ -191,9 +191,12 @@ def problem(command: str, env: dict[str, str], workdir: str | None, who) -> str 
     try:
         if "/" in command:
             path = command if command.startswith("/") else os.path.join(base, command)
-            if not os.path.exists(path):
+            try:  # walked as the account first: root's look (os.path.exists) told any user whether a file is
+                _check_file(path, who, dirs)  # there behind a folder it cannot enter ("lacks x" or "no such file")
+            except FileNotFoundError as err:
+                if err.filename is None:  # (an interpreter not on PATH: its own words, below)
+                    raise
                 return f"command = {command!r}: no such file ({path})"
-            _check_file(path, who, dirs)
             return None
         if _search(command, dirs, who) is None:
             return (f"command = {command!r}: not found on the job's PATH ({os.pathsep.join(dirs)}); "

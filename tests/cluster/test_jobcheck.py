@@ -109,3 +109,16 @@ def test_groups_symlinks_and_the_workdir(tree):
     why = problem("/bin/sh", {}, str(shared), NOBODY)
     assert why.startswith(f"workdir = '{shared}': the job's account luban-tcheck lacks x on {shared} "), why
     assert problem("/bin/sh", {}, str(tree), NOBODY) is None
+
+
+def test_a_path_behind_a_folder_the_account_cannot_enter_answers_alike_there_or_not(tree):
+    """(2026-12-04) root looked first (os.path.exists): behind another user's closed home the answer was
+    "lacks x" for a file that is there and "no such file" for one that is not, telling any user which
+    files another has. Walked as the account, both read "lacks x" on the closed folder."""
+    home = tree / "home"
+    _script(home / "notes-salary.txt", "private\n", 0o644)
+    home.chmod(0o700)
+    there, absent = problem(str(home / "notes-salary.txt"), {}, None, NOBODY), problem(str(home / "none.txt"), {}, None, NOBODY)
+    assert there is not None and absent is not None
+    assert there.replace("notes-salary.txt", "X") == absent.replace("none.txt", "X") and "lacks x on" in there, (there, absent)
+    assert problem(str(tree / "none.txt"), {}, None, NOBODY) == f"command = {str(tree / 'none.txt')!r}: no such file ({tree / 'none.txt'})"
