@@ -18,12 +18,14 @@ def svc(tmp_path_factory):
 
     state = tmp_path_factory.mktemp("security")
     service = Service(state, ["--nodes", "3", "--tick", "0.2"]).start()
-    admin = service.admin()
-    admin.add_group("vision", data_dir=str(state.parent / f"{state.name}-vision-data"))  # (not inside the state)
-    admin.set_quota("group:vision", "NORMAL", 1)
-    yield service
-    service.stop()
-    kill_jobs(state)
+    try:  # a set-up that fails stops the service too (it outlived a refused add_group, 2026-12-04)
+        admin = service.admin()
+        admin.add_group("vision", data_dir=str(state.parent / f"{state.name}-vision-data"))  # (not inside the state)
+        admin.set_quota("group:vision", "NORMAL", 1)
+        yield service
+    finally:
+        service.stop()
+        kill_jobs(state)
 
 
 def status(svc, method, path, token=None, **kw):
