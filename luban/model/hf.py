@@ -157,6 +157,7 @@ DEFAULTS = {
                   "decoder_sparse_step": 1, "mlp_only_layers": None, "use_sliding_window": False,
                   "sliding_window": 4096},
 }
+SILU_NAMES = ("silu", "swish")  # transformers' ACT2FN: "swish" is nn.SiLU, the same function as "silu"
 LLAMA_DEFAULTS = {"hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0, "head_dim": None,
                   "tie_word_embeddings": False, "initializer_range": 0.02, "rope_parameters": None, "rope_scaling": None,
                   "partial_rotary_factor": 1.0}
@@ -360,8 +361,10 @@ def _llama_fields(keys: _Keys, kind: str, notes: list[str], extra: dict) -> dict
     """The ``ModelConfig`` fields of a Llama-family config.json (llama, mixtral, qwen3_moe): the fields they
     share are read once here, then each family's own."""
     act = keys.get("hidden_act", str)
-    if act != "silu":
-        raise keys.bad("hidden_act", act, "'silu' (luban's swiglu MLP computes silu(gate) * up)")
+    if act not in SILU_NAMES:
+        raise keys.bad("hidden_act", act, "'silu' or 'swish' (luban's swiglu MLP computes silu(gate) * up)")
+    if act != "silu":  # written back as given: export keeps the file's own name
+        extra["hidden_act"] = act
     h, heads = keys.get("hidden_size", "size"), keys.get("num_attention_heads", "size")
     bias = keys.get("attention_bias", bool)
     seq = keys.get("max_position_embeddings", "size")

@@ -197,7 +197,7 @@ def test_gpt2_in_the_hubs_layout_is_read(tmp_path):
 
 
 @pytest.mark.parametrize("case, changes, message", [
-    ("llama", {"hidden_act": "gelu"}, "hidden_act = 'gelu': 'silu'"),
+    ("llama", {"hidden_act": "gelu"}, "hidden_act = 'gelu': 'silu' or 'swish'"),
     ("gpt2", {"activation_function": "relu"}, "activation_function = 'relu': 'gelu_new' or"),
     ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_type = 'linear': 'default'"),
     ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -875,3 +875,15 @@ def test_a_gpt2_export_refusal_names_the_key_that_keeps_it_from_gpt2(change, lin
     with pytest.raises(LubanError) as err:
         exportable(ModelConfig.from_dict({"preset": "tiny", **change}))
     assert str(err.value).startswith(line), err.value
+
+
+def test_a_llama_of_hidden_act_swish_imports_as_silu(tmp_path):
+    """(2026-12-04) refused, though transformers' ACT2FN maps "swish" to the same SiLU; exported back as given."""
+    hf = save_hf("llama", tmp_path / "hf", hidden_act="swish")
+    imported = import_folder(tmp_path / "hf")
+    x = torch.randint(0, 61, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        theirs = hf(x).logits
+    assert torch.allclose(logits_of(imported.cfg, imported.state, x), theirs, atol=1e-5, rtol=0)
+    export_folder(imported.cfg, imported.state, tmp_path / "out", extra=imported.extra)
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["hidden_act"] == "swish"
