@@ -85,14 +85,18 @@ class Parser(argparse.ArgumentParser):
     def _unknown_option(self, args: list[str]) -> str | None:
         """The first ``--name`` (or ``--name=value``) before ``--`` that names none of this command's
         options (nor, where abbreviations are allowed, begins one). A command that takes the rest of the
-        line as it is (``luban submit -- COMMAND ...``) is left to argparse; a single-dash word too
-        (``-n5``, ``-e KEY=V`` clusters: argparse's rules)."""
+        line as it is (``luban submit -- COMMAND ...``) is left to argparse; a single-dash word is unknown
+        when its first letter is no short option (``-n5``, ``-e KEY=V``: argparse's rules)."""
         if any(a.nargs == argparse.REMAINDER for a in self._actions):
             return None
         for arg in args:
             if arg == "--":
                 return None
-            if not arg.startswith("--") or self._negative_number_matcher.match(arg):
+            if not arg.startswith("-") or arg == "-" or self._negative_number_matcher.match(arg):
+                continue
+            if not arg.startswith("--"):  # -x, or a cluster -n5 of a known -n (argparse's own rules)
+                if arg[:2] not in self._option_string_actions:
+                    return arg
                 continue
             name = arg.split("=", 1)[0]
             if name not in self._option_string_actions and not (

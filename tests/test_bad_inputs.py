@@ -238,6 +238,7 @@ def test_fuzzed_planner_flags_never_trace(capsys, pairs):
                                      "(see: luban plan probe --help)"),
     (["admin", "user", "add", "--zzz"], "(see: luban admin user add --help)"),
     (["sample", "/", "more"], "sample: more = (unrecognized): one argument more than this command takes"),
+    (["import", "/", "-x"], "import: -x = (unrecognized): not an option of this command"),  # said OUT = (missing)
     # no abbreviations: `plan search --tp on` (search has no --tp) set --tp-overlap
     (["sample", "--t", "3"], "sample: --t = (unrecognized): not an option of this command"),
     (["plan", "search", "--model", "gpt2-124m", "--gpus", "8", "--global-batch", "8", "--tp", "on"],
