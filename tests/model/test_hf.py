@@ -887,3 +887,11 @@ def test_a_llama_of_hidden_act_swish_imports_as_silu(tmp_path):
     assert torch.allclose(logits_of(imported.cfg, imported.state, x), theirs, atol=1e-5, rtol=0)
     export_folder(imported.cfg, imported.state, tmp_path / "out", extra=imported.extra)
     assert json.loads((tmp_path / "out" / "config.json").read_text())["hidden_act"] == "swish"
+
+
+def test_float64_weights_are_read_as_float32_with_a_warning(tmp_path):
+    hf = save_hf("llama", tmp_path / "hf")
+    hf.double().save_pretrained(tmp_path / "f64")
+    imported = import_folder(tmp_path / "f64")
+    assert [w for w in imported.warnings if w.startswith("float64 weights read as float32")], imported.warnings
+    assert all(t.dtype == torch.float32 for t in imported.state.values())
