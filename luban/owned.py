@@ -34,6 +34,22 @@ KINDS = {"run": "a training run", "dataset": "a dataset", "hf-export": "a Huggin
 STEP_DIR = re.compile(r"^step_(\d{7,})$")  # a run's finished checkpoint: checkpoints/step_NNNNNNN (7 digits or more)
 
 
+def try_lock(fd: int) -> bool | None:
+    """An exclusive ``flock`` on ``fd`` without waiting (the kernel gives it back when the process ends, a
+    kill -9 too): True held, False another process holds it, None where the file system has no ``flock``
+    (some network mounts: the caller goes on unguarded). One run, import or export per folder, one service
+    per SQLite file."""
+    import fcntl
+
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    except OSError:
+        return None
+
+
 def step_dirs(root: Path) -> list[Path]:
     """A run's finished checkpoint folders under ``root`` (its ``checkpoints/``), newest first."""
     if not root.is_dir():

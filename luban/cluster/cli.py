@@ -498,20 +498,19 @@ def hold_sqlite(db_url: str | None) -> int | None:
     url = db.url_for(db_url) if db_url else ""
     if not url.startswith("sqlite:///"):
         return None
-    import fcntl
+    from luban import owned
 
     path = url[len("sqlite:///"):]
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     except OSError:
         return None  # (open_checked made or read it just now: a file that went since fails the service's first query)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as err:
+    held = owned.try_lock(fd)
+    if not held:
         os.close(fd)
-        if err.errno in (errno.EWOULDBLOCK, errno.EACCES):
+        if held is False:
             raise bad_value("--db", without_password(db_url), "in use by another luban cluster serve; stop it "
-                                                              "first, or choose another --db") from None
+                                                              "first, or choose another --db")
         return None  # a file system without flock: unguarded, as before
     return fd
 

@@ -770,24 +770,21 @@ def export_folder(cfg: ModelConfig, state: dict, out: Path, tokenizer=None, extr
 
 
 def _hold(out: Path) -> int | None:
-    """An exclusive ``flock`` on the folder ``out`` for one export (the kernel gives it back when the process
-    ends, a kill -9 too), or a refusal while another export holds it: two at once each wrote their note over
-    the other's, and each one's temporaries were left to the other's judgement. None where the file system
-    has no ``flock`` (some network mounts): unguarded, as before."""
-    import fcntl
+    """The folder ``out``'s lock for one export (``owned.try_lock``), or a refusal while another export holds
+    it: two at once each wrote their note over the other's, and each one's temporaries were left to the
+    other's judgement. None where the folder cannot be opened or has no ``flock``: unguarded, as before."""
+    from luban import owned
 
     try:
         fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
     except OSError:
         return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+    held = owned.try_lock(fd)
+    if not held:
         os.close(fd)
-        raise bad_value("OUT", str(out), "another luban export is writing into this folder now; wait for it to "
-                                         "end, or choose another folder (nothing was changed)") from None
-    except OSError:
-        os.close(fd)
+        if held is False:
+            raise bad_value("OUT", str(out), "another luban export is writing into this folder now; wait for it to "
+                                             "end, or choose another folder (nothing was changed)")
         return None
     return fd
 

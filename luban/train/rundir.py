@@ -48,8 +48,6 @@ def lock_run_dir(run_dir: str | Path, name: str = "run.dir") -> None:
     held until ``unlock_run_dir`` or the process ends (``luban import`` takes it too; ``name``: the setting
     that named the folder). Two runs resumed into one folder at once each
     saved over the other's checkpoints of the same step and pruned the rest, and interleaved metrics."""
-    import fcntl
-
     key = os.path.realpath(run_dir)
     if key in _LOCKS:  # this process holds it (the launcher, then its one Trainer; the demo's two halves)
         return
@@ -57,15 +55,13 @@ def lock_run_dir(run_dir: str | Path, name: str = "run.dir") -> None:
         fd = os.open(Path(run_dir) / owned.MARKER, os.O_RDONLY)
     except OSError:  # an unreadable marker: unguarded, as before (the writes that follow name the folder)
         return
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+    held = owned.try_lock(fd)
+    if not held:
         os.close(fd)
-        raise bad_value(name, str(run_dir), f"another luban train (or import) is using this folder now; wait for it "
-                                            f"to end, or choose a new {name} (nothing was changed)") from None
-    except OSError:  # a file system without flock (some network mounts): unguarded, as before
-        os.close(fd)
-        return
+        if held is False:
+            raise bad_value(name, str(run_dir), f"another luban train (or import) is using this folder now; wait for "
+                                                f"it to end, or choose a new {name} (nothing was changed)")
+        return  # a file system without flock (some network mounts): unguarded, as before
     _LOCKS[key] = fd
 
 
